@@ -1,0 +1,223 @@
+"""Group specs and the offload configuration.
+
+A model's KV cache is split into *groups*; every layer of a group shares one block table.
+Each group is one of three kinds (see ``GroupKind``). ``OffloadConfig`` holds the groups
+and the global offload settings, validates them at construction and derives the numbers
+the planner and the worker use (``ResolvedGroup``).
+
+Every invalid value raises ``ConfigError`` naming the field and what to change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvoffload.errors import ConfigError
+
+
+class GroupKind(str, Enum):
+    """What one block of a group holds, and therefore what a cache hit needs from it."""
+
+    FULL_ATTENTION = "full_attention"
+    """K/V of ``block_size`` tokens; a hit at token t needs every block before t."""
+    SLIDING_WINDOW = "sliding_window"
+    """K/V of ``block_size`` tokens; a hit at t needs the blocks covering the last W tokens."""
+    MAMBA = "mamba"
+    """One recurrent-state snapshot after the block's last token; a hit at t needs the state at t."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One KV-cache group as the engine lays it out.
+
+    Attributes:
+        kind: the group kind.
+        block_size: tokens per engine block of this group.
+        sliding_window: window length in tokens (sliding-window groups only).
+        num_layers: layers in the group (each holds one page per engine block).
+        page_bytes: bytes of one engine block of one layer on one rank. For a Mamba group,
+            one page is one state snapshot (conv and SSM states together, possibly padded).
+        state_alignment: Mamba only: a hit must land on a multiple of this many tokens
+            (the engine's state checkpoint interval). Defaults to ``block_size``.
+        name: a label for reports.
+    """
+
+    kind: GroupKind
+    block_size: int
+    sliding_window: int | None = None
+    num_layers: int = 1
+    page_bytes: int = 0
+    state_alignment: int | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        where = f"groups[{self.name or self.kind.value}]"
+        if self.block_size <= 0:
+            raise ConfigError(f"{where}.block_size", f"must be positive, got {self.block_size}",
+                              "Use the engine's block size in tokens, e.g. 16.")
+        if self.kind is GroupKind.SLIDING_WINDOW:
+            if self.sliding_window is None or self.sliding_window <= 0:
+                raise ConfigError(f"{where}.sliding_window",
+                                  f"must be a positive token count, got {self.sliding_window}",
+                                  "Give the model's attention window, e.g. 128.")
+        elif self.sliding_window is not None:
+            raise ConfigError(f"{where}.sliding_window",
+                              f"is set on a {self.kind.value} group",
+                              "Only sliding_window groups take a window; drop it or change kind.")
+        if self.num_layers <= 0:
+            raise ConfigError(f"{where}.num_layers", f"must be positive, got {self.num_layers}",
+                              "Count the layers that share this group's block table.")
+        if self.page_bytes < 0:
+            raise ConfigError(f"{where}.page_bytes", f"must be >= 0, got {self.page_bytes}",
+                              "Give the bytes of one block of one layer on one rank.")
+        if self.state_alignment is not None:
+            if self.kind is not GroupKind.MAMBA:
+                raise ConfigError(f"{where}.state_alignment", "is set on a non-Mamba group",
+                                  "Only Mamba groups checkpoint states; drop it.")
+            if self.state_alignment <= 0 or self.state_alignment % self.block_size:
+                raise ConfigError(f"{where}.state_alignment",
+                                  f"{self.state_alignment} is not a positive multiple of "
+                                  f"block_size {self.block_size}",
+                                  "Use the engine's Mamba checkpoint interval in tokens.")
+
+
+@dataclass(frozen=True)
+class ResolvedGroup:
+    """Numbers derived from a ``GroupSpec`` under one ``OffloadConfig``.
+
+    Attributes:
+        index: the group's position in ``OffloadConfig.groups``.
+        spec: the group spec.
+        factor: engine blocks per offloaded block (``block_size_factor``).
+        offloaded_block_size: tokens per offloaded block.
+        hashes_per_block: hash blocks per offloaded block (>= 1).
+        window_blocks: offloaded blocks a hit needs at its end; ``None`` for full attention.
+        alignment: a hit must be a multiple of this many tokens for this group.
+        block_bytes: bytes of one offloaded block across the group's layers, on one rank.
+    """
+
+    index: int
+    spec: GroupSpec
+    factor: int
+    offloaded_block_size: int
+    hashes_per_block: int
+    window_blocks: int | None
+    alignment: int
+    block_bytes: int
+
+    @property
+    def kind(self) -> GroupKind:
+        return self.spec.kind
+
+    @property
+    def is_windowed(self) -> bool:
+        """True for groups whose old blocks the engine frees while a request runs."""
+        return self.window_blocks is not None
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Everything the planner and the host tier need to know.
+
+    Attributes:
+        groups: the model's KV-cache groups, in the engine's group order.
+        hash_block_size: tokens per chained hash block; every group's offloaded block size
+            must be a multiple of it.
+        block_size_factor: engine blocks per offloaded block (same for every group).
+        num_workers: tensor-parallel ranks; a job completes when all have reported it.
+        host_capacity_bytes: host memory for offloaded blocks, all groups together, per rank.
+        eviction_policy: name of a registered eviction policy ("lru", "arc", ...).
+        max_deferred_steps: a request told "ask again later" this many times in a row gets
+            a 0-token answer instead (no request waits forever).
+    """
+
+    groups: tuple[GroupSpec, ...]
+    hash_block_size: int
+    host_capacity_bytes: int
+    block_size_factor: int = 1
+    num_workers: int = 1
+    eviction_policy: str = "lru"
+    max_deferred_steps: int = 64
+    resolved: tuple[ResolvedGroup, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ConfigError("groups", "is empty",
+                              "Give at least one group (e.g. one full-attention group).")
+        if self.hash_block_size <= 0:
+            raise ConfigError("hash_block_size", f"must be positive, got {self.hash_block_size}",
+                              "Use the engine's prefix-hash block size in tokens.")
+        if self.block_size_factor <= 0:
+            raise ConfigError("block_size_factor", f"must be >= 1, got {self.block_size_factor}",
+                              "Use 1 to offload engine blocks as they are.")
+        if self.num_workers <= 0:
+            raise ConfigError("num_workers", f"must be >= 1, got {self.num_workers}",
+                              "Use the tensor-parallel size.")
+        if self.max_deferred_steps <= 0:
+            raise ConfigError("max_deferred_steps", f"must be >= 1, got {self.max_deferred_steps}",
+                              "Bound how many steps a lookup may be deferred, e.g. 64.")
+        resolved = tuple(self._resolve(i, g) for i, g in enumerate(self.groups))
+        object.__setattr__(self, "resolved", resolved)
+        slot = self.slot_bytes
+        if self.host_capacity_bytes < max(slot, 1):
+            raise ConfigError("host_capacity_bytes",
+                              f"{self.host_capacity_bytes} bytes cannot hold one offloaded block "
+                              f"({slot} bytes)",
+                              f"Give at least {max(slot, 1)} bytes, typically many GiB.")
+
+    def _resolve(self, index: int, spec: GroupSpec) -> ResolvedGroup:
+        factor = self.block_size_factor
+        obs = spec.block_size * factor
+        where = f"groups[{index}].block_size"
+        if obs < self.hash_block_size:
+            raise ConfigError(where,
+                              f"offloaded block size {obs} is finer than hash_block_size "
+                              f"{self.hash_block_size}",
+                              "Lower hash_block_size to a common divisor of all block sizes.")
+        if obs % self.hash_block_size:
+            raise ConfigError(where,
+                              f"offloaded block size {obs} (block_size {spec.block_size} x "
+                              f"block_size_factor {factor}) is not a multiple of hash_block_size "
+                              f"{self.hash_block_size}",
+                              "Make hash_block_size a common divisor of every group's block size.")
+        window: int | None
+        alignment = obs
+        if spec.kind is GroupKind.FULL_ATTENTION:
+            window = None
+        elif spec.kind is GroupKind.SLIDING_WINDOW:
+            assert spec.sliding_window is not None
+            window = math.ceil(spec.sliding_window / obs)
+        else:
+            window = 1
+            if spec.state_alignment is not None:
+                alignment = math.lcm(obs, spec.state_alignment)
+        return ResolvedGroup(
+            index=index, spec=spec, factor=factor, offloaded_block_size=obs,
+            hashes_per_block=obs // self.hash_block_size, window_blocks=window,
+            alignment=alignment, block_bytes=spec.page_bytes * spec.num_layers * factor,
+        )
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one host slot: the largest offloaded block of any group (per rank)."""
+        return max(g.block_bytes for g in self.resolved)
+
+    @property
+    def num_host_slots(self) -> int:
+        """Slots the host tier holds; every offloaded block of any group takes one."""
+        slot = self.slot_bytes
+        if slot == 0:
+            # Accounting-only layouts (no page sizes): capacity counts blocks directly.
+            return self.host_capacity_bytes
+        return self.host_capacity_bytes // slot
+
+    @property
+    def hit_alignment(self) -> int:
+        """Tokens every combined hit is a multiple of (LCM of the groups' alignments)."""
+        return math.lcm(*(g.alignment for g in self.resolved))
+
+    @property
+    def has_windowed_group(self) -> bool:
+        return any(g.is_windowed for g in self.resolved)

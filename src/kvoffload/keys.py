@@ -1,0 +1,155 @@
+"""Chained block hashing and offload keys.
+
+A *block hash* identifies a whole prefix: it is the hash of (parent hash, the block's token
+ids, extra keys). Extra keys are whatever changes the KV contents besides the tokens: the
+LoRA adapter name, multimodal inputs overlapping the block, and a per-tenant cache salt that
+enters the first block only (the chain carries it forward).
+
+Hashes are reproducible across processes and restarts: the chain starts from a root derived
+from a seed string, never from process-local randomness, so disk and shared tiers can serve
+blocks stored by another process.
+
+An *offload key* is (block hash at the end of an offloaded block, group index), packed into
+one ``bytes`` object so that millions of keys stay compact in dicts and sets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import NewType
+
+import xxhash
+
+BlockHash = NewType("BlockHash", bytes)
+OffloadKey = NewType("OffloadKey", bytes)
+
+_GROUP_BYTES = 2
+_MAX_GROUPS = 1 << (8 * _GROUP_BYTES)
+
+
+class HashAlgorithm(str, Enum):
+    """Hash function for block hashes."""
+
+    XXH3_128 = "xxh3_128"
+    """Fast, 128-bit, not collision resistant against an adversary (single tenant)."""
+    SHA256 = "sha256"
+    """Cryptographic; use when tenants share a cache and may craft prompts."""
+
+
+def _digest(algo: HashAlgorithm, data: bytes) -> bytes:
+    if algo is HashAlgorithm.XXH3_128:
+        return xxhash.xxh3_128_digest(data)
+    return hashlib.sha256(data).digest()
+
+
+@dataclass(frozen=True)
+class MultiModalSpan:
+    """A multimodal input occupying tokens ``[offset, offset + length)`` with content hash."""
+
+    offset: int
+    length: int
+    content_hash: str
+
+
+@dataclass(frozen=True)
+class HashContext:
+    """What besides token ids determines a request's KV contents.
+
+    Attributes:
+        lora_name: the LoRA adapter, or None.
+        cache_salt: per-tenant salt; requests with different salts never share blocks.
+        multimodal: spans of multimodal inputs in the prompt.
+    """
+
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    multimodal: tuple[MultiModalSpan, ...] = ()
+
+    def extra_keys(self, start: int, end: int) -> bytes:
+        """Canonical encoding of the extra keys of the block of tokens ``[start, end)``."""
+        parts: list[bytes] = []
+        if self.lora_name is not None:
+            parts.append(b"L" + _lp(self.lora_name.encode()))
+        for span in self.multimodal:
+            if span.offset < end and start < span.offset + span.length:
+                parts.append(b"M" + struct.pack("<q", span.offset - start)
+                             + _lp(span.content_hash.encode()))
+        if start == 0 and self.cache_salt is not None:
+            parts.append(b"S" + _lp(self.cache_salt.encode()))
+        return b"".join(parts)
+
+
+def _lp(data: bytes) -> bytes:
+    """Length-prefixed bytes, so concatenations cannot collide."""
+    return struct.pack("<I", len(data)) + data
+
+
+def root_hash(seed: str = "kvoffload", algo: HashAlgorithm = HashAlgorithm.XXH3_128) -> BlockHash:
+    """The parent hash of every request's first block, derived from ``seed``."""
+    return BlockHash(_digest(algo, b"kvoffload-root:" + seed.encode()))
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"",
+               algo: HashAlgorithm = HashAlgorithm.XXH3_128) -> BlockHash:
+    """Chained hash of one block: (parent, token ids, extra keys)."""
+    tokens = array("q", token_ids).tobytes()
+    return BlockHash(_digest(algo, _lp(parent) + _lp(tokens) + _lp(extra)))
+
+
+class BlockHasher:
+    """Computes a request's chained block hashes at ``block_size`` granularity.
+
+    Only full blocks are hashed. ``extend`` is incremental: call it as tokens are appended
+    (prompt, then decode) and it hashes only the newly completed blocks.
+    """
+
+    def __init__(self, block_size: int, seed: str = "kvoffload",
+                 algo: HashAlgorithm = HashAlgorithm.XXH3_128) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.algo = algo
+        self.root = root_hash(seed, algo)
+
+    def extend(self, hashes: list[BlockHash], token_ids: Sequence[int],
+               context: HashContext = HashContext()) -> list[BlockHash]:
+        """Append the hashes of every full block of ``token_ids`` not yet in ``hashes``.
+
+        ``hashes`` must be this hasher's hashes of a prefix of ``token_ids``; it is
+        extended in place and returned.
+        """
+        bs = self.block_size
+        parent = hashes[-1] if hashes else self.root
+        for start in range(len(hashes) * bs, len(token_ids) - bs + 1, bs):
+            end = start + bs
+            parent = hash_block(parent, token_ids[start:end], context.extra_keys(start, end),
+                                self.algo)
+            hashes.append(parent)
+        return hashes
+
+    def hashes(self, token_ids: Sequence[int],
+               context: HashContext = HashContext()) -> list[BlockHash]:
+        """The hashes of every full block of ``token_ids``."""
+        return self.extend([], token_ids, context)
+
+
+def make_offload_key(block_hash: BlockHash, group: int) -> OffloadKey:
+    """Pack (block hash, group index) into one key."""
+    if not 0 <= group < _MAX_GROUPS:
+        raise ValueError(f"group index {group} out of range [0, {_MAX_GROUPS})")
+    return OffloadKey(block_hash + group.to_bytes(_GROUP_BYTES, "big"))
+
+
+def key_block_hash(key: OffloadKey) -> BlockHash:
+    """The block hash part of an offload key."""
+    return BlockHash(key[:-_GROUP_BYTES])
+
+
+def key_group(key: OffloadKey) -> int:
+    """The group index part of an offload key."""
+    return int.from_bytes(key[-_GROUP_BYTES:], "big")

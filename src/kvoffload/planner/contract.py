@@ -1,0 +1,123 @@
+"""The engine-facing types of the planner (SYSTEM.md section 4).
+
+An engine adapter maps its own request and scheduler-output objects onto these small types;
+the planner never sees an engine's classes. The reference engine and the vLLM connector
+both speak only this contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvoffload.keys import BlockHash
+
+
+class RequestInfo(Protocol):
+    """What the planner reads from an engine request. The engine keeps it up to date.
+
+    ``block_hashes`` holds the chained hashes of every full hash block of the request's
+    tokens so far (prompt and generated), at the configured ``hash_block_size``.
+    """
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]: ...
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request the engine scheduled this step.
+
+    Attributes:
+        request: the request.
+        new_block_ids: per group, the engine block ids appended to the request's block
+            table this step (id 0 = null). After a preemption the table restarts, and
+            ``resumed`` is set: these ids then form the whole new table.
+        num_computed_tokens: tokens whose KV exists before this step.
+        num_scheduled_tokens: tokens computed this step.
+        resumed: the request comes back from preemption with a fresh block table.
+        num_freed_blocks: per group, how many leading blocks of the table the engine has
+            freed (turned null) by now because they left the window; ``None`` when the
+            engine frees nothing early. The planner never stores from a freed position,
+            even if it saw a real id there before.
+    """
+
+    request: RequestInfo
+    new_block_ids: tuple[tuple[int, ...], ...]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    resumed: bool = False
+    num_freed_blocks: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One engine step, as the planner needs it.
+
+    Attributes:
+        scheduled: the requests that run this step.
+        preempted: ids of requests preempted this step (their blocks are freed now).
+        other_allocations: block ids the engine allocated this step outside ``scheduled``
+            (e.g. for another connector's load); they are fenced like any allocation.
+    """
+
+    scheduled: tuple[ScheduledRequest, ...] = ()
+    preempted: tuple[str, ...] = ()
+    other_allocations: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """Answer of ``get_num_new_matched_tokens``.
+
+    Attributes:
+        num_tokens: tokens loadable beyond the engine's own prefix hit; ``None`` means
+            "ask again next step" (a block is still being written or loaded).
+        load_async: True when the engine must wait for ``finished_loads`` before running
+            the request.
+    """
+
+    num_tokens: int | None
+    load_async: bool = False
+
+    @property
+    def is_deferred(self) -> bool:
+        return self.num_tokens is None
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    """A load that failed: the engine must recompute from ``valid_tokens`` on.
+
+    ``valid_tokens`` is the engine's own prefix hit at lookup time; every token after it
+    that the load was to provide must be recomputed.
+    """
+
+    request_id: str
+    valid_tokens: int
+
+
+@dataclass(frozen=True)
+class ReportOutcome:
+    """What ``update_from_worker_reports`` tells the engine.
+
+    Attributes:
+        finished_loads: requests whose load is over (success or failure); the engine may
+            run them (or free them, if they were aborted).
+        failed_loads: the subset of ``finished_loads`` that failed.
+        failed_stores: number of store jobs that failed (their slots are free again).
+    """
+
+    finished_loads: tuple[str, ...] = ()
+    failed_loads: tuple[LoadFailure, ...] = ()
+    failed_stores: int = 0

@@ -1,0 +1,139 @@
+"""The tier contract: bookkeeping for one storage tier (host memory, disk, remote).
+
+A tier's bookkeeping runs in the scheduler process and never moves a byte: it decides which
+slot a key lives in, which keys may be read, and which to evict. Workers move the bytes.
+
+Lifecycle of a key::
+
+    prepare_store -> (being written: not readable, not evictable)
+        complete_store(success=True)  -> ready (readable; evictable while ref count is 0)
+        complete_store(success=False) -> gone, slot free again
+    ready: prepare_load -> ref count +1 (pinned) ... complete_load -> ref count -1
+
+Rules every tier keeps (SYSTEM.md section 5):
+
+* ``lookup`` answers HIT only for ready keys; PENDING for keys being written.
+* ``prepare_store`` is atomic: it either returns a result and has reserved a slot for every
+  key in ``keys_to_store``, or returns ``None`` and changed nothing. It never evicts one of
+  its own input keys, a key being written, or a pinned key.
+* Ref counts are exact: ``complete_load`` must match a ``prepare_load`` key for key;
+  a mismatch raises ``InvariantError``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from kvoffload.keys import OffloadKey
+
+
+class LookupResult(Enum):
+    HIT = "hit"
+    """Stored and ready to read."""
+    MISS = "miss"
+    """Not stored."""
+    PENDING = "pending"
+    """Being written (or not yet known, for slow tiers): ask again later."""
+
+
+@dataclass(frozen=True)
+class PrepareStoreResult:
+    """Outcome of a successful ``prepare_store``.
+
+    Attributes:
+        keys_to_store: the input keys that need writing, in input order (keys already
+            present, ready or being written, are left out).
+        slots: destination slot of each key in ``keys_to_store``, same order.
+        evicted: keys evicted to make room.
+    """
+
+    keys_to_store: tuple[OffloadKey, ...]
+    slots: tuple[int, ...]
+    evicted: tuple[OffloadKey, ...]
+
+
+@dataclass(frozen=True)
+class TierEvent:
+    """Keys that became readable (``removed=False``) or left the tier (``removed=True``)."""
+
+    keys: tuple[OffloadKey, ...]
+    tier: str
+    removed: bool
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """A snapshot of a tier's occupancy.
+
+    Attributes:
+        capacity_slots: total slots.
+        used_slots: slots holding a key (ready or being written).
+        pinned_slots: ready keys with ref count > 0.
+        writing_slots: keys being written.
+        bytes_by_group: bytes held per group index (real block sizes, not slot sizes).
+    """
+
+    capacity_slots: int
+    used_slots: int
+    pinned_slots: int
+    writing_slots: int
+    bytes_by_group: dict[int, int]
+
+
+class Tier(ABC):
+    """Bookkeeping of one storage tier. See the module docstring for the contract."""
+
+    name: str
+
+    @abstractmethod
+    def lookup(self, key: OffloadKey) -> LookupResult:
+        """Whether ``key`` can be read now. Changes nothing."""
+
+    @abstractmethod
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
+        """Pin every key (all must be HIT) and return their slots in order.
+
+        Pins last until the matching ``complete_load``. A key that is not ready raises
+        ``InvariantError``.
+        """
+
+    @abstractmethod
+    def complete_load(self, keys: Sequence[OffloadKey]) -> None:
+        """Undo one ``prepare_load`` of the same keys (ref count -1 each)."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Mark present keys recently used; the *first* key ends up most recent.
+
+        Keys not present are ignored.
+        """
+
+    @abstractmethod
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreResult | None:
+        """Reserve slots for the keys not yet present, evicting if needed (atomic)."""
+
+    @abstractmethod
+    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
+        """Finish a store: ready on success, removed with slots freed on failure.
+
+        Keys that are already ready are left alone, so a repeated call is harmless.
+        """
+
+    @abstractmethod
+    def take_events(self) -> list[TierEvent]:
+        """Return and clear the events queued since the last call."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop every key. The caller guarantees no completion arrives for older jobs."""
+
+    @abstractmethod
+    def usage(self) -> TierUsage:
+        """Occupancy snapshot."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise ``InvariantError`` if internal bookkeeping is inconsistent."""
