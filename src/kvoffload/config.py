@@ -25,7 +25,7 @@ class GroupKind(str, Enum):
     SLIDING_WINDOW = "sliding_window"
     """K/V of ``block_size`` tokens; a hit at t needs the blocks covering the last W tokens."""
     MAMBA = "mamba"
-    """One recurrent-state snapshot after the block's last token; a hit at t needs the state at t."""
+    """One recurrent-state snapshot after the block's last token; a hit at t needs that state."""
 
 
 @dataclass(frozen=True)

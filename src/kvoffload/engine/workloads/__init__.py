@@ -1,0 +1,38 @@
+"""Workloads for the reference engine: the request type, a Mooncake trace reader and
+built-in synthetic generators (multi-turn chat, shared system prompt, agentic)."""
+
+from kvoffload.engine.workloads.generators import (
+    BUILTIN_WORKLOADS,
+    DEFAULT_WORKLOAD,
+    AgenticWorkload,
+    ChatWorkload,
+    SharedPrefixWorkload,
+    builtin_workload,
+)
+from kvoffload.engine.workloads.mooncake import (
+    MOONCAKE_BLOCK_TOKENS,
+    mooncake_block_tokens,
+    read_mooncake_trace,
+)
+from kvoffload.engine.workloads.request import (
+    TokenIds,
+    WorkloadRequest,
+    as_token_ids,
+    derive_tokens,
+)
+
+__all__ = [
+    "BUILTIN_WORKLOADS",
+    "DEFAULT_WORKLOAD",
+    "MOONCAKE_BLOCK_TOKENS",
+    "AgenticWorkload",
+    "ChatWorkload",
+    "SharedPrefixWorkload",
+    "TokenIds",
+    "WorkloadRequest",
+    "as_token_ids",
+    "builtin_workload",
+    "derive_tokens",
+    "mooncake_block_tokens",
+    "read_mooncake_trace",
+]

@@ -1,0 +1,619 @@
+"""The planner: kvoffload's scheduler side (SYSTEM.md sections 2, 4 and 5).
+
+The engine calls, each step and in this order:
+
+1. ``get_num_new_matched_tokens`` for each waiting request it considers;
+2. ``update_state_after_alloc`` once it allocated blocks for such a request;
+3. ``build_step_plan`` once per step, with the requests it scheduled;
+4. ``update_from_worker_reports`` with whatever the workers reported;
+5. ``request_finished`` when a request ends (finished, aborted).
+
+The planner decides every transfer and never moves a byte. Its promises:
+
+* a load is issued only for blocks that are readable in the tier, and pins them until every
+  worker has reported the load;
+* a request has either one load or any number of stores in flight, never both;
+* no engine block is overwritten while a job still uses it: blocks of window and Mamba
+  groups are fenced as soon as their store is created, the rest when the request finishes;
+  a fenced block allocated again puts its jobs into the next plan's ``flush``;
+* a failed transfer frees its slots and, for a load, tells the engine to recompute;
+* a deferred lookup ("ask again later") is answered within ``max_deferred_steps`` steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvoffload.config import GroupKind, OffloadConfig, ResolvedGroup
+from kvoffload.errors import InvariantError
+from kvoffload.jobs import (
+    NULL_BLOCK_ID,
+    Direction,
+    GroupTransfer,
+    JobId,
+    StepPlan,
+    TransferJob,
+    WorkerReport,
+)
+from kvoffload.keys import OffloadKey, make_offload_key
+from kvoffload.metrics import PlannerStats
+from kvoffload.planner.contract import (
+    LoadFailure,
+    MatchResult,
+    ReportOutcome,
+    RequestInfo,
+    ScheduledRequest,
+    StepInput,
+)
+from kvoffload.planner.fence import Fence
+from kvoffload.planner.lookup import BlockReadable, GroupView, combined_hit_end, lookup_order
+from kvoffload.planner.state import GroupState, JobState, PlannedLoad, RequestState
+from kvoffload.tiers.base import LookupResult, Tier, TierEvent
+
+
+class Planner:
+    """Engine-neutral scheduler side of kvoffload. See the module docstring."""
+
+    def __init__(self, config: OffloadConfig, tier: Tier) -> None:
+        self.config = config
+        self.tier = tier
+        self.stats = PlannerStats()
+        self._groups = config.resolved
+        self._order = lookup_order(self._groups)
+        self._alignment = config.hit_alignment
+        self._all_ranks = (1 << config.num_workers) - 1
+        self._requests: dict[str, RequestState] = {}
+        self._jobs: dict[JobId, JobState] = {}
+        self._next_job = 0
+        self._stale_below = 0
+        self._fence = Fence()
+        self._flush: set[JobId] = set()
+        self._loads: list[TransferJob] = []
+        self._early_finished: list[str] = []
+        self._early_failed: list[LoadFailure] = []
+
+    # ------------------------------------------------------------------ lookup
+
+    def get_num_new_matched_tokens(self, request: RequestInfo,
+                                   num_computed_tokens: int) -> MatchResult:
+        """Tokens the tier can provide beyond the engine's own prefix hit.
+
+        Returns ``MatchResult(None)`` ("ask again next step") while a block the hit needs
+        is still being written, or while the request still has jobs in flight (e.g. stores
+        of a preempted request); after ``max_deferred_steps`` such answers in a row it
+        answers with what is readable now. Touches the blocks a future hit may need.
+        """
+        st = self._requests.get(request.request_id)
+        if st is None:
+            st = self._new_state(request)
+        elif st.finished:
+            raise ValueError(f"request {request.request_id!r} already finished; "
+                             "request ids must be unique")
+        st.planned = None
+        self.stats.lookups += 1
+        if st.jobs:
+            return self._defer_or(st, 0)
+        for gs in st.groups:
+            gs.block_ids = []
+            gs.num_freed = 0
+        self._refresh_keys(st)
+        st.num_local_tokens = num_computed_tokens
+        end, deferred = self._lookup(st, num_computed_tokens)
+        if deferred:
+            result = self._defer_or(st, end - num_computed_tokens)
+            if result.is_deferred:
+                return result
+        st.deferred_steps = 0
+        hits = end - num_computed_tokens
+        if not st.looked_up:
+            st.looked_up = True
+            for g, gs in zip(self._groups, st.groups, strict=True):
+                gs.num_hit_blocks = end // g.offloaded_block_size
+        self._touch(st)
+        if hits > 0:
+            st.planned = PlannedLoad(num_computed_tokens, end)
+            self.stats.lookup_hit_tokens += hits
+        return MatchResult(hits, load_async=hits > 0)
+
+    def _defer_or(self, st: RequestState, fallback: int) -> MatchResult:
+        """Defer this lookup, unless the request has waited long enough already."""
+        if st.deferred_steps < self.config.max_deferred_steps:
+            st.deferred_steps += 1
+            self.stats.deferred_lookups += 1
+            return MatchResult(None)
+        self.stats.deferral_timeouts += 1
+        st.deferred_steps = 0
+        if st.jobs:
+            return MatchResult(0)
+        return MatchResult(fallback, load_async=fallback > 0)
+
+    def _lookup(self, st: RequestState, num_computed: int) -> tuple[int, bool]:
+        """(hit end with what is readable now, whether waiting could give more)."""
+        request = st.request
+        max_end = request.num_tokens - (1 if self.config.has_windowed_group else 0)
+        seen: dict[OffloadKey, LookupResult] = {}
+        tier_lookup = self.tier.lookup
+
+        def status(key: OffloadKey) -> LookupResult:
+            found = seen.get(key)
+            if found is None:
+                found = seen[key] = tier_lookup(key)
+            return found
+
+        def readable(keys: list[OffloadKey], accept_pending: bool) -> BlockReadable:
+            if accept_pending:
+                return lambda i: status(keys[i]) is not LookupResult.MISS
+            return lambda i: status(keys[i]) is LookupResult.HIT
+
+        def views(accept_pending: bool) -> list[GroupView]:
+            return [GroupView(g, len(st.groups[g.index].keys),
+                              readable(st.groups[g.index].keys, accept_pending))
+                    for g in self._order]
+
+        end = combined_hit_end(views(False), num_computed, max_end, self._alignment)
+        if LookupResult.PENDING not in seen.values():
+            return end, False
+        hopeful = combined_hit_end(views(True), num_computed, max_end, self._alignment)
+        return end, hopeful > end
+
+    def _touch(self, st: RequestState) -> None:
+        """Keep warm what a future hit on this request's prefix needs (SYSTEM.md 2.4)."""
+        keys: list[OffloadKey] = []
+        for g, gs in zip(self._groups, st.groups, strict=True):
+            if g.window_blocks is None:
+                keys.extend(gs.keys)
+            else:
+                keys.extend(gs.keys[max(0, gs.num_hit_blocks - g.window_blocks):])
+        self.tier.touch(keys)
+
+    # ------------------------------------------------------------------- loads
+
+    def update_state_after_alloc(self, request: RequestInfo,
+                                 blocks_per_group: Sequence[Sequence[int]],
+                                 num_external_tokens: int) -> None:
+        """Record the request's block table and plan its load, if the engine took one.
+
+        ``blocks_per_group`` is the request's whole block table per group (0 = null).
+        ``num_external_tokens`` is what the engine accepted from the last lookup: that
+        number exactly, or 0. Every allocated block is checked against the fence.
+        """
+        st = self._requests.get(request.request_id)
+        if st is None:
+            raise ValueError(f"request {request.request_id!r} was never looked up; call "
+                             "get_num_new_matched_tokens first")
+        if len(blocks_per_group) != len(self._groups):
+            raise ValueError(f"got block lists for {len(blocks_per_group)} groups, the "
+                             f"configuration has {len(self._groups)}")
+        for ids in blocks_per_group:
+            self._flush |= self._fence.jobs_using(ids)
+        planned, st.planned = st.planned, None
+        if num_external_tokens == 0:
+            return
+        if planned is None or planned.end - planned.num_local_tokens != num_external_tokens:
+            offered = 0 if planned is None else planned.end - planned.num_local_tokens
+            raise ValueError(f"request {request.request_id!r}: engine accepted "
+                             f"{num_external_tokens} external tokens, the last lookup offered "
+                             f"{offered}; pass exactly that number or 0")
+        if st.jobs:
+            raise InvariantError(f"request {request.request_id!r} has jobs in flight; "
+                                 "a load needs none")
+        self._plan_load(st, planned, blocks_per_group)
+
+    def _plan_load(self, st: RequestState, planned: PlannedLoad,
+                   tables: Sequence[Sequence[int]]) -> None:
+        rid = st.request.request_id
+        transfers: list[GroupTransfer] = []
+        keys: list[OffloadKey] = []
+        key_groups: list[tuple[int, int]] = []  # (index into transfers, number of keys)
+        for g, gs, table in zip(self._groups, st.groups, tables, strict=True):
+            positions = self._load_positions(g, table, planned)
+            if not positions:
+                continue
+            f = g.factor
+            first_block, last_block = positions[0] // f, positions[-1] // f
+            group_keys = gs.keys[first_block:last_block + 1]
+            keys.extend(group_keys)
+            key_groups.append((len(transfers), len(group_keys)))
+            transfers.append(GroupTransfer(g.index, tuple(table[p] for p in positions),
+                                           positions[0], ()))
+        if any(self.tier.lookup(k) is not LookupResult.HIT for k in keys):
+            # Evicted between lookup and allocation: the engine recomputes instead.
+            self._early_finished.append(rid)
+            self._early_failed.append(LoadFailure(rid, planned.num_local_tokens))
+            return
+        if not keys:
+            self._early_finished.append(rid)
+            return
+        slots = self.tier.prepare_load(keys)
+        for g, gs in zip(self._groups, st.groups, strict=True):
+            gs.next_stored = max(gs.next_stored, planned.end // g.offloaded_block_size)
+        for t in transfers:
+            self.stats.add_blocks(self.stats.blocks_loaded, t.group, len(t.block_ids))
+        filled: list[GroupTransfer] = []
+        cursor = 0
+        for index, count in key_groups:
+            t = transfers[index]
+            filled.append(GroupTransfer(t.group, t.block_ids, t.first_block_index,
+                                        slots[cursor:cursor + count]))
+            cursor += count
+        job_id = self._new_job_id()
+        dests = tuple(b for t in filled for b in t.block_ids)
+        self._jobs[job_id] = JobState(job_id, rid, Direction.LOAD, tuple(keys), (), dests,
+                                      num_local_tokens=planned.num_local_tokens)
+        st.jobs.add(job_id)
+        self._flush |= self._fence.jobs_using(dests)
+        self._loads.append(TransferJob(job_id, Direction.LOAD, rid, tuple(filled)))
+        self.stats.load_jobs += 1
+
+    @staticmethod
+    def _load_positions(g: ResolvedGroup, ids: Sequence[int], planned: PlannedLoad) -> list[int]:
+        """Engine block positions of group ``g`` the hit needs that the engine lacks."""
+        bs = g.spec.block_size
+        end_pos = planned.end // bs
+        first = planned.num_local_tokens // bs
+        if g.kind is GroupKind.MAMBA:
+            first = max(first, end_pos - 1)
+        elif g.kind is GroupKind.SLIDING_WINDOW:
+            assert g.spec.sliding_window is not None
+            first = max(first, (planned.end - g.spec.sliding_window) // bs)
+        if len(ids) < end_pos:
+            raise InvariantError(f"group {g.index}: block table has {len(ids)} blocks, the "
+                                 f"load needs {end_pos}")
+        positions = [p for p in range(first, end_pos) if ids[p] != NULL_BLOCK_ID]
+        if g.kind is not GroupKind.SLIDING_WINDOW and len(positions) != end_pos - first:
+            raise InvariantError(f"group {g.index} ({g.kind.value}): null block where the "
+                                 "load must write; allocate a block for every needed position")
+        if positions and positions[-1] - positions[0] + 1 != len(positions):
+            raise InvariantError(f"group {g.index}: null blocks inside the loaded range")
+        return positions
+
+    # ------------------------------------------------------------------ stores
+
+    def build_step_plan(self, step: StepInput) -> StepPlan:
+        """Everything the workers must do this step: flushes, stores, loads.
+
+        Stores cover blocks complete once this step's tokens are computed; the workers
+        submit them after the step's forward pass (flushed ones right away).
+        """
+        for rid in step.preempted:
+            st = self._requests.get(rid)
+            if st is None:
+                continue
+            self._flush |= st.jobs
+            st.preempted = True
+            for gs in st.groups:
+                gs.block_ids = []
+                gs.num_freed = 0
+        stores: list[TransferJob] = []
+        for sched in step.scheduled:
+            job = self._schedule_request(sched)
+            if job is not None:
+                stores.append(job)
+        if step.other_allocations:
+            self._flush |= self._fence.jobs_using(step.other_allocations)
+        plan = StepPlan(flush=tuple(sorted(self._flush)), stores=tuple(stores),
+                        loads=tuple(self._loads))
+        self._flush = set()
+        self._loads = []
+        return plan
+
+    def _schedule_request(self, sched: ScheduledRequest) -> TransferJob | None:
+        request = sched.request
+        st = self._requests.get(request.request_id)
+        if st is None:
+            st = self._new_state(request)
+        if len(sched.new_block_ids) != len(self._groups):
+            raise ValueError(f"request {request.request_id!r}: new_block_ids has "
+                             f"{len(sched.new_block_ids)} groups, expected {len(self._groups)}")
+        if any(self._jobs[j].direction is Direction.LOAD for j in st.jobs):
+            raise InvariantError(f"request {request.request_id!r} scheduled while its load "
+                                 "is in flight; wait for finished_loads")
+        if sched.resumed:
+            st.preempted = False
+            for gs in st.groups:
+                gs.block_ids = []
+                gs.num_freed = 0
+        self._refresh_keys(st)
+        for i, (gs, ids) in enumerate(zip(st.groups, sched.new_block_ids, strict=True)):
+            if ids:
+                gs.block_ids.extend(ids)
+                self._flush |= self._fence.jobs_using(ids)
+            if sched.num_freed_blocks is not None:
+                gs.num_freed = max(gs.num_freed, sched.num_freed_blocks[i])
+        offloadable = min(sched.num_computed_tokens + sched.num_scheduled_tokens,
+                          request.num_tokens)
+        return self._plan_store(st, offloadable)
+
+    def _plan_store(self, st: RequestState, offloadable: int) -> TransferJob | None:
+        """A store job for the request's newly complete blocks, or None.
+
+        Store progress advances only when the blocks were stored, found present or
+        skipped; a failed ``prepare_store`` leaves it in place to retry next step.
+        """
+        candidates: list[list[tuple[int, list[int]]]] = []
+        limits: list[int] = []
+        keys: list[OffloadKey] = []
+        for g, gs in zip(self._groups, st.groups, strict=True):
+            limit = min(offloadable // g.offloaded_block_size, len(gs.keys),
+                        len(gs.block_ids) // g.factor)
+            entries = []
+            for k in range(gs.next_stored, limit):
+                positions = self._store_positions(g, gs, k)
+                if positions:
+                    entries.append((k, positions))
+                    keys.append(gs.keys[k])
+            candidates.append(entries)
+            limits.append(limit)
+        if not keys:
+            self._advance(st, limits)
+            return None
+        result = self.tier.prepare_store(keys)
+        if result is None:
+            self.stats.store_retries += 1
+            return None
+        self._advance(st, limits)
+        if not result.keys_to_store:
+            return None
+        slot_of = dict(zip(result.keys_to_store, result.slots, strict=True))
+        transfers: list[GroupTransfer] = []
+        windowed_ids: list[int] = []
+        other_ids: list[int] = []
+        for g, gs, entries in zip(self._groups, st.groups, candidates, strict=True):
+            chosen = [(k, p) for k, p in entries if gs.keys[k] in slot_of]
+            if not chosen:
+                continue
+            self.stats.add_blocks(self.stats.blocks_stored, g.index, len(chosen))
+            group_transfers = self._group_store_transfers(g, gs, chosen, slot_of)
+            transfers.extend(group_transfers)
+            ids = [b for t in group_transfers for b in t.block_ids]
+            (windowed_ids if g.is_windowed else other_ids).extend(ids)
+        self._touch(st)
+        job_id = self._new_job_id()
+        rid = st.request.request_id
+        self._jobs[job_id] = JobState(job_id, rid, Direction.STORE, result.keys_to_store,
+                                      tuple(windowed_ids), tuple(other_ids))
+        self._fence.add(job_id, windowed_ids)
+        st.jobs.add(job_id)
+        self.stats.store_jobs += 1
+        return TransferJob(job_id, Direction.STORE, rid, tuple(transfers))
+
+    @staticmethod
+    def _group_store_transfers(g: ResolvedGroup, gs: GroupState,
+                               chosen: list[tuple[int, list[int]]],
+                               slot_of: dict[OffloadKey, int]) -> list[GroupTransfer]:
+        """Transfers for the chosen offloaded blocks of one group.
+
+        Only the first block of a run may be partial (nulls are a prefix), so one transfer
+        covers the group; a Mamba group stores only the last state of each block, one
+        transfer per block.
+        """
+        ids = gs.block_ids
+        if g.kind is GroupKind.MAMBA:
+            return [GroupTransfer(g.index, (ids[p[0]],), p[0], (slot_of[gs.keys[k]],))
+                    for k, p in chosen]
+        for _, positions in chosen[1:]:
+            if len(positions) != g.factor:
+                raise InvariantError(f"group {g.index}: a partial block after the first")
+        return [GroupTransfer(
+            g.index,
+            tuple(ids[p] for _, positions in chosen for p in positions),
+            chosen[0][1][0],
+            tuple(slot_of[gs.keys[k]] for k, _ in chosen),
+        )]
+
+    def _store_positions(self, g: ResolvedGroup, gs: GroupState, k: int) -> list[int] | None:
+        """Engine positions to store for offloaded block ``k``, or None to skip it.
+
+        Skipped: blocks that are null or freed, Mamba states that are not at a hit
+        alignment point, window blocks that no aligned hit's window can use, and partial
+        window blocks whose missing part a hit's window would need.
+        """
+        f = g.factor
+        lo, hi = k * f, (k + 1) * f
+        ids = gs.block_ids
+        live = [p for p in range(max(lo, gs.num_freed), hi) if ids[p] != NULL_BLOCK_ID]
+        if g.kind is GroupKind.FULL_ATTENTION:
+            if len(live) != f:
+                raise InvariantError(f"group {g.index} (full attention): null or freed block "
+                                     f"at offloaded block {k}")
+            return live
+        obs = g.offloaded_block_size
+        if g.kind is GroupKind.MAMBA:
+            if ((k + 1) * obs) % self._alignment or not live or live[-1] != hi - 1:
+                return None
+            return [hi - 1]
+        if not live:
+            return None
+        assert g.window_blocks is not None and g.spec.sliding_window is not None
+        step = self._alignment // obs
+        first_hit_block = (k // step + 1) * step
+        if first_hit_block > k + g.window_blocks:
+            return None
+        if live[0] > lo and (first_hit_block * obs - g.spec.sliding_window
+                             < live[0] * g.spec.block_size):
+            return None
+        return live
+
+    @staticmethod
+    def _advance(st: RequestState, limits: list[int]) -> None:
+        for gs, limit in zip(st.groups, limits, strict=True):
+            gs.next_stored = max(gs.next_stored, limit)
+
+    # ------------------------------------------------------------- completion
+
+    def update_from_worker_reports(self, reports: Sequence[WorkerReport]) -> ReportOutcome:
+        """Count reports per job and rank; finish jobs every worker has reported.
+
+        A report for a job from before ``reset_cache`` is ignored; a second report of a
+        job by the same rank is ignored and counted; a report for a job id never issued
+        raises ``InvariantError``.
+        """
+        finished = self._early_finished
+        failures = self._early_failed
+        self._early_finished, self._early_failed = [], []
+        failed_stores = 0
+        for report in reports:
+            if not 0 <= report.rank < self.config.num_workers:
+                raise InvariantError(f"report from rank {report.rank}; num_workers is "
+                                     f"{self.config.num_workers}")
+            for failed, ids in ((False, report.finished), (True, report.failed)):
+                for job_id in ids:
+                    js = self._count_report(job_id, report.rank, failed)
+                    if js is None:
+                        continue
+                    self._finish_job(js)
+                    if js.direction is Direction.LOAD:
+                        finished.append(js.request_id)
+                        if js.failed:
+                            failures.append(LoadFailure(js.request_id, js.num_local_tokens))
+                    elif js.failed:
+                        failed_stores += 1
+        self.stats.failed_loads += len(failures)
+        self.stats.failed_stores += failed_stores
+        return ReportOutcome(tuple(finished), tuple(failures), failed_stores)
+
+    def _count_report(self, job_id: JobId, rank: int, failed: bool) -> JobState | None:
+        """Record one rank's report; return the job once every rank has reported it."""
+        if job_id < self._stale_below:
+            self.stats.stale_reports += 1
+            return None
+        js = self._jobs.get(job_id)
+        if js is None:
+            if job_id >= self._next_job or job_id < 0:
+                raise InvariantError(f"report for job {job_id}, which was never issued")
+            self.stats.duplicate_reports += 1
+            return None
+        bit = 1 << rank
+        if js.reported_ranks & bit:
+            self.stats.duplicate_reports += 1
+            return None
+        js.reported_ranks |= bit
+        js.failed = js.failed or failed
+        return js if js.reported_ranks == self._all_ranks else None
+
+    def _finish_job(self, js: JobState) -> None:
+        del self._jobs[js.job_id]
+        self._fence.remove(js.job_id, js.windowed_block_ids)
+        if js.fenced_other:
+            self._fence.remove(js.job_id, js.other_block_ids)
+        if js.direction is Direction.STORE:
+            self.tier.complete_store(js.keys, success=not js.failed)
+        else:
+            self.tier.complete_load(js.keys)
+        st = self._requests[js.request_id]
+        st.jobs.discard(js.job_id)
+        if st.finished and not st.jobs:
+            del self._requests[js.request_id]
+
+    # ------------------------------------------------------------ lifecycle
+
+    def request_finished(self, request: RequestInfo,
+                         blocks_per_group: Sequence[Sequence[int]] | None = None) -> None:
+        """The request ended (finished or aborted); the engine may free its blocks now.
+
+        Blocks that in-flight jobs still use are fenced: allocating them again makes the
+        next plan flush those jobs first. ``blocks_per_group`` is accepted for engines
+        that pass it; the planner already knows every block its jobs use.
+        """
+        del blocks_per_group
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return
+        st.finished = True
+        st.planned = None
+        if not st.jobs:
+            del self._requests[request.request_id]
+            return
+        for job_id in st.jobs:
+            js = self._jobs[job_id]
+            if not js.fenced_other:
+                self._fence.add(job_id, js.other_block_ids)
+                js.fenced_other = True
+
+    def take_events(self) -> list[TierEvent]:
+        """Cache events (blocks stored or removed) since the last call, for routers."""
+        return self.tier.take_events()
+
+    def reset_cache(self) -> None:
+        """Drop everything offloaded. In-flight jobs are flushed in the next plan,
+        their late reports ignored; loads in flight are reported failed (recompute)."""
+        for js in self._jobs.values():
+            if js.direction is Direction.LOAD:
+                self._early_finished.append(js.request_id)
+                self._early_failed.append(LoadFailure(js.request_id, js.num_local_tokens))
+        self._flush |= set(self._jobs)
+        self._loads = []
+        self.tier.reset()
+        self._stale_below = self._next_job
+        self._jobs.clear()
+        self._fence.clear()
+        for rid in [r for r, st in self._requests.items() if st.finished]:
+            del self._requests[rid]
+        for st in self._requests.values():
+            st.jobs.clear()
+            st.planned = None
+            for gs in st.groups:
+                gs.next_stored = 0
+
+    def shutdown(self) -> None:
+        """Forget every request; the tier keeps its contents until reset."""
+        self._requests.clear()
+
+    # ------------------------------------------------------------ inspection
+
+    def has_pending_work(self) -> bool:
+        """Jobs in flight or not yet handed to the workers."""
+        return bool(self._jobs or self._loads or self._flush)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_jobs(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def fence_size(self) -> int:
+        return len(self._fence)
+
+    def check_integrity(self) -> None:
+        """Raise ``InvariantError`` if the planner's bookkeeping is inconsistent."""
+        for job_id, js in self._jobs.items():
+            st = self._requests.get(js.request_id)
+            if st is None or job_id not in st.jobs:
+                raise InvariantError(f"job {job_id} has no live request holding it")
+        for rid, st in self._requests.items():
+            missing = st.jobs - self._jobs.keys()
+            if missing:
+                raise InvariantError(f"request {rid} holds unknown jobs {sorted(missing)}")
+            loads = [j for j in st.jobs if self._jobs[j].direction is Direction.LOAD]
+            if loads and len(st.jobs) != 1:
+                raise InvariantError(f"request {rid} has a load and other jobs in flight")
+            if st.finished and not st.jobs:
+                raise InvariantError(f"finished request {rid} kept without jobs")
+        stray = self._fence.all_jobs() - self._jobs.keys()
+        if stray:
+            raise InvariantError(f"fence holds finished jobs {sorted(stray)}")
+        self.tier.check_integrity()
+
+    # --------------------------------------------------------------- helpers
+
+    def _new_state(self, request: RequestInfo) -> RequestState:
+        st = RequestState(request, [GroupState() for _ in self._groups])
+        self._requests[request.request_id] = st
+        return st
+
+    def _new_job_id(self) -> JobId:
+        job_id = JobId(self._next_job)
+        self._next_job += 1
+        return job_id
+
+    def _refresh_keys(self, st: RequestState) -> None:
+        """Append a key for every offloaded block completed since the last call."""
+        hashes = st.request.block_hashes
+        for g, gs in zip(self._groups, st.groups, strict=True):
+            hpb = g.hashes_per_block
+            keys = gs.keys
+            for k in range(len(keys), len(hashes) // hpb):
+                keys.append(make_offload_key(hashes[(k + 1) * hpb - 1], g.index))

@@ -1,0 +1,87 @@
+"""Per-request, per-group and per-job bookkeeping of the planner.
+
+Plain mutable records owned by ``Planner``; no logic beyond small helpers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvoffload.jobs import Direction, JobId
+from kvoffload.keys import OffloadKey
+from kvoffload.planner.contract import RequestInfo
+
+
+@dataclass
+class GroupState:
+    """One request's view of one group.
+
+    Attributes:
+        keys: offload key of every complete offloaded block so far.
+        block_ids: engine block id at every logical position seen so far (0 = null).
+        num_freed: leading positions the engine has freed; their ids are stale.
+        next_stored: index of the next offloaded block to consider for storing.
+        num_hit_blocks: offloaded blocks hit (device + offload) at the first lookup;
+            drives which window blocks are kept warm.
+    """
+
+    keys: list[OffloadKey] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_freed: int = 0
+    next_stored: int = 0
+    num_hit_blocks: int = 0
+
+
+@dataclass
+class PlannedLoad:
+    """A load decided by a lookup, waiting for the engine's allocation."""
+
+    num_local_tokens: int
+    end: int
+
+
+@dataclass
+class RequestState:
+    """What the planner keeps for one live request.
+
+    Invariant: ``jobs`` holds either exactly one load job or any number of store jobs.
+    """
+
+    request: RequestInfo
+    groups: list[GroupState]
+    jobs: set[JobId] = field(default_factory=set)
+    planned: PlannedLoad | None = None
+    num_local_tokens: int = 0
+    looked_up: bool = False
+    deferred_steps: int = 0
+    finished: bool = False
+    preempted: bool = False
+
+
+@dataclass
+class JobState:
+    """One transfer job in flight.
+
+    Attributes:
+        keys: tier keys the job reads or writes (passed to ``complete_*``).
+        reported_ranks: bit mask of the workers that reported this job.
+        failed: some worker reported failure.
+        windowed_block_ids: engine blocks of window/Mamba groups the job touches; fenced
+            from creation (the engine may free them while the request runs).
+        other_block_ids: the job's remaining engine blocks; fenced once the request
+            finishes while the job is still in flight.
+        fenced_other: whether ``other_block_ids`` are in the fence.
+        num_local_tokens: for loads, the engine's own prefix hit (where a failed load
+            makes the engine recompute from).
+    """
+
+    job_id: JobId
+    request_id: str
+    direction: Direction
+    keys: tuple[OffloadKey, ...]
+    windowed_block_ids: tuple[int, ...]
+    other_block_ids: tuple[int, ...]
+    reported_ranks: int = 0
+    failed: bool = False
+    fenced_other: bool = False
+    num_local_tokens: int = 0

@@ -1,0 +1,185 @@
+"""The eviction-policy interface, the per-key state record, and the policy registry.
+
+A policy is the tier's key store *and* its eviction order: it maps every key the tier holds
+to a ``BlockState`` (ref count and slot) and decides which idle keys to give up. Keeping
+both in one structure means one dict entry per key, which matters with millions of keys.
+
+The tier owns the meaning of the state (it sets ``ref``) and the slots; the policy only
+reads ``ref`` to know what it may evict (and, for ARC, whether a touch counts).
+
+Ref count meaning (``BlockState.ref``):
+
+* ``WRITING`` (-1): inserted by ``prepare_store``, bytes in flight; not readable, never
+  evicted.
+* ``0``: ready and idle; evictable unless protected.
+* ``> 0``: ready and pinned by that many load jobs; never evicted.
+
+Policies register under a name (``register_policy``) and the tier builds one by the name in
+``OffloadConfig.eviction_policy`` (``make_policy``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
+from typing import ClassVar
+
+from kvoffload.errors import ConfigError, InvariantError
+from kvoffload.keys import OffloadKey
+
+WRITING = -1
+"""``BlockState.ref`` of a key whose bytes are being written."""
+
+
+class BlockState:
+    """Per-key bookkeeping: ref count and slot. Mutable; two fields, no ``__dict__``.
+
+    ``ref`` follows the module docstring (-1 writing, 0 idle, >0 pinned). ``slot`` is the
+    tier slot holding the block.
+    """
+
+    __slots__ = ("ref", "slot")
+
+    def __init__(self, slot: int, ref: int = WRITING) -> None:
+        self.slot = slot
+        self.ref = ref
+
+    @property
+    def ready(self) -> bool:
+        """Readable: the write completed."""
+        return self.ref >= 0
+
+    @property
+    def evictable(self) -> bool:
+        """Ready and not pinned (the policy may still refuse it if protected)."""
+        return self.ref == 0
+
+    def __repr__(self) -> str:
+        return f"BlockState(slot={self.slot}, ref={self.ref})"
+
+
+Victims = list[tuple[OffloadKey, BlockState]]
+"""Evicted keys with their (now detached) states, in eviction order."""
+
+
+class EvictionPolicy(ABC):
+    """Holds a tier's keys in eviction order and picks victims.
+
+    Contract:
+
+    * ``insert`` adds a key that is not present; ``remove`` drops a present key without
+      treating it as an eviction (ARC keeps no ghost for it). Both raise
+      ``InvariantError`` on misuse.
+    * ``touch`` reorders present keys so the *first* key given ends most recent; keys not
+      present are ignored (ARC adapts on ghost keys).
+    * ``evict(n, protected)`` is atomic: it removes exactly ``n`` keys whose ``ref`` is 0
+      and that are not in ``protected`` and returns them, or returns ``None`` and changes
+      nothing. It never picks a writing (-1) or pinned (>0) key.
+    * A scan for victims is linear in the entries it passes over, never quadratic.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"policy capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+
+    @abstractmethod
+    def get(self, key: OffloadKey) -> BlockState | None:
+        """The key's state, or ``None`` if not present. Changes nothing."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Keys present (ready or writing); ghost entries are not counted."""
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and self.get(OffloadKey(key)) is not None
+
+    @abstractmethod
+    def insert(self, key: OffloadKey, state: BlockState) -> None:
+        """Add an absent key as most recent (ARC: into T1). Present key: ``InvariantError``."""
+
+    @abstractmethod
+    def remove(self, key: OffloadKey) -> BlockState:
+        """Drop a present key (not an eviction) and return its state. Absent: ``InvariantError``."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Mark present keys used, processing in reverse so ``keys[0]`` ends most recent."""
+
+    @abstractmethod
+    def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> Victims | None:
+        """Remove and return ``n`` idle, unprotected keys; ``None`` (no change) if impossible."""
+
+    @abstractmethod
+    def items(self) -> Iterator[tuple[OffloadKey, BlockState]]:
+        """Present keys with their states, next victim first. Do not mutate while iterating."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Drop every key (and all adaptive state)."""
+
+    @abstractmethod
+    def debug_state(self) -> dict[str, object]:
+        """A comparable copy of everything that decides future behaviour (for tests)."""
+
+    def check_integrity(self) -> None:
+        """Raise ``InvariantError`` if the policy's structures are inconsistent."""
+        if len(self) > self.capacity:
+            raise InvariantError(f"{self.name}: {len(self)} keys exceed capacity {self.capacity}")
+        for _, state in self.items():
+            if state.ref < WRITING:
+                raise InvariantError(f"{self.name}: ref count {state.ref} below -1")
+
+
+def next_evictable(entries: Iterator[tuple[OffloadKey, BlockState]],
+                   protected: AbstractSet[OffloadKey]) -> tuple[OffloadKey, BlockState] | None:
+    """Advance ``entries`` to the next idle, unprotected key; ``None`` when exhausted.
+
+    Policies share one iterator per list across a whole ``evict`` call, so the scan stays
+    linear however many pinned or writing keys sit at the eviction end.
+    """
+    for key, state in entries:
+        if state.ref == 0 and key not in protected:
+            return key, state
+    return None
+
+
+PolicyFactory = Callable[[int], EvictionPolicy]
+"""Builds a policy from its capacity (slots)."""
+
+_REGISTRY: dict[str, PolicyFactory] = {}
+
+
+def register_policy(name: str, factory: PolicyFactory, *, replace: bool = False) -> None:
+    """Make ``factory`` available as ``OffloadConfig.eviction_policy == name``.
+
+    Registering a different factory under a taken name raises ``ValueError`` unless
+    ``replace`` is set; registering the same factory again is a no-op.
+    """
+    if not name:
+        raise ValueError("policy name must be non-empty")
+    current = _REGISTRY.get(name)
+    if current is not None and current is not factory and not replace:
+        raise ValueError(f"eviction policy {name!r} is already registered; pass replace=True")
+    _REGISTRY[name] = factory
+
+
+def registered_policies() -> tuple[str, ...]:
+    """Names ``make_policy`` accepts, sorted."""
+    return tuple(sorted(_REGISTRY))
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy:
+    """Build the policy registered as ``name`` for ``capacity`` slots.
+
+    Unknown names raise ``ConfigError`` (field ``eviction_policy``) listing the known ones.
+    """
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        known = ", ".join(repr(n) for n in registered_policies())
+        raise ConfigError("eviction_policy", f"unknown policy {name!r}",
+                          f"Use one of: {known}.")
+    return factory(capacity)

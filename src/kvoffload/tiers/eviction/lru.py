@@ -1,0 +1,85 @@
+"""Least-recently-used eviction: one ordered dict, least recent first."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
+
+from kvoffload.errors import InvariantError
+from kvoffload.keys import OffloadKey
+from kvoffload.tiers.eviction.base import (
+    BlockState,
+    EvictionPolicy,
+    Victims,
+    register_policy,
+)
+
+
+class LRUPolicy(EvictionPolicy):
+    """Evicts the least recently inserted or touched idle key.
+
+    ``insert`` appends at the most-recent end; ``touch`` moves present keys there, last key
+    first, so the first key of a touch ends most recent (early prefix blocks, shared by the
+    most requests, stay hottest). ``evict`` walks from the least-recent end once.
+    """
+
+    name = "lru"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._order: OrderedDict[OffloadKey, BlockState] = OrderedDict()
+
+    def get(self, key: OffloadKey) -> BlockState | None:
+        return self._order.get(key)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def insert(self, key: OffloadKey, state: BlockState) -> None:
+        if key in self._order:
+            raise InvariantError(f"lru: insert of a key already present ({key.hex()})")
+        self._order[key] = state
+
+    def remove(self, key: OffloadKey) -> BlockState:
+        state = self._order.pop(key, None)
+        if state is None:
+            raise InvariantError(f"lru: remove of an absent key ({key.hex()})")
+        return state
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        order = self._order
+        for key in reversed(keys):
+            if key in order:
+                order.move_to_end(key)
+
+    def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> Victims | None:
+        if n < 0:
+            raise InvariantError(f"lru: evict({n})")
+        if n == 0:
+            return []
+        if n > len(self._order):
+            return None
+        victims: Victims = []
+        for key, state in self._order.items():
+            if state.ref == 0 and key not in protected:
+                victims.append((key, state))
+                if len(victims) == n:
+                    break
+        else:
+            return None
+        for key, _ in victims:
+            del self._order[key]
+        return victims
+
+    def items(self) -> Iterator[tuple[OffloadKey, BlockState]]:
+        return iter(self._order.items())
+
+    def clear(self) -> None:
+        self._order.clear()
+
+    def debug_state(self) -> dict[str, object]:
+        return {"order": [(k, s.ref, s.slot) for k, s in self._order.items()]}
+
+
+register_policy(LRUPolicy.name, LRUPolicy)

@@ -1,0 +1,87 @@
+"""The host arena: one rank's offloaded blocks, one slot per offloaded block of any group.
+
+The arena is a single uint8 tensor of shape ``(num_slots, slot_bytes)``, pinned when CUDA
+is available so device copies can run asynchronously. Slot ids are chosen by the host tier
+(the scheduler side) and are the same on every rank; each rank has its own arena holding its
+own shard. The byte layout inside a slot is described in ``kvoffload.worker.layout``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvoffload.worker.layout import CacheLayout, GroupLayout
+
+
+class HostPool:
+    """Host memory for ``num_slots`` offloaded blocks, laid out by a ``CacheLayout``.
+
+    The pool only allocates and addresses memory; which slot holds what is the host tier's
+    business. Views returned here alias the arena: writing them writes the slot.
+    """
+
+    def __init__(self, layout: CacheLayout, num_slots: int, *, pin: bool | None = None) -> None:
+        """Allocate the arena.
+
+        Args:
+            layout: the registered caches (decides every group's bytes inside a slot).
+            num_slots: slots to allocate, normally ``OffloadConfig.num_host_slots``.
+            pin: page-lock the arena; by default when CUDA is available.
+        """
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        if layout.slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be positive, got {layout.slot_bytes}")
+        if pin is None:
+            pin = torch.cuda.is_available()
+        self.layout = layout
+        self.num_slots = num_slots
+        self.slot_bytes = layout.slot_bytes
+        self.pinned = pin
+        # (num_slots, slot_bytes) uint8; a slot is one row.
+        self.arena = torch.empty((num_slots, self.slot_bytes), dtype=torch.uint8,
+                                 pin_memory=pin)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def _group(self, group: int) -> GroupLayout:
+        try:
+            return self.layout.groups[group]
+        except KeyError:
+            raise KeyError(f"group {group} is not registered") from None
+
+    def check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} outside [0, {self.num_slots})")
+
+    def slot_view(self, slot: int, group: int) -> torch.Tensor:
+        """The bytes of ``group``'s offloaded block in ``slot``: shape ``(block_bytes,)``.
+
+        Unused trailing bytes of the slot (a group smaller than the largest) are excluded.
+        """
+        self.check_slot(slot)
+        return self.arena[slot, : self._group(group).block_bytes]  # (block_bytes,)
+
+    def page_offset(self, group: int, segment: int, sub_block: int) -> int:
+        """Byte offset inside a slot of page ``sub_block`` of ``group``'s segment ``segment``."""
+        return self._group(group).host_offset(segment, sub_block)
+
+    def page_view(self, slot: int, group: int, segment: int, sub_block: int) -> torch.Tensor:
+        """One engine page inside a slot: shape ``(page_bytes,)`` of that segment."""
+        self.check_slot(slot)
+        layout = self._group(group)
+        start = layout.host_offset(segment, sub_block)
+        size = layout.segments[segment].page_bytes
+        return self.arena[slot, start : start + size]  # (page_bytes,)
+
+    def segment_view(self, group: int, segment: int) -> torch.Tensor:
+        """Every slot's pages of one segment: shape ``(num_slots, factor, page_bytes)``.
+
+        A strided view (row stride ``slot_bytes``); ``[slot, j]`` is sub-block ``j``.
+        """
+        layout = self._group(group)
+        seg = layout.segments[segment]
+        span = self.arena[:, seg.host_offset : seg.host_offset + seg.page_bytes * layout.factor]
+        return span.view(self.num_slots, layout.factor, seg.page_bytes)  # (slots, factor, page)

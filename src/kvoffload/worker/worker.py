@@ -1,0 +1,213 @@
+"""The transfer worker: one per rank, executing the planner's ``StepPlan`` each step.
+
+Life cycle::
+
+    worker = TransferWorker(config, rank=r)
+    worker.register_kv_caches([GroupTensors(0, [...]), GroupTensors(1, [...])])
+    every step:
+        worker.execute(plan)        # flush, then submit stores, then loads
+        report = worker.poll()      # -> planner.update_from_worker_reports([...all ranks])
+    worker.shutdown()
+
+Tensor parallelism: every rank runs its own worker over its own shard tensors and its own
+host arena; slot ids are shared (the planner allocates them once for all ranks), and each
+rank reports every job once.
+
+Validation happens here, at submit, not inside a copy thread: a job naming an unregistered
+group, a null or out-of-range engine block, an out-of-range slot, a slot count that does not
+match ``block_size_factor``, or two writes to the same destination is not started and is
+reported failed by the next ``poll``. Failed jobs leave the slots they named untouched or
+partly written; the host tier frees them and may reuse them at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from kvoffload.config import OffloadConfig
+from kvoffload.errors import InvariantError
+from kvoffload.jobs import (
+    NULL_BLOCK_ID,
+    Direction,
+    JobId,
+    StepPlan,
+    TransferJob,
+    WorkerReport,
+)
+from kvoffload.worker.backend import TransferBackend
+from kvoffload.worker.host_pool import HostPool
+from kvoffload.worker.layout import CacheLayout, GroupTensors
+
+logger = logging.getLogger(__name__)
+
+
+def default_backend(device: torch.device) -> TransferBackend:
+    """The backend for caches on ``device``: CUDA streams for a GPU, threads for the CPU."""
+    if device.type == "cuda":
+        from kvoffload.worker.cuda import CudaBackend
+
+        return CudaBackend()
+    from kvoffload.worker.cpu import CpuBackend
+
+    return CpuBackend()
+
+
+class TransferWorker:
+    """Moves one rank's KV blocks between its engine caches and its host arena."""
+
+    def __init__(self, config: OffloadConfig, rank: int = 0,
+                 backend: TransferBackend | None = None, *,
+                 pin_memory: bool | None = None) -> None:
+        """Args:
+            config: the offload configuration (groups, factor, host capacity).
+            rank: this worker's tensor-parallel rank, echoed in its reports.
+            backend: how bytes move; by default chosen from the caches' device at
+                registration (``default_backend``).
+            pin_memory: pin the host arena; by default when CUDA is available.
+        """
+        if not 0 <= rank < config.num_workers:
+            raise ValueError(f"rank {rank} outside [0, num_workers={config.num_workers})")
+        self.config = config
+        self.rank = rank
+        self._backend = backend
+        self._pin = pin_memory
+        self._layout: CacheLayout | None = None
+        self._pool: HostPool | None = None
+        self._in_flight: set[JobId] = set()
+        self._rejected: list[JobId] = []
+
+    # -- registration --------------------------------------------------------------------
+
+    def register_kv_caches(self, groups: Sequence[GroupTensors]) -> None:
+        """Register this rank's cache tensors, one ``GroupTensors`` per config group.
+
+        Allocates the host arena (``config.num_host_slots`` slots of ``config.slot_bytes``)
+        and binds the backend. Raises ``LayoutError`` for tensors it cannot handle.
+        """
+        if self._layout is not None:
+            raise RuntimeError("register_kv_caches was already called on this worker")
+        layout = CacheLayout.build(self.config, groups)
+        pool = HostPool(layout, self.config.num_host_slots, pin=self._pin)
+        backend = self._backend or default_backend(layout.device)
+        backend.bind(layout, pool)
+        self._layout, self._pool, self._backend = layout, pool, backend
+
+    @property
+    def layout(self) -> CacheLayout:
+        if self._layout is None:
+            raise RuntimeError("no caches registered yet")
+        return self._layout
+
+    @property
+    def host_pool(self) -> HostPool:
+        if self._pool is None:
+            raise RuntimeError("no caches registered yet")
+        return self._pool
+
+    @property
+    def backend(self) -> TransferBackend:
+        if self._backend is None or self._layout is None:
+            raise RuntimeError("no caches registered yet")
+        return self._backend
+
+    # -- per step -------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> None:
+        """Run one step's plan, in the order ``StepPlan`` prescribes.
+
+        1. Submit the stores of ``plan.stores`` that are also in ``plan.flush``, then block
+           until every job in ``plan.flush`` is done: their engine blocks may be reused once
+           this returns.
+        2. Submit the remaining stores, then the loads. Both run asynchronously.
+
+        Raises ``InvariantError`` for a job id that is already in flight (a planner bug).
+        """
+        flush = set(plan.flush)
+        for job in plan.stores:
+            if job.job_id in flush:
+                self._submit(job, Direction.STORE)
+        self.wait(plan.flush)
+        for job in plan.stores:
+            if job.job_id not in flush:
+                self._submit(job, Direction.STORE)
+        for job in plan.loads:
+            self._submit(job, Direction.LOAD)
+
+    def poll(self) -> WorkerReport:
+        """Jobs done since the previous poll (each exactly once), and transfer stats."""
+        finished, failed = self.backend.poll()
+        failed.extend(self._rejected)
+        self._rejected = []
+        for job_id in finished:
+            self._in_flight.discard(job_id)
+        for job_id in failed:
+            self._in_flight.discard(job_id)
+        return WorkerReport(rank=self.rank, finished=tuple(finished), failed=tuple(failed),
+                            stats=self.backend.take_stats())
+
+    def wait(self, jobs: Iterable[JobId]) -> None:
+        """Block until the listed jobs are done; unknown or reported ids are ignored.
+
+        Does not report them: the next ``poll`` does.
+        """
+        jobs = list(jobs)
+        if jobs and self._backend is not None and self._layout is not None:
+            self._backend.wait(jobs)
+
+    def shutdown(self) -> None:
+        """Wait for in-flight jobs and release the backend's threads/streams."""
+        if self._backend is not None and self._layout is not None:
+            self._backend.shutdown()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _submit(self, job: TransferJob, expected: Direction) -> None:
+        if job.job_id in self._in_flight:
+            raise InvariantError(f"job {job.job_id} submitted while already in flight")
+        problem = self._check(job, expected)
+        if problem is not None:
+            logger.warning("rank %d: rejecting %s job %s: %s", self.rank, job.direction.value,
+                           job.job_id, problem)
+            self._rejected.append(job.job_id)
+            return
+        self._in_flight.add(job.job_id)
+        self.backend.submit(job)
+
+    def _check(self, job: TransferJob, expected: Direction) -> str | None:
+        """Why ``job`` cannot run here, or ``None`` when it can."""
+        layout = self.layout
+        num_slots = self.host_pool.num_slots
+        if job.direction is not expected:
+            return f"a {job.direction.value} job listed among the {expected.value}s"
+        slot_owner: dict[int, int] = {}
+        destinations: set[tuple[int, int, int]] = set()
+        for transfer in job.groups:
+            group = layout.groups.get(transfer.group)
+            if group is None:
+                return f"group {transfer.group} is not registered"
+            try:
+                transfer.validate(layout.factor)
+            except ValueError as exc:
+                return str(exc)
+            for block_id in transfer.block_ids:
+                if not NULL_BLOCK_ID < block_id < group.num_blocks:
+                    return (f"group {transfer.group}: engine block {block_id} outside "
+                            f"[1, {group.num_blocks})")
+            for slot in transfer.slots:
+                if not 0 <= slot < num_slots:
+                    return f"group {transfer.group}: slot {slot} outside [0, {num_slots})"
+                if job.direction is Direction.STORE and \
+                        slot_owner.setdefault(slot, transfer.group) != transfer.group:
+                    return f"slot {slot} written by groups {slot_owner[slot]} and {transfer.group}"
+            for block_id, slot, sub in transfer.pairs(layout.factor):
+                key = (slot, sub, -1) if job.direction is Direction.STORE \
+                    else (-1, transfer.group, block_id)
+                if key in destinations:
+                    where = f"slot {slot} sub-block {sub}" if job.direction is Direction.STORE \
+                        else f"group {transfer.group} engine block {block_id}"
+                    return f"{where} written twice by one job"
+                destinations.add(key)
+        return None

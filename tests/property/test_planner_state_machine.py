@@ -1,0 +1,120 @@
+"""Random engine event sequences against the planner's rules (SYSTEM.md section 5).
+
+Each run draws a hybrid layout (1-4 groups mixing full attention, sliding window and Mamba,
+block_size_factor 1-4, 1-4 workers, a small host capacity and engine pool), then a random
+sequence of engine events: new requests sharing prefixes, steps with chunked prefill and
+decode, preemptions, aborts, worker reports that come late, reordered, split across ranks
+or failed, and cache resets. The simulated engine checks every rule after every step
+(``support.sim_engine``): loaded and read blocks hold exactly the right data, no block is
+overwritten while a job uses it, hits are aligned and capped, deferrals are bounded, and
+after a drain nothing is pinned, fenced or pending.
+
+KVOFFLOAD_HYPOTHESIS_EXAMPLES raises the example count for a long run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
+from support.sim_engine import SimEngine
+
+EXAMPLES = int(os.environ.get("KVOFFLOAD_HYPOTHESIS_EXAMPLES", "60"))
+STEPS = int(os.environ.get("KVOFFLOAD_HYPOTHESIS_STEPS", "60"))
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> OffloadConfig:
+    hash_bs = draw(st.sampled_from([1, 2, 4]))
+    factor = draw(st.integers(1, 4))
+    n_groups = draw(st.integers(1, 4))
+    groups = []
+    for i in range(n_groups):
+        kind = draw(st.sampled_from(list(GroupKind)))
+        bs = hash_bs * draw(st.sampled_from([1, 2]))
+        window = draw(st.integers(1, 3 * bs * factor)) if kind is GroupKind.SLIDING_WINDOW \
+            else None
+        groups.append(GroupSpec(kind, bs, sliding_window=window, name=f"g{i}"))
+    return OffloadConfig(
+        groups=tuple(groups), hash_block_size=hash_bs, block_size_factor=factor,
+        num_workers=draw(st.integers(1, 4)),
+        host_capacity_bytes=draw(st.integers(2, 64)),
+        eviction_policy=draw(st.sampled_from(["lru", "arc"])),
+        max_deferred_steps=draw(st.integers(1, 8)),
+    )
+
+
+class PlannerMachine(RuleBasedStateMachine):
+    engine: SimEngine
+
+    @initialize(config=layouts(), pool=st.integers(12, 80), seed=st.integers(0, 2**16))
+    def setup(self, config: OffloadConfig, pool: int, seed: int) -> None:
+        self.engine = SimEngine(config, num_blocks=pool, seed=seed)
+        self.rng = random.Random(seed)
+        self.prefixes = [[self.rng.randrange(50) for _ in range(40)] for _ in range(3)]
+
+    @rule(prefix=st.integers(0, 2), shared=st.sampled_from([0, 6, 13, 24, 40]),
+          extra=st.integers(0, 12),
+          out=st.integers(0, 8))
+    def new_request(self, prefix: int, shared: int, extra: int, out: int) -> None:
+        tokens = self.prefixes[prefix][:shared] + [self.rng.randrange(50) for _ in range(extra)]
+        if not tokens:
+            tokens = [1]
+        self.engine.add_request(tokens, out)
+
+    @precondition(lambda self: bool(self.engine.requests))
+    @rule(data=st.data(), extra=st.integers(0, 6), out=st.integers(0, 4))
+    def follow_up(self, data: st.DataObject, extra: int, out: int) -> None:
+        """A next turn: an earlier request's whole context plus new tokens."""
+        earlier = data.draw(st.sampled_from(sorted(self.engine.requests)))
+        tokens = self.engine.requests[earlier].tokens + [self.rng.randrange(50)
+                                                         for _ in range(extra)]
+        self.engine.add_request(tokens, out)
+
+    @rule(chunk=st.integers(1, 24), fraction=st.sampled_from([0.0, 0.3, 0.7, 1.0]),
+          fail=st.sampled_from([0.0, 0.0, 0.2]))
+    def step(self, chunk: int, fraction: float, fail: float) -> None:
+        self.engine.step(chunk, fraction, fail)
+
+    @precondition(lambda self: any(r.state == "running" for r in self.engine.requests.values()))
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        running = [r for r in self.engine.requests.values() if r.state == "running"]
+        victim = data.draw(st.sampled_from(running))
+        self.engine.step(4, 0.5, 0.0, preempt=victim)
+
+    @precondition(lambda self: any(r.state != "done" for r in self.engine.requests.values()))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        live = [r for r in self.engine.requests.values() if r.state != "done"]
+        victim = data.draw(st.sampled_from(live))
+        self.engine.step(4, 0.5, 0.0, abort=victim)
+
+    @rule(fraction=st.sampled_from([0.5, 1.0]))
+    def deliver_reports(self, fraction: float) -> None:
+        self.engine.deliver(fraction, 0.1)
+
+    @rule()
+    def reset_cache(self) -> None:
+        self.engine.reset_cache()
+
+    @invariant()
+    def integrity(self) -> None:
+        if hasattr(self, "engine"):
+            self.engine.planner.check_integrity()
+
+    def teardown(self) -> None:
+        if hasattr(self, "engine"):
+            self.engine.drain()
+
+
+PlannerMachine.TestCase.settings = settings(
+    max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestPlannerStateMachine = PlannerMachine.TestCase

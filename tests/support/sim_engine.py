@@ -1,0 +1,468 @@
+"""A small simulated engine that drives the planner the way an engine would.
+
+It models what matters for the planner's rules: per-group block tables in one shared pool
+of block ids (id 0 = null), sliding-window and Mamba blocks freed while a request runs,
+chunked prefill, decode, preemption, aborts, and workers that finish jobs late, out of
+order, split across ranks, or not at all (failures).
+
+Block contents are symbolic: the content of engine block ``p`` of group ``g`` is the tuple
+of tokens it summarises (its prefix up to the block's end), so every block read by the
+engine, and every block loaded, is checked against what it must hold. The worker copies
+at the *latest* legal moment (when a rank reports, or when flushed), which exposes any
+block overwritten while a job still used it.
+
+Used by the property tests and, with real bytes, by the worker end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvoffload.config import GroupKind, OffloadConfig
+from kvoffload.jobs import NULL_BLOCK_ID, Direction, JobId, StepPlan, TransferJob, WorkerReport
+from kvoffload.keys import BlockHash, BlockHasher
+from kvoffload.planner.contract import ScheduledRequest, StepInput
+from kvoffload.planner.planner import Planner
+from kvoffload.tiers.base import LookupResult
+from kvoffload.tiers.cpu import HostTier
+
+Content = tuple[int, ...]
+GARBAGE: Content = (-1,)
+
+
+class RuleViolation(AssertionError):  # noqa: N818 - reads as the rule it reports
+    """The planner broke one of SYSTEM.md's section-5 rules."""
+
+
+@dataclass
+class SimRequest:
+    """An engine request; satisfies ``kvoffload.planner.contract.RequestInfo``."""
+
+    request_id: str
+    tokens: list[int]
+    num_prompt_tokens: int
+    max_new_tokens: int
+    hasher: BlockHasher
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    state: str = "waiting"  # waiting | loading | running | done
+    num_computed: int = 0
+    tables: list[list[int]] = field(default_factory=list)
+    send_full_table: bool = True
+    resumed: bool = False
+    deferrals: int = 0
+    planned_end: int = 0
+
+    def __post_init__(self) -> None:
+        self.hasher.extend(self.block_hashes, self.tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def append_token(self, token: int) -> None:
+        self.tokens.append(token)
+        self.hasher.extend(self.block_hashes, self.tokens)
+
+
+@dataclass
+class InFlight:
+    job: TransferJob
+    expected_gen: dict[int, int]
+    pending_ranks: set[int]
+    copied: bool = False
+    failed: bool = False
+
+
+class SimWorkers:
+    """Symbolic workers for every rank: execute plans, copy late, report per rank."""
+
+    def __init__(self, engine: SimEngine, num_workers: int, factors: list[int]) -> None:
+        self.engine = engine
+        self.num_workers = num_workers
+        self.factors = factors
+        self.host: dict[tuple[int, int], Content] = {}
+        self.inflight: dict[JobId, InFlight] = {}
+
+    def execute(self, plan: StepPlan) -> None:
+        for job in (*plan.stores, *plan.loads):
+            expected = {b: self.engine.gen[b] for t in job.groups for b in t.block_ids}
+            self.inflight[job.job_id] = InFlight(job, expected, set(range(self.num_workers)))
+        for job_id in plan.flush:
+            flight = self.inflight.get(job_id)
+            if flight is not None and not flight.copied:
+                self._copy(flight)
+
+    def _copy(self, flight: InFlight) -> None:
+        flight.copied = True
+        job = flight.job
+        for t in job.groups:
+            for block, slot, sub in t.pairs(self.factors[t.group]):
+                if self.engine.written_gen.get(block, -1) > flight.expected_gen[block]:
+                    raise RuleViolation(
+                        f"rule 4: job {job.job_id} ({job.direction.value}) touched block "
+                        f"{block} after its new owner wrote it")
+                if job.direction is Direction.STORE:
+                    self.host[(slot, sub)] = GARBAGE if flight.failed else self.engine.device[block]
+                else:
+                    self.engine.device[block] = (GARBAGE if flight.failed
+                                                 else self.host.get((slot, sub), GARBAGE))
+
+    def deliver(self, rng: random.Random, fraction: float, fail_rate: float) -> list[WorkerReport]:
+        """Report a random share of the pending (job, rank) pairs, in random order."""
+        pairs = [(j, r) for j, f in self.inflight.items() for r in f.pending_ranks]
+        rng.shuffle(pairs)
+        pairs = pairs[:max(0, round(len(pairs) * fraction))]
+        by_rank: dict[int, tuple[list[JobId], list[JobId]]] = {}
+        for job_id, rank in pairs:
+            flight = self.inflight[job_id]
+            if not flight.copied:
+                flight.failed = rng.random() < fail_rate
+                self._copy(flight)
+            flight.pending_ranks.discard(rank)
+            ok, bad = by_rank.setdefault(rank, ([], []))
+            (bad if flight.failed else ok).append(job_id)
+            if not flight.pending_ranks:
+                del self.inflight[job_id]
+        return [WorkerReport(rank, tuple(ok), tuple(bad)) for rank, (ok, bad) in by_rank.items()]
+
+    def drop_all(self) -> None:
+        """Forget every job (after a reset, their reports are stale anyway)."""
+        for flight in self.inflight.values():
+            if not flight.copied:
+                self._copy(flight)
+
+
+class SimEngine:
+    """The simulated engine. ``step`` runs one scheduler step and checks the rules."""
+
+    def __init__(self, config: OffloadConfig, num_blocks: int, seed: int = 0) -> None:
+        self.config = config
+        self.tier = HostTier(config)
+        self.planner = Planner(config, self.tier)
+        self.groups = config.resolved
+        self.hasher = BlockHasher(config.hash_block_size, seed="sim")
+        self.free: list[int] = list(range(num_blocks, 0, -1))
+        self.gen: dict[int, int] = {}
+        self.written_gen: dict[int, int] = {}
+        self.device: dict[int, Content] = {}
+        self._next_gen = 0
+        self.requests: dict[str, SimRequest] = {}
+        self.workers = SimWorkers(self, config.num_workers, [g.factor for g in self.groups])
+        self.stored_ok: set[bytes] = set()
+        self.loaded_blocks = 0
+        self.hit_tokens = 0
+        self.recomputed_loads = 0
+        self.rng = random.Random(seed)
+        self._hit_writes: list[tuple[SimRequest, int]] = []
+
+    # -------------------------------------------------------------- blocks
+
+    def _alloc(self) -> int | None:
+        if not self.free:
+            return None
+        block = self.free.pop()
+        self._next_gen += 1
+        self.gen[block] = self._next_gen
+        return block
+
+    def _release(self, block: int) -> None:
+        if block != NULL_BLOCK_ID:
+            self.free.append(block)
+
+    def _free_request_blocks(self, req: SimRequest) -> None:
+        for table in req.tables:
+            for block in table:
+                self._release(block)
+        req.tables = []
+
+    def content(self, req: SimRequest, group: int, pos: int, upto: int) -> Content:
+        bs = self.groups[group].spec.block_size
+        return (group, pos, *req.tokens[:min((pos + 1) * bs, upto)])
+
+    def _skipped_positions(self, group: int, computed: int) -> int:
+        """Leading positions the engine no longer needs once ``computed`` tokens exist."""
+        g = self.groups[group]
+        bs = g.spec.block_size
+        if g.kind is GroupKind.SLIDING_WINDOW:
+            assert g.spec.sliding_window is not None
+            return max(0, computed - g.spec.sliding_window + 1) // bs
+        if g.kind is GroupKind.MAMBA:
+            return max(0, computed // bs - 1)
+        return 0
+
+    def _grow_tables(self, req: SimRequest, upto: int) -> bool:
+        """Allocate blocks so every group covers ``upto`` tokens; False if out of blocks."""
+        need = []
+        for gi, g in enumerate(self.groups):
+            table = req.tables[gi]
+            want = -(-upto // g.spec.block_size)
+            skipped = self._skipped_positions(gi, req.num_computed)
+            for pos in range(len(table), want):
+                need.append((gi, pos < skipped))
+        if sum(1 for _, null in need if not null) > len(self.free):
+            return False
+        for gi, null in need:
+            block = NULL_BLOCK_ID if null else self._alloc()
+            assert block is not None
+            req.tables[gi].append(block)
+        return True
+
+    def _free_skipped(self, req: SimRequest) -> None:
+        for gi, table in enumerate(req.tables):
+            for pos in range(min(self._skipped_positions(gi, req.num_computed), len(table))):
+                if table[pos] != NULL_BLOCK_ID:
+                    self._release(table[pos])
+                    table[pos] = NULL_BLOCK_ID
+
+    def _write(self, req: SimRequest, start: int, end: int) -> None:
+        """The forward pass: write KV for tokens ``[start, end)``."""
+        for gi, table in enumerate(req.tables):
+            bs = self.groups[gi].spec.block_size
+            for pos in range(start // bs, -(-end // bs)):
+                block = table[pos]
+                if block == NULL_BLOCK_ID:
+                    continue
+                self.device[block] = self.content(req, gi, pos, end)
+                self.written_gen[block] = self.gen[block]
+
+    def _holds(self, req: SimRequest, group: int, pos: int, computed: int,
+               data: Content | None) -> bool:
+        """Whether ``data`` is block ``pos`` of ``group`` with at least ``computed`` tokens.
+
+        A block may hold more tokens than the engine counts as computed (a loaded last
+        block whose final token the engine recomputes), never fewer or other ones.
+        """
+        if data is None or data[:2] != (group, pos):
+            return False
+        bs = self.groups[group].spec.block_size
+        tokens = data[2:]
+        return (min((pos + 1) * bs, computed) <= len(tokens) <= (pos + 1) * bs
+                and list(tokens) == req.tokens[:len(tokens)])
+
+    def _verify_readable(self, req: SimRequest) -> None:
+        """Rule 6: every block the engine reads holds exactly what it must."""
+        c = req.num_computed
+        for gi, table in enumerate(req.tables):
+            bs = self.groups[gi].spec.block_size
+            for pos in range(min(len(table), -(-c // bs))):
+                block = table[pos]
+                if block == NULL_BLOCK_ID:
+                    continue
+                if not self._holds(req, gi, pos, c, self.device.get(block)):
+                    raise RuleViolation(
+                        f"rule 6: request {req.request_id} group {gi} position {pos} (block "
+                        f"{block}) holds wrong data")
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, tokens: list[int], max_new_tokens: int) -> SimRequest:
+        rid = f"r{len(self.requests)}"
+        req = SimRequest(rid, list(tokens), len(tokens), max_new_tokens, self.hasher)
+        self.requests[rid] = req
+        return req
+
+    def _finish(self, req: SimRequest) -> None:
+        self.planner.request_finished(req, req.tables)
+        self._free_request_blocks(req)
+        req.state = "done"
+
+    def abort(self, req: SimRequest) -> None:
+        if req.state != "done":
+            self._finish(req)
+
+    def preempt(self, req: SimRequest) -> str | None:
+        if req.state != "running":
+            return None
+        self._free_request_blocks(req)
+        req.state = "waiting"
+        req.num_computed = 0
+        req.resumed = True
+        return req.request_id
+
+    # --------------------------------------------------------------- step
+
+    def _admit(self, req: SimRequest) -> None:
+        """Look the request up and allocate it (the engine's waiting-queue pass)."""
+        local = 0
+        if self.rng.random() < 0.3 and req.num_tokens > 1:
+            bss = [g.spec.block_size for g in self.groups]
+            step = max(bss)
+            while any(step % b for b in bss):
+                step += max(bss)
+            local = self.rng.randrange(0, req.num_tokens) // step * step
+        result = self.planner.get_num_new_matched_tokens(req, local)
+        if result.num_tokens is None:
+            req.deferrals += 1
+            if req.deferrals > self.config.max_deferred_steps:
+                raise RuleViolation(f"rule 8: {req.request_id} deferred {req.deferrals} times")
+            return
+        req.deferrals = 0
+        hits = result.num_tokens
+        end = local + hits
+        if hits:
+            if end % self.config.hit_alignment:
+                raise RuleViolation(f"rule 5: hit end {end} not aligned")
+            cap = req.num_tokens - (1 if self.config.has_windowed_group else 0)
+            if end > cap:
+                raise RuleViolation(f"rule 5: hit end {end} beyond cap {cap}")
+        req.tables = [[] for _ in self.groups]
+        req.num_computed = end
+        if not self._grow_tables(req, max(end, 1)):
+            req.tables = []
+            req.num_computed = 0
+            return
+        self._free_skipped(req)
+        # The engine's own prefix hit: its blocks get their data before this step's
+        # forward pass (after the plan's flush), as cached blocks would hold it.
+        self._hit_writes.append((req, local))
+        self.planner.update_state_after_alloc(req, req.tables, hits)
+        self.hit_tokens += hits
+        req.send_full_table = True
+        if hits:
+            req.state = "loading"
+            req.planned_end = end
+        else:
+            req.state = "running"
+
+    def step(self, chunk: int, deliver_fraction: float, fail_rate: float,
+             preempt: SimRequest | None = None, abort: SimRequest | None = None) -> None:
+        preempted: list[str] = []
+        if preempt is not None:
+            rid = self.preempt(preempt)
+            if rid:
+                preempted.append(rid)
+        if abort is not None:
+            self.abort(abort)
+        for req in list(self.requests.values()):
+            if req.state == "waiting":
+                self._admit(req)
+        scheduled: list[tuple[SimRequest, ScheduledRequest, int]] = []
+        for req in list(self.requests.values()):
+            if req.state != "running":
+                continue
+            c = req.num_computed
+            if c >= req.num_tokens:
+                if req.num_tokens - req.num_prompt_tokens >= req.max_new_tokens:
+                    self._finish(req)
+                    continue
+                req.append_token(self.rng.randrange(50))
+            n = min(chunk, req.num_tokens - c)
+            before = [len(t) for t in req.tables]
+            self._free_skipped(req)
+            if not self._grow_tables(req, c + n):
+                rid = self.preempt(req)
+                if rid:
+                    preempted.append(rid)
+                continue
+            if req.send_full_table:
+                new_ids = tuple(tuple(t) for t in req.tables)
+            else:
+                new_ids = tuple(tuple(t[b:]) for t, b in zip(req.tables, before, strict=True))
+            freed = tuple(self._skipped_positions(gi, c) for gi in range(len(self.groups)))
+            sched = ScheduledRequest(req, new_ids, c, n, resumed=req.resumed and
+                                     req.send_full_table, num_freed_blocks=freed)
+            req.send_full_table = False
+            req.resumed = False
+            scheduled.append((req, sched, n))
+        plan = self.planner.build_step_plan(StepInput(tuple(s for _, s, _ in scheduled),
+                                                      tuple(preempted)))
+        self._check_plan(plan)
+        self.workers.execute(plan)
+        for req, local in self._hit_writes:
+            if req.tables:
+                self._write(req, 0, local)
+        self._hit_writes.clear()
+        for req, _, n in scheduled:
+            self._verify_readable(req)
+            self._write(req, req.num_computed, req.num_computed + n)
+            req.num_computed += n
+        self.deliver(deliver_fraction, fail_rate)
+        self.planner.check_integrity()
+        self._check_tier()
+
+    def deliver(self, fraction: float, fail_rate: float) -> None:
+        reports = self.workers.deliver(self.rng, fraction, fail_rate)
+        outcome = self.planner.update_from_worker_reports(reports)
+        failed = {f.request_id for f in outcome.failed_loads}
+        for rid in outcome.finished_loads:
+            req = self.requests[rid]
+            if req.state != "loading":
+                continue
+            if rid in failed:
+                # Recompute: the engine starts the request again without the load.
+                self.recomputed_loads += 1
+                self._free_request_blocks(req)
+                req.state = "waiting"
+                req.num_computed = 0
+                continue
+            self._check_loaded(req)
+            req.state = "running"
+            if req.num_computed >= req.num_tokens:
+                req.num_computed = req.num_tokens - 1
+
+    def _check_loaded(self, req: SimRequest) -> None:
+        c = req.num_computed
+        for gi, table in enumerate(req.tables):
+            bs = self.groups[gi].spec.block_size
+            for pos in range(min(len(table), c // bs)):
+                block = table[pos]
+                if block != NULL_BLOCK_ID and not self._holds(req, gi, pos, c,
+                                                              self.device.get(block)):
+                    raise RuleViolation(f"rule 6: loaded block {block} of {req.request_id} "
+                                        f"group {gi} position {pos} is wrong")
+                self.loaded_blocks += 1
+
+    def _check_plan(self, plan: StepPlan) -> None:
+        for job in (*plan.stores, *plan.loads):
+            for t in job.groups:
+                t.validate(self.groups[t.group].factor)
+
+    def _check_tier(self) -> None:
+        """Rule 1: readable keys were stored by jobs every worker completed."""
+        for key in self.tier:
+            if self.tier.lookup(key) is LookupResult.HIT:
+                continue
+            if self.tier.lookup(key) is LookupResult.PENDING and not self.workers.inflight:
+                # A store whose reports are all in must have resolved the key.
+                raise RuleViolation("rule 1: key still being written with no job in flight")
+
+    def reset_cache(self) -> None:
+        self.planner.reset_cache()
+
+    # ---------------------------------------------------------------- end
+
+    def drain(self, max_steps: int = 500) -> None:
+        """Finish every request and deliver every report; then nothing may be held."""
+        for req in self.requests.values():
+            if req.state in ("waiting", "running"):
+                self.abort(req)
+        for _ in range(max_steps):
+            if not self.workers.inflight and not self.planner.has_pending_work():
+                break
+            plan = self.planner.build_step_plan(StepInput())
+            self.workers.execute(plan)
+            self.deliver(1.0, 0.0)
+            for req in self.requests.values():
+                if req.state in ("waiting", "running"):
+                    self.abort(req)
+        for req in self.requests.values():
+            if req.state == "loading":
+                raise RuleViolation(f"rule 8: {req.request_id} still loading after drain")
+        self.planner.check_integrity()
+        usage = self.tier.usage()
+        problems = []
+        if self.planner.num_jobs:
+            problems.append(f"{self.planner.num_jobs} jobs in flight")
+        if self.planner.fence_size:
+            problems.append(f"{self.planner.fence_size} fenced blocks")
+        if self.planner.num_requests:
+            problems.append(f"{self.planner.num_requests} requests kept")
+        if usage.pinned_slots or usage.writing_slots:
+            problems.append(f"{usage.pinned_slots} pinned, {usage.writing_slots} writing slots")
+        if problems:
+            raise RuleViolation("rule 2: after drain: " + ", ".join(problems))
+
+
+EventHook = Callable[[SimEngine], None]
