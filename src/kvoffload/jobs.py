@@ -85,10 +85,17 @@ class TransferJob:
 class StepPlan:
     """What the workers must do this step, in this order.
 
+    Before the step's forward pass:
+
     1. ``flush``: wait until these jobs are done (their engine blocks are about to be
        reused). Stores among them that are also in ``stores`` are submitted first.
-    2. submit ``stores`` (they read engine blocks written by earlier steps);
-    3. submit ``loads`` (the engine will not run these requests until the load reports).
+    2. submit ``loads`` (the engine will not run these requests until the load reports).
+
+    After the forward pass:
+
+    3. submit the other ``stores``: they read blocks this step's forward pass writes.
+
+    Jobs of one direction in flight together never write the same slot or engine block.
     """
 
     flush: tuple[JobId, ...] = ()

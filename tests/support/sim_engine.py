@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvoffload.config import GroupKind, OffloadConfig
 from kvoffload.jobs import NULL_BLOCK_ID, Direction, JobId, StepPlan, TransferJob, WorkerReport
@@ -66,6 +67,21 @@ class SimRequest:
         self.hasher.extend(self.block_hashes, self.tokens)
 
 
+class SymbolicDevice:
+    """Engine memory holding symbolic contents, keyed by block id."""
+
+    def __init__(self) -> None:
+        self.data: dict[int, Content] = {}
+
+    def write(self, group: int, block: int, content: Content) -> None:
+        del group
+        self.data[block] = content
+
+    def holds(self, group: int, block: int, content: Content) -> bool:
+        del group
+        return self.data.get(block) == content
+
+
 @dataclass
 class InFlight:
     job: TransferJob
@@ -85,7 +101,14 @@ class SimWorkers:
         self.host: dict[tuple[int, int], Content] = {}
         self.inflight: dict[JobId, InFlight] = {}
 
-    def execute(self, plan: StepPlan) -> None:
+    @property
+    def idle(self) -> bool:
+        return not self.inflight
+
+    def end(self) -> None:
+        """Stores are copied when reported, after the forward pass: nothing to do here."""
+
+    def begin(self, plan: StepPlan) -> None:
         for job in (*plan.stores, *plan.loads):
             expected = {b: self.engine.gen[b] for t in job.groups for b in t.block_ids}
             self.inflight[job.job_id] = InFlight(job, expected, set(range(self.num_workers)))
@@ -103,11 +126,13 @@ class SimWorkers:
                     raise RuleViolation(
                         f"rule 4: job {job.job_id} ({job.direction.value}) touched block "
                         f"{block} after its new owner wrote it")
+                device = self.engine.device
+                assert isinstance(device, SymbolicDevice)
                 if job.direction is Direction.STORE:
-                    self.host[(slot, sub)] = GARBAGE if flight.failed else self.engine.device[block]
+                    self.host[(slot, sub)] = GARBAGE if flight.failed else device.data[block]
                 else:
-                    self.engine.device[block] = (GARBAGE if flight.failed
-                                                 else self.host.get((slot, sub), GARBAGE))
+                    device.data[block] = (GARBAGE if flight.failed
+                                          else self.host.get((slot, sub), GARBAGE))
 
     def deliver(self, rng: random.Random, fraction: float, fail_rate: float) -> list[WorkerReport]:
         """Report a random share of the pending (job, rank) pairs, in random order."""
@@ -127,17 +152,12 @@ class SimWorkers:
                 del self.inflight[job_id]
         return [WorkerReport(rank, tuple(ok), tuple(bad)) for rank, (ok, bad) in by_rank.items()]
 
-    def drop_all(self) -> None:
-        """Forget every job (after a reset, their reports are stale anyway)."""
-        for flight in self.inflight.values():
-            if not flight.copied:
-                self._copy(flight)
-
 
 class SimEngine:
     """The simulated engine. ``step`` runs one scheduler step and checks the rules."""
 
-    def __init__(self, config: OffloadConfig, num_blocks: int, seed: int = 0) -> None:
+    def __init__(self, config: OffloadConfig, num_blocks: int, seed: int = 0,
+                 real: RealBackendFactory | None = None) -> None:
         self.config = config
         self.tier = HostTier(config)
         self.planner = Planner(config, self.tier)
@@ -146,10 +166,13 @@ class SimEngine:
         self.free: list[int] = list(range(num_blocks, 0, -1))
         self.gen: dict[int, int] = {}
         self.written_gen: dict[int, int] = {}
-        self.device: dict[int, Content] = {}
+        self.device: SymbolicDevice | Device = SymbolicDevice()
         self._next_gen = 0
         self.requests: dict[str, SimRequest] = {}
-        self.workers = SimWorkers(self, config.num_workers, [g.factor for g in self.groups])
+        self.workers: SimWorkers | Workers = SimWorkers(self, config.num_workers,
+                                                        [g.factor for g in self.groups])
+        if real is not None:
+            self.device, self.workers = real(self, num_blocks)
         self.stored_ok: set[bytes] = set()
         self.loaded_blocks = 0
         self.hit_tokens = 0
@@ -224,22 +247,19 @@ class SimEngine:
                 block = table[pos]
                 if block == NULL_BLOCK_ID:
                     continue
-                self.device[block] = self.content(req, gi, pos, end)
+                self.device.write(gi, block, self.content(req, gi, pos, end))
                 self.written_gen[block] = self.gen[block]
 
-    def _holds(self, req: SimRequest, group: int, pos: int, computed: int,
-               data: Content | None) -> bool:
-        """Whether ``data`` is block ``pos`` of ``group`` with at least ``computed`` tokens.
+    def _holds(self, req: SimRequest, group: int, pos: int, computed: int, block: int) -> bool:
+        """Whether ``block`` holds position ``pos`` of ``group`` with >= ``computed`` tokens.
 
         A block may hold more tokens than the engine counts as computed (a loaded last
         block whose final token the engine recomputes), never fewer or other ones.
         """
-        if data is None or data[:2] != (group, pos):
-            return False
         bs = self.groups[group].spec.block_size
-        tokens = data[2:]
-        return (min((pos + 1) * bs, computed) <= len(tokens) <= (pos + 1) * bs
-                and list(tokens) == req.tokens[:len(tokens)])
+        lowest = min((pos + 1) * bs, computed)
+        return any(self.device.holds(group, block, self.content(req, group, pos, upto))
+                   for upto in range(lowest, min((pos + 1) * bs, req.num_tokens) + 1))
 
     def _verify_readable(self, req: SimRequest) -> None:
         """Rule 6: every block the engine reads holds exactly what it must."""
@@ -250,7 +270,7 @@ class SimEngine:
                 block = table[pos]
                 if block == NULL_BLOCK_ID:
                     continue
-                if not self._holds(req, gi, pos, c, self.device.get(block)):
+                if not self._holds(req, gi, pos, c, block):
                     raise RuleViolation(
                         f"rule 6: request {req.request_id} group {gi} position {pos} (block "
                         f"{block}) holds wrong data")
@@ -369,7 +389,7 @@ class SimEngine:
         plan = self.planner.build_step_plan(StepInput(tuple(s for _, s, _ in scheduled),
                                                       tuple(preempted)))
         self._check_plan(plan)
-        self.workers.execute(plan)
+        self.workers.begin(plan)
         for req, local in self._hit_writes:
             if req.tables:
                 self._write(req, 0, local)
@@ -378,6 +398,7 @@ class SimEngine:
             self._verify_readable(req)
             self._write(req, req.num_computed, req.num_computed + n)
             req.num_computed += n
+        self.workers.end()
         self.deliver(deliver_fraction, fail_rate)
         self.planner.check_integrity()
         self._check_tier()
@@ -408,8 +429,7 @@ class SimEngine:
             bs = self.groups[gi].spec.block_size
             for pos in range(min(len(table), c // bs)):
                 block = table[pos]
-                if block != NULL_BLOCK_ID and not self._holds(req, gi, pos, c,
-                                                              self.device.get(block)):
+                if block != NULL_BLOCK_ID and not self._holds(req, gi, pos, c, block):
                     raise RuleViolation(f"rule 6: loaded block {block} of {req.request_id} "
                                         f"group {gi} position {pos} is wrong")
                 self.loaded_blocks += 1
@@ -424,7 +444,7 @@ class SimEngine:
         for key in self.tier:
             if self.tier.lookup(key) is LookupResult.HIT:
                 continue
-            if self.tier.lookup(key) is LookupResult.PENDING and not self.workers.inflight:
+            if self.tier.lookup(key) is LookupResult.PENDING and self.workers.idle:
                 # A store whose reports are all in must have resolved the key.
                 raise RuleViolation("rule 1: key still being written with no job in flight")
 
@@ -439,10 +459,11 @@ class SimEngine:
             if req.state in ("waiting", "running"):
                 self.abort(req)
         for _ in range(max_steps):
-            if not self.workers.inflight and not self.planner.has_pending_work():
+            if self.workers.idle and not self.planner.has_pending_work():
                 break
             plan = self.planner.build_step_plan(StepInput())
-            self.workers.execute(plan)
+            self.workers.begin(plan)
+            self.workers.end()
             self.deliver(1.0, 0.0)
             for req in self.requests.values():
                 if req.state in ("waiting", "running"):
@@ -465,4 +486,26 @@ class SimEngine:
             raise RuleViolation("rule 2: after drain: " + ", ".join(problems))
 
 
-EventHook = Callable[[SimEngine], None]
+class Device(Protocol):
+    """Engine memory: writes symbolic contents, tells whether a block holds one."""
+
+    def write(self, group: int, block: int, content: Content) -> None: ...
+
+    def holds(self, group: int, block: int, content: Content) -> bool: ...
+
+
+class Workers(Protocol):
+    """Every rank's worker, seen from the engine loop."""
+
+    @property
+    def idle(self) -> bool: ...
+
+    def begin(self, plan: StepPlan) -> None: ...
+
+    def end(self) -> None: ...
+
+    def deliver(self, rng: random.Random, fraction: float,
+                fail_rate: float) -> list[WorkerReport]: ...
+
+
+RealBackendFactory = Callable[[SimEngine, int], tuple[Device, Workers]]

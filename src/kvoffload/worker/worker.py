@@ -78,6 +78,7 @@ class TransferWorker:
         self._pool: HostPool | None = None
         self._in_flight: set[JobId] = set()
         self._rejected: list[JobId] = []
+        self._deferred_stores: list[TransferJob] = []
 
     # -- registration --------------------------------------------------------------------
 
@@ -116,25 +117,41 @@ class TransferWorker:
     # -- per step -------------------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> None:
-        """Run one step's plan, in the order ``StepPlan`` prescribes.
+        """Run a whole plan at once: ``begin_step`` then ``end_step``.
 
-        1. Submit the stores of ``plan.stores`` that are also in ``plan.flush``, then block
-           until every job in ``plan.flush`` is done: their engine blocks may be reused once
-           this returns.
-        2. Submit the remaining stores, then the loads. Both run asynchronously.
+        For callers with no forward pass between the two (tests, accounting runs).
+        """
+        self.begin_step(plan)
+        self.end_step()
+
+    def begin_step(self, plan: StepPlan) -> None:
+        """The part of a step's plan that must happen before the forward pass.
+
+        1. Submit the stores of ``plan.stores`` that are also in ``plan.flush`` (they read
+           blocks written by earlier steps), then block until every job in ``plan.flush``
+           is done: their engine blocks may be reused once this returns.
+        2. Submit the loads (asynchronous).
+        3. Keep the other stores until ``end_step``: they read blocks this step's forward
+           pass writes.
 
         Raises ``InvariantError`` for a job id that is already in flight (a planner bug).
         """
+        if self._deferred_stores:
+            raise InvariantError("begin_step called twice without end_step")
         flush = set(plan.flush)
         for job in plan.stores:
             if job.job_id in flush:
                 self._submit(job, Direction.STORE)
         self.wait(plan.flush)
-        for job in plan.stores:
-            if job.job_id not in flush:
-                self._submit(job, Direction.STORE)
         for job in plan.loads:
             self._submit(job, Direction.LOAD)
+        self._deferred_stores = [job for job in plan.stores if job.job_id not in flush]
+
+    def end_step(self) -> None:
+        """After the forward pass: submit the stores ``begin_step`` kept back."""
+        deferred, self._deferred_stores = self._deferred_stores, []
+        for job in deferred:
+            self._submit(job, Direction.STORE)
 
     def poll(self) -> WorkerReport:
         """Jobs done since the previous poll (each exactly once), and transfer stats."""

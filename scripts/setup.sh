@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Set up kvoffload on a fresh machine: a virtual environment in .venv with the library,
+# its optional extras, the test tools, vLLM's CPU build (for the connector tests) and a
+# local redis-server (for the shared-tier tests).
+#
+#   bash scripts/setup.sh            # everything
+#   KVOFFLOAD_SKIP_VLLM=1 bash scripts/setup.sh   # without vLLM (saves ~3 minutes)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q --upgrade pip
+# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+"${PIP[@]}" install -q "torch==2.13.0"
+"${PIP[@]}" install -q -e ".[torch,cli,redis,dev]"
+
+if [ -z "${KVOFFLOAD_SKIP_VLLM:-}" ] && [ -f scripts/install_vllm.sh ]; then
+  bash scripts/install_vllm.sh
+fi
+
+if [ -f scripts/install_redis.sh ]; then
+  bash scripts/install_redis.sh
+fi
+echo "kvoffload is set up in .venv"
