@@ -44,7 +44,7 @@ def layouts(draw: st.DrawFn) -> OffloadConfig:
         groups=tuple(groups), hash_block_size=hash_bs, block_size_factor=factor,
         num_workers=draw(st.integers(1, 4)),
         host_capacity_bytes=draw(st.integers(2, 64)),
-        eviction_policy=draw(st.sampled_from(["lru", "arc"])),
+        eviction_policy=draw(st.sampled_from(["lru", "arc", "hybrid"])),
         max_deferred_steps=draw(st.integers(1, 8)),
     )
 

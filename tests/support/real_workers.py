@@ -63,24 +63,30 @@ class TensorDevice:
 
 
 class RandomFaults:
-    """A fault hook failing each job with a probability the engine loop can change."""
+    """A fault hook failing each job with a probability the engine loop can change.
 
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
+    The draw depends only on (seed, job id, rank), not on thread timing, so a run is
+    reproducible.
+    """
+
+    def __init__(self, seed: int, rank: int) -> None:
+        self.seed = seed
+        self.rank = rank
         self.rate = 0.0
 
     def __call__(self, job: TransferJob) -> bool:
-        return self.rate > 0 and self.rng.random() < self.rate
+        return self.rate > 0 and random.Random(
+            hash((self.seed, int(job.job_id), self.rank))).random() < self.rate
 
 
 class RealWorkers:
     """One ``TransferWorker`` per rank; reports are held back at random to arrive late."""
 
     def __init__(self, device: TensorDevice, config: OffloadConfig, seed: int) -> None:
-        self.faults = RandomFaults(random.Random(seed))
+        self.faults = [RandomFaults(seed, rank) for rank in range(config.num_workers)]
         self.workers = []
         for rank in range(config.num_workers):
-            worker = TransferWorker(config, rank, CpuBackend(fault_hook=self.faults),
+            worker = TransferWorker(config, rank, CpuBackend(fault_hook=self.faults[rank]),
                                     pin_memory=False)
             worker.register_kv_caches(device.group_tensors(rank))
             self.workers.append(worker)
@@ -103,14 +109,17 @@ class RealWorkers:
 
     def deliver(self, rng: random.Random, fraction: float,
                 fail_rate: float) -> list[WorkerReport]:
-        self.faults.rate = fail_rate
-        if fraction >= 1.0:
-            for worker in self.workers:
-                worker.wait(list(self.unreported))
+        # Jobs run asynchronously; to keep runs reproducible, every job submitted so far
+        # finishes here, and the engine learns of a random (seeded) share of them. Jobs
+        # submitted from now on fail at this call's rate.
         for worker in self.workers:
+            worker.wait(list(self.unreported))
             report = worker.poll()
             self.held.extend((worker.rank, j, False) for j in report.finished)
             self.held.extend((worker.rank, j, True) for j in report.failed)
+        for faults in self.faults:
+            faults.rate = fail_rate
+        self.held.sort()
         rng.shuffle(self.held)
         cut = len(self.held) if fraction >= 1.0 else round(len(self.held) * fraction)
         released, self.held = self.held[:cut], self.held[cut:]

@@ -37,6 +37,7 @@ from kvoffload.jobs import (
 )
 from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.metrics import PlannerStats
+from kvoffload.planner.admission import make_admission
 from kvoffload.planner.contract import (
     LoadFailure,
     MatchResult,
@@ -71,6 +72,9 @@ class Planner:
         self._loads: list[TransferJob] = []
         self._early_finished: list[str] = []
         self._early_failed: list[LoadFailure] = []
+        self._admission = make_admission(config.eviction_policy, config.hash_block_size,
+                                         self._alignment, self._tier_has_room)
+        self._full_views = [g for g in self._order if g.window_blocks is None]
 
     # ------------------------------------------------------------------ lookup
 
@@ -91,8 +95,6 @@ class Planner:
                              "request ids must be unique")
         st.planned = None
         self.stats.lookups += 1
-        if st.jobs:
-            return self._defer_or(st, 0)
         for gs in st.groups:
             gs.block_ids = []
             gs.num_freed = 0
@@ -151,6 +153,12 @@ class Planner:
                     for g in self._order]
 
         end = combined_hit_end(views(False), num_computed, max_end, self._alignment)
+        if self._admission.learns and self._full_views and len(self._full_views) < len(
+                self._order):
+            full_only = [v for v in views(False) if v.group.window_blocks is None]
+            full_end = combined_hit_end(full_only, num_computed, max_end, self._alignment)
+            if full_end > end:
+                self._admission.learn_miss(request.block_hashes, full_end)
         if LookupResult.PENDING not in seen.values():
             return end, False
         hopeful = combined_hit_end(views(True), num_computed, max_end, self._alignment)
@@ -302,6 +310,9 @@ class Planner:
         st = self._requests.get(request.request_id)
         if st is None:
             st = self._new_state(request)
+        elif st.finished:
+            raise ValueError(f"request {request.request_id!r} already finished; "
+                             "request ids must be unique")
         if len(sched.new_block_ids) != len(self._groups):
             raise ValueError(f"request {request.request_id!r}: new_block_ids has "
                              f"{len(sched.new_block_ids)} groups, expected {len(self._groups)}")
@@ -337,9 +348,11 @@ class Planner:
             limit = min(offloadable // g.offloaded_block_size, len(gs.keys),
                         len(gs.block_ids) // g.factor)
             entries = []
+            request = st.request
             for k in range(gs.next_stored, limit):
                 positions = self._store_positions(g, gs, k)
-                if positions:
+                if positions and (g.window_blocks is None or self._admission.admit(
+                        g, k, request.block_hashes, request.num_prompt_tokens)):
                     entries.append((k, positions))
                     keys.append(gs.keys[k])
             candidates.append(entries)
@@ -521,6 +534,7 @@ class Planner:
             return
         st.finished = True
         st.planned = None
+        self._demote_finished(st)
         if not st.jobs:
             del self._requests[request.request_id]
             return
@@ -529,6 +543,24 @@ class Planner:
             if not js.fenced_other:
                 self._fence.add(job_id, js.other_block_ids)
                 js.fenced_other = True
+
+    def _demote_finished(self, st: RequestState) -> None:
+        """Tell the tier which of the request's stored blocks no likely hit can use."""
+        request = st.request
+        worthless: list[OffloadKey] = []
+        for g, gs in zip(self._groups, st.groups, strict=True):
+            if g.window_blocks is None:
+                continue
+            blocks = self._admission.demote_on_finish(g, 0, min(gs.next_stored, len(gs.keys)),
+                                                      request.num_prompt_tokens,
+                                                      request.num_tokens)
+            worthless.extend(gs.keys[k] for k in blocks)
+        if worthless:
+            self.tier.demote(worthless)
+
+    def _tier_has_room(self) -> bool:
+        usage = self.tier.usage()
+        return usage.used_slots < usage.capacity_slots
 
     def take_events(self) -> list[TierEvent]:
         """Cache events (blocks stored or removed) since the last call, for routers."""

@@ -111,6 +111,10 @@ class Tier(ABC):
         Keys not present are ignored.
         """
 
+    def demote(self, keys: Sequence[OffloadKey]) -> None:
+        """Hint that present keys are worth little: evict them first. Default: ignored."""
+        del keys
+
     @abstractmethod
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreResult | None:
         """Reserve slots for the keys not yet present, evicting if needed (atomic)."""

@@ -206,6 +206,9 @@ class HostTier(Tier):
 
     # -- writes -----------------------------------------------------------------------
 
+    def demote(self, keys: Sequence[OffloadKey]) -> None:
+        self._policy.demote(keys)
+
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreResult | None:
         """Reserve a slot for every key not yet present, evicting idle keys if needed.
 

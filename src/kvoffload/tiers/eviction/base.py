@@ -109,6 +109,10 @@ class EvictionPolicy(ABC):
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Mark present keys used, processing in reverse so ``keys[0]`` ends most recent."""
 
+    def demote(self, keys: Sequence[OffloadKey]) -> None:
+        """Hint: present keys are worth little; evict them before others. Default: ignore."""
+        del keys
+
     @abstractmethod
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> Victims | None:
         """Remove and return ``n`` idle, unprotected keys; ``None`` (no change) if impossible."""

@@ -53,6 +53,13 @@ class LRUPolicy(EvictionPolicy):
             if key in order:
                 order.move_to_end(key)
 
+    def demote(self, keys: Sequence[OffloadKey]) -> None:
+        """Move present keys to the least-recent end (next victims)."""
+        order = self._order
+        for key in keys:
+            if key in order:
+                order.move_to_end(key, last=False)
+
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> Victims | None:
         if n < 0:
             raise InvariantError(f"lru: evict({n})")
@@ -83,3 +90,13 @@ class LRUPolicy(EvictionPolicy):
 
 
 register_policy(LRUPolicy.name, LRUPolicy)
+
+
+class HybridPolicy(LRUPolicy):
+    """LRU that honours demotion hints; selected with eviction_policy="hybrid", which also
+    turns on hit-point admission in the planner (``kvoffload.planner.admission``)."""
+
+    name = "hybrid"
+
+
+register_policy(HybridPolicy.name, HybridPolicy)

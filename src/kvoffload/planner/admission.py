@@ -1,0 +1,138 @@
+"""Admission: which offloaded blocks of window and Mamba groups are worth storing.
+
+Full-attention blocks are always stored: a hit at any point needs all of them. A window
+group's block serves only hits whose window covers it, and a Mamba state serves only a hit
+exactly at its position. Storing the rest wastes memory that full-attention blocks (or
+other hit points) could use.
+
+``StoreEverything`` stores every block (the reference behaviour). ``HitPointAdmission``
+stores window blocks and Mamba states only around *likely hit points*:
+
+* the end of the request's prompt (a repeated or retried prompt hits there);
+* every point after the prompt (the decode frontier: the end of this turn is where the
+  next turn of a conversation hits); those that turn out not to be the end of the turn
+  are demoted (evicted first) when the request finishes;
+* points learned from misses: when a lookup found the full-attention prefix longer than
+  the hit it could give, because a window or Mamba group lacked blocks there, that point
+  is remembered, and any later request passing through it stores its windows there.
+
+While the tier has free room it admits everything: selective admission only matters
+when memory is short, and must not lose hits that storing everything would have had.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from kvoffload.config import ResolvedGroup
+from kvoffload.keys import BlockHash
+
+
+class AdmissionPolicy(ABC):
+    """Decides which window/Mamba blocks the planner stores. Full attention is not asked."""
+
+    learns = False
+    """Whether ``learn_miss`` does anything (the planner skips the extra work otherwise)."""
+
+    @abstractmethod
+    def admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
+              num_prompt_tokens: int) -> bool:
+        """Whether offloaded block ``block`` of ``group`` is worth storing.
+
+        ``hashes`` are the request's chained hashes at ``hash_block_size`` granularity.
+        """
+
+    def learn_miss(self, hashes: Sequence[BlockHash], point_tokens: int) -> None:
+        """A lookup could have hit at ``point_tokens`` but a window or state was missing."""
+        del hashes, point_tokens
+
+    def demote_on_finish(self, group: ResolvedGroup, stored_from: int, stored_to: int,
+                         num_prompt_tokens: int, num_tokens: int) -> range:
+        """Blocks in ``[stored_from, stored_to)`` to demote when the request finishes."""
+        del group, num_prompt_tokens, num_tokens
+        return range(stored_from, stored_from)
+
+
+class StoreEverything(AdmissionPolicy):
+    """Store every block that can be stored (the reference behaviour)."""
+
+    def admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
+              num_prompt_tokens: int) -> bool:
+        return True
+
+
+class HitPointAdmission(AdmissionPolicy):
+    """Store window blocks and Mamba states only around likely hit points (module doc).
+
+    Args:
+        hash_block_size: tokens per hash block.
+        alignment: every hit is a multiple of this many tokens.
+        has_room: whether the tier still has free room (then everything is admitted).
+        max_learned: how many learned hit points to remember (least recent forgotten).
+    """
+
+    learns = True
+
+    def __init__(self, hash_block_size: int, alignment: int, has_room: Callable[[], bool],
+                 max_learned: int = 1 << 16) -> None:
+        self._hash_bs = hash_block_size
+        self._alignment = alignment
+        self._has_room = has_room
+        self._max_learned = max_learned
+        self._learned: OrderedDict[BlockHash, None] = OrderedDict()
+
+    def _points(self, group: ResolvedGroup, block: int) -> range:
+        """Aligned hit points (in tokens) whose window or state needs ``block``."""
+        obs = group.offloaded_block_size
+        window = group.window_blocks or 1
+        first = (block + 1) * obs
+        last = (block + window) * obs
+        first += -first % self._alignment
+        return range(first, last + 1, self._alignment)
+
+    def admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
+              num_prompt_tokens: int) -> bool:
+        if self._has_room():
+            return True
+        prompt_point = (num_prompt_tokens - 1) // self._alignment * self._alignment
+        for point in self._points(group, block):
+            if point == prompt_point or point > num_prompt_tokens - 1:
+                return True
+            index = point // self._hash_bs - 1
+            if 0 <= index < len(hashes) and hashes[index] in self._learned:
+                self._learned.move_to_end(hashes[index])
+                return True
+        return False
+
+    def learn_miss(self, hashes: Sequence[BlockHash], point_tokens: int) -> None:
+        index = point_tokens // self._hash_bs - 1
+        if point_tokens % self._alignment or not 0 <= index < len(hashes):
+            return
+        self._learned[hashes[index]] = None
+        self._learned.move_to_end(hashes[index])
+        while len(self._learned) > self._max_learned:
+            self._learned.popitem(last=False)
+
+    def demote_on_finish(self, group: ResolvedGroup, stored_from: int, stored_to: int,
+                         num_prompt_tokens: int, num_tokens: int) -> range:
+        """Decode-phase blocks that no hit at the end of this turn can use."""
+        obs = group.offloaded_block_size
+        turn_end = (num_tokens - 1) // self._alignment * self._alignment
+        keep_from = turn_end // obs - (group.window_blocks or 1)
+        first_decode = max(stored_from, num_prompt_tokens // obs)
+        return range(first_decode, max(first_decode, min(stored_to, keep_from)))
+
+    @property
+    def num_learned(self) -> int:
+        return len(self._learned)
+
+
+def make_admission(eviction_policy: str, hash_block_size: int, alignment: int,
+                   has_room: Callable[[], bool]) -> AdmissionPolicy:
+    """The admission that goes with an eviction policy name ("hybrid" is selective)."""
+    if eviction_policy == "hybrid":
+        return HitPointAdmission(hash_block_size, alignment, has_room)
+    return StoreEverything()
+
