@@ -1,0 +1,136 @@
+"""Hit-point admission (eviction_policy="hybrid"): store window blocks and Mamba states
+only where a likely hit can use them, demote the rest, learn from misses."""
+
+from __future__ import annotations
+
+from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
+from kvoffload.jobs import StepPlan, WorkerReport
+from kvoffload.keys import BlockHasher, make_offload_key
+from kvoffload.planner.admission import HitPointAdmission, StoreEverything
+from kvoffload.planner.contract import ScheduledRequest, StepInput
+from kvoffload.planner.planner import Planner
+from kvoffload.tiers.base import LookupResult
+from kvoffload.tiers.cpu import HostTier
+
+
+class Req:
+    def __init__(self, rid: str, tokens: list[int], hasher: BlockHasher,
+                 prompt: int | None = None) -> None:
+        self.request_id = rid
+        self.tokens = tokens
+        self.num_prompt_tokens = len(tokens) if prompt is None else prompt
+        self.block_hashes = hasher.hashes(tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def config(slots: int, policy: str = "hybrid") -> OffloadConfig:
+    # Full attention + a window of 8 tokens (2 blocks of 4); hits every 4 tokens.
+    return OffloadConfig(
+        groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
+                GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)),
+        hash_block_size=4, host_capacity_bytes=slots, eviction_policy=policy)
+
+
+def stored_window_blocks(plan: StepPlan) -> list[int]:
+    """Logical positions of the window group's blocks a plan stores."""
+    out = []
+    for job in plan.stores:
+        for t in job.groups:
+            if t.group == 1:
+                out.extend(range(t.first_block_index, t.first_block_index + len(t.block_ids)))
+    return out
+
+
+def prefill(planner: Planner, req: Req, first_block_id: int) -> StepPlan:
+    """Look the request up (no hit), allocate one block per position, run its prefill."""
+    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    n = req.num_tokens // 4
+    table = tuple(range(first_block_id, first_block_id + n))
+    planner.update_state_after_alloc(req, (table, table), 0)
+    return planner.build_step_plan(StepInput((ScheduledRequest(
+        req, (table, table), 0, req.num_tokens, num_freed_blocks=(0, 0)),)))
+
+
+def complete(planner: Planner, plan: StepPlan) -> None:
+    planner.update_from_worker_reports(
+        [WorkerReport(0, tuple(j.job_id for j in plan.stores))])
+
+
+def test_with_free_room_every_window_block_is_stored() -> None:
+    hasher = BlockHasher(4)
+    planner = Planner(config(slots=100), HostTier(config(slots=100)))
+    plan = prefill(planner, Req("a", list(range(32)), hasher), 1)
+    assert stored_window_blocks(plan) == list(range(8))
+
+
+def test_when_full_only_the_window_at_the_prompt_end_is_stored() -> None:
+    """A 32-token prompt's likely hit points are token 28 (a repeat of the prompt: the
+    last token is always recomputed), whose window is blocks 5 and 6, and the points from
+    32 on, where a next turn extending this one may hit (block 7 is in their window until
+    the turn's real end is known). Blocks 0-4 serve no likely hit."""
+    hasher = BlockHasher(4)
+    cfg = config(slots=12)
+    planner = Planner(cfg, HostTier(cfg))
+    filler = prefill(planner, Req("fill", [99] * 24, hasher), 100)  # fills all 12 slots
+    complete(planner, filler)
+    plan = prefill(planner, Req("a", list(range(32)), hasher), 1)
+    assert stored_window_blocks(plan) == [5, 6, 7]
+
+
+def test_a_learned_branch_point_makes_later_requests_store_windows_there() -> None:
+    """Two requests share a 16-token system prompt. The first stored only the window at its
+    own prompt end; the second finds the shared full-attention prefix (16 tokens) but no
+    window there, so the point is learned, and its own prefill stores the window at 16."""
+    hasher = BlockHasher(4)
+    cfg = config(slots=30)
+    planner = Planner(cfg, HostTier(cfg))
+    complete(planner, prefill(planner, Req("fill", [99] * 60, hasher), 100))  # 30 slots
+    system = list(range(16))
+    first = Req("a", system + [50, 51, 52, 53, 54, 55, 56, 57], hasher)
+    complete(planner, prefill(planner, first, 1))
+    second = Req("b", system + [60, 61, 62, 63, 64, 65, 66, 67], hasher)
+    plan = prefill(planner, second, 40)
+    # Window of the hit point at 16 = blocks 2 and 3; prompt end (20) = blocks 3 and 4.
+    assert stored_window_blocks(plan) == [2, 3, 4]
+    complete(planner, plan)
+    third = Req("c", system + [70, 71, 72, 73, 74, 75], hasher)
+    assert planner.get_num_new_matched_tokens(third, 0).num_tokens == 16
+
+
+def test_decode_blocks_that_miss_the_turn_end_are_demoted_at_finish() -> None:
+    hasher = BlockHasher(4)
+    cfg = config(slots=100)
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    req = Req("a", list(range(40)), hasher, prompt=8)  # 8 prompt + 32 generated tokens
+    complete(planner, prefill(planner, req, 1))
+    planner.request_finished(req)
+    # The turn ends at token 36 (aligned below 39): its window is blocks 7 and 8. Decode
+    # blocks 2..6 are worth little and go to the front of the eviction order.
+    order = list(tier)
+    window_keys = {make_offload_key(req.block_hashes[k], 1): k for k in range(10)}
+    front = [window_keys[k] for k in order[:5]]
+    assert sorted(front) == [2, 3, 4, 5, 6]
+    assert all(tier.lookup(make_offload_key(req.block_hashes[k], 1)) is LookupResult.HIT
+               for k in (7, 8))
+
+
+def test_store_everything_admits_all() -> None:
+    policy = StoreEverything()
+    cfg = config(slots=10)
+    assert policy.admit(cfg.resolved[1], 0, [], 100)
+    assert not policy.learns
+
+
+def test_learned_points_are_bounded() -> None:
+    hasher = BlockHasher(4)
+    policy = HitPointAdmission(4, 4, lambda: False, max_learned=2)
+    hashes = hasher.hashes(list(range(40)))
+    for point in (8, 12, 16):
+        policy.learn_miss(hashes, point)
+    assert policy.num_learned == 2
+    policy.learn_miss(hashes, 9)  # not aligned: ignored
+    assert policy.num_learned == 2
