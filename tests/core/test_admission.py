@@ -89,14 +89,14 @@ def test_a_learned_branch_point_makes_later_requests_store_windows_there() -> No
     planner = Planner(cfg, HostTier(cfg))
     complete(planner, prefill(planner, Req("fill", [99] * 60, hasher), 100))  # 30 slots
     system = list(range(16))
-    first = Req("a", system + [50, 51, 52, 53, 54, 55, 56, 57], hasher)
+    first = Req("a", [*system, 50, 51, 52, 53, 54, 55, 56, 57], hasher)
     complete(planner, prefill(planner, first, 1))
-    second = Req("b", system + [60, 61, 62, 63, 64, 65, 66, 67], hasher)
+    second = Req("b", [*system, 60, 61, 62, 63, 64, 65, 66, 67], hasher)
     plan = prefill(planner, second, 40)
     # Window of the hit point at 16 = blocks 2 and 3; prompt end (20) = blocks 3 and 4.
     assert stored_window_blocks(plan) == [2, 3, 4]
     complete(planner, plan)
-    third = Req("c", system + [70, 71, 72, 73, 74, 75], hasher)
+    third = Req("c", [*system, 70, 71, 72, 73, 74, 75], hasher)
     assert planner.get_num_new_matched_tokens(third, 0).num_tokens == 16
 
 
