@@ -4,12 +4,23 @@ For each offloaded-block size (the bytes of one offloaded block: all its pages t
 the script fills an engine cache, stores ``--total-mib`` of blocks from scattered engine
 blocks into scattered host slots through ``TransferWorker.execute``/``wait`` in jobs of
 ``--blocks-per-job`` blocks, then loads them back into other scattered blocks. The
-reference is one contiguous ``copy_`` of the same number of bytes between the same two
-allocations (engine cache <-> host arena), timed in the same run, interleaved with the
-worker runs. The ratio is worker throughput / contiguous throughput, taken per repetition
-against the reference run next to it and reported as the median (shared machines drift);
-the GB/s columns are medians. The worker's loaded bytes are checked against the stored ones
-once per size.
+reference is a contiguous ``copy_`` of the same number of bytes between the same two
+allocations (engine cache <-> host arena; one ``copy_`` per engine tensor when a block has
+several segments) using torch's intra-op threads, timed in the same run, interleaved with
+the worker runs. ``--threads N`` gives both sides the same N threads (torch's intra-op
+threads, the CPU backend's copy threads); the header prints both.
+
+Fairness: the jobs are built before the clock starts (the worker's own validation and
+planning are timed, the benchmark's bookkeeping is not); every timed run, reference or
+worker, starts after the same idle gap (``--gap-ms``), so neither inherits the other's
+busy threads (OpenMP threads spin for milliseconds after a parallel ``copy_`` and would
+otherwise steal a core from the worker run that follows); and which of the two goes first
+alternates from one repetition to the next. The ratio is worker throughput / contiguous
+throughput, taken per repetition against the reference run next to it and reported as the
+median with its quartiles (shared machines drift); the GB/s columns are medians. With
+``--best`` the GB/s columns and the ratio come from the fastest run of each kind instead:
+on a machine busy with other work, those are the runs nothing interrupted. The worker's
+loaded bytes are checked against the stored ones once per size.
 
     python benchmarks/transfer_bandwidth.py                 # CPU backend
     python benchmarks/transfer_bandwidth.py --device cuda   # CUDA backend, pinned arena
@@ -30,7 +41,7 @@ import torch
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.jobs import Direction, GroupTransfer, JobId, StepPlan, TransferJob
-from kvoffload.worker import GroupTensors, TransferWorker
+from kvoffload.worker import CpuBackend, GroupTensors, TransferWorker
 
 KIB = 1024
 SIZES = [16 * KIB, 64 * KIB, 256 * KIB, 1024 * KIB, 4096 * KIB]
@@ -61,6 +72,9 @@ class Row:
     store_ratio: float
     """Median over repetitions of (worker throughput / the contiguous copy timed next to it)."""
     load_ratio: float
+    store_ratio_q: tuple[float, float]
+    """First and third quartile of the per-repetition store ratios."""
+    load_ratio_q: tuple[float, float]
 
     def as_json(self) -> dict[str, object]:
         return asdict(self)
@@ -80,7 +94,9 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device) -
     # so stores read and loads write scattered blocks.
     cache = [torch.randint(0, 256, (2 * engine_blocks + 1, page), dtype=torch.uint8,
                            device=device) for _ in range(segments)]
-    worker = TransferWorker(config)
+    backend = CpuBackend(copy_threads=args.threads) \
+        if device.type == "cpu" and args.threads else None
+    worker = TransferWorker(config, backend=backend)
     worker.register_kv_caches([GroupTensors(0, [(f"s{i}", t) for i, t in enumerate(cache)])])
     gen = torch.Generator().manual_seed(block_bytes)
     ids = (torch.randperm(2 * engine_blocks, generator=gen) + 1).tolist()
@@ -89,58 +105,97 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device) -
     per_job = min(args.blocks_per_job, num)
     next_id = [1]
 
-    def jobs(direction: Direction, block_ids: list[int]) -> list[TransferJob]:
+    def plan(direction: Direction, block_ids: list[int]) -> StepPlan:
         out = []
         for k in range(0, num, per_job):
             blocks = tuple(block_ids[k * args.factor : (k + per_job) * args.factor])
             transfer = GroupTransfer(0, blocks, 0, tuple(slots[k : k + per_job]))
             out.append(TransferJob(JobId(next_id[0]), direction, f"r{k}", (transfer,)))
             next_id[0] += 1
-        return out
+        return StepPlan(stores=tuple(out)) if direction is Direction.STORE \
+            else StepPlan(loads=tuple(out))
 
-    def through_worker(direction: Direction, block_ids: list[int]) -> None:
-        batch = tuple(jobs(direction, block_ids))
-        plan = StepPlan(stores=batch) if direction is Direction.STORE else StepPlan(loads=batch)
-        worker.execute(plan)
-        worker.wait(j.job_id for j in batch)
-        report = worker.poll()
-        assert not report.failed and len(report.finished) == len(batch), report
+    def through_worker(step: StepPlan) -> Callable[[], None]:
+        batch = (*step.stores, *step.loads)
+
+        def run() -> None:
+            worker.execute(step)
+            worker.wait(j.job_id for j in batch)
+            report = worker.poll()
+            assert not report.failed and len(report.finished) == len(batch), report
+
+        return run
 
     total: int = num * block_bytes
-    arena_flat = worker.host_pool.arena.view(-1)[:total]  # (total,) host bytes
-    engine_flat = cache[0].view(-1)[:total]  # (total,) engine bytes, same allocation kind
+    # The same bytes between the same two allocations: each engine tensor's first
+    # ``share`` bytes to (from) consecutive arena bytes.
+    share = num * args.factor * page
+    arena_flat = worker.host_pool.arena.view(-1)  # host bytes
+    pairs = [(arena_flat[i * share : (i + 1) * share], t.view(-1)[:share])
+             for i, t in enumerate(cache)]
 
     def contiguous_store() -> None:
-        arena_flat.copy_(engine_flat, non_blocking=True)
+        for host, engine in pairs:
+            host.copy_(engine, non_blocking=True)
 
     def contiguous_load() -> None:
-        engine_flat.copy_(arena_flat, non_blocking=True)
+        for host, engine in pairs:
+            engine.copy_(host, non_blocking=True)
 
-    # Warm up (thread pools, pinned staging, page faults) and check bytes once.
-    through_worker(Direction.STORE, src_ids)
-    through_worker(Direction.LOAD, dst_ids)
+    # Warm up (thread pools, pinned staging, page faults on both sides) and check bytes.
+    through_worker(plan(Direction.STORE, src_ids))()
+    through_worker(plan(Direction.LOAD, dst_ids))()
     for t in cache:
         assert torch.equal(t[torch.tensor(src_ids, device=device)],
                            t[torch.tensor(dst_ids, device=device)]), "loaded bytes differ"
+    contiguous_store()
+    contiguous_load()
     store_t, load_t, base_store_t, base_load_t = [], [], [], []
-    for _ in range(args.reps):
-        base_store_t.append(_timed(contiguous_store, device))
-        store_t.append(_timed(lambda: through_worker(Direction.STORE, src_ids), device))
-        base_load_t.append(_timed(contiguous_load, device))
-        load_t.append(_timed(lambda: through_worker(Direction.LOAD, dst_ids), device))
+
+    def timed(fn: Callable[[], None]) -> float:
+        time.sleep(args.gap_ms / 1000)
+        return _timed(fn, device)
+
+    for rep in range(args.reps):
+        stores = through_worker(plan(Direction.STORE, src_ids))
+        loads = through_worker(plan(Direction.LOAD, dst_ids))
+        if rep % 2 == 0:
+            base_store_t.append(timed(contiguous_store))
+            store_t.append(timed(stores))
+            base_load_t.append(timed(contiguous_load))
+            load_t.append(timed(loads))
+        else:
+            store_t.append(timed(stores))
+            base_store_t.append(timed(contiguous_store))
+            load_t.append(timed(loads))
+            base_load_t.append(timed(contiguous_load))
     worker.shutdown()
 
     def gbps(times: list[float]) -> float:
-        return total / float(statistics.median(times)) / 1e9
+        return total / float(min(times) if args.best else statistics.median(times)) / 1e9
+
+    def ratios(worker_t: list[float], ref_t: list[float]) -> list[float]:
+        # Paired with the reference run next to it: robust to bandwidth drifting over time.
+        return [r / w for w, r in zip(worker_t, ref_t, strict=True)]
 
     def ratio(worker_t: list[float], ref_t: list[float]) -> float:
-        # Paired with the reference run next to it: robust to bandwidth drifting over time.
-        return float(statistics.median(r / w for w, r in zip(worker_t, ref_t, strict=True)))
+        if args.best:  # fastest worker run / fastest reference run
+            return min(ref_t) / min(worker_t)
+        return float(statistics.median(ratios(worker_t, ref_t)))
+
+    def quartiles(worker_t: list[float], ref_t: list[float]) -> tuple[float, float]:
+        values = ratios(worker_t, ref_t)
+        if len(values) < 2:
+            return values[0], values[0]
+        q = statistics.quantiles(values, n=4)
+        return float(q[0]), float(q[2])
 
     return Row(block_kib=block_bytes // KIB, page_kib=page / KIB, blocks=num,
                store_gbps=gbps(store_t), store_ref_gbps=gbps(base_store_t),
                load_gbps=gbps(load_t), load_ref_gbps=gbps(base_load_t),
-               store_ratio=ratio(store_t, base_store_t), load_ratio=ratio(load_t, base_load_t))
+               store_ratio=ratio(store_t, base_store_t), load_ratio=ratio(load_t, base_load_t),
+               store_ratio_q=quartiles(store_t, base_store_t),
+               load_ratio_q=quartiles(load_t, base_load_t))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,27 +208,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--factor", type=int, default=1, help="block_size_factor")
     parser.add_argument("--total-mib", type=int, default=64, help="bytes moved per run")
     parser.add_argument("--blocks-per-job", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads and CPU copy threads (default: as is)")
+    parser.add_argument("--best", action="store_true",
+                        help="GB/s and ratio from the fastest run of each kind instead of "
+                             "medians: on a machine shared with other work, the fastest "
+                             "runs are the ones nothing else interrupted")
+    parser.add_argument("--gap-ms", type=float, default=20.0,
+                        help="idle time before every timed run (worker and reference alike)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here", file=sys.stderr)
         return 2
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    copy_threads = args.threads or CpuBackend().copy_threads
     rows = [run_size(kib * KIB, args, device) for kib in args.sizes_kib]
     if args.json:
         print(json.dumps({"device": args.device, "segments": args.segments,
                           "factor": args.factor, "threads": torch.get_num_threads(),
+                          "copy_threads": copy_threads if args.device == "cpu" else None,
                           "rows": [r.as_json() for r in rows]}, indent=1))
         return 0
+    copies = f" copy threads={copy_threads}" if args.device == "cpu" else ""
     print(f"device={args.device} segments/block={args.segments} factor={args.factor} "
-          f"torch threads={torch.get_num_threads()} (median of {args.reps}; GB/s)")
-    head = (f"{'block':>8} {'page':>9} {'store':>7} {'contig':>7} {'ratio':>6}   "
-            f"{'load':>7} {'contig':>7} {'ratio':>6}")
+          f"torch threads={torch.get_num_threads()}{copies} "
+          f"({'best' if args.best else 'median'} of {args.reps}, paired-ratio quartiles in "
+          f"brackets; GB/s)")
+    head = (f"{'block':>8} {'page':>9} {'store':>7} {'contig':>7} {'ratio':>17}   "
+            f"{'load':>7} {'contig':>7} {'ratio':>17}")
     print(head)
+
+    def cell(ratio: float, q: tuple[float, float]) -> str:
+        return f"{ratio:.2f} [{q[0]:.2f}-{q[1]:.2f}]"
+
     for r in rows:
         print(f"{r.block_kib:>6}Ki {r.page_kib:>7.1f}Ki "
-              f"{r.store_gbps:>7.2f} {r.store_ref_gbps:>7.2f} {r.store_ratio:>6.2f}   "
-              f"{r.load_gbps:>7.2f} {r.load_ref_gbps:>7.2f} {r.load_ratio:>6.2f}")
+              f"{r.store_gbps:>7.2f} {r.store_ref_gbps:>7.2f} "
+              f"{cell(r.store_ratio, r.store_ratio_q):>17}   "
+              f"{r.load_gbps:>7.2f} {r.load_ref_gbps:>7.2f} "
+              f"{cell(r.load_ratio, r.load_ratio_q):>17}")
     return 0
 
 

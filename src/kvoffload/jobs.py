@@ -23,6 +23,8 @@ from enum import Enum
 from typing import NewType
 
 JobId = NewType("JobId", int)
+TierJobId = NewType("TierJobId", int)
+"""Ids of tier jobs (``TierJob``): their own id space, allocated by the cascade tier."""
 
 NULL_BLOCK_ID = 0
 """Engine block id 0 means "no data here"; it is never stored and never loaded into."""
@@ -81,6 +83,52 @@ class TransferJob:
         return sum(len(g.block_ids) for g in self.groups)
 
 
+class TierOp(str, Enum):
+    """What a tier job does. Lower tiers are the disk and remote tiers below host memory."""
+
+    PROMOTE = "promote"
+    """Lower tier -> host slot: read the block, verify it, write it into ``slot``."""
+    DEMOTE = "demote"
+    """Host slot -> lower tier: write the block's bytes from ``slot`` to the tier."""
+    DELETE = "delete"
+    """Remove the block from the lower tier (no slot)."""
+    PURGE = "purge"
+    """Remove every block of this namespace and rank from the lower tier (no key, no slot)."""
+
+
+@dataclass(frozen=True)
+class TierJob:
+    """One block moved between host memory and a lower tier, on every rank.
+
+    Attributes:
+        job_id: unique among tier jobs; a job is done when every rank has reported it.
+        op: what to do.
+        tier: the lower tier's name (``"disk"``, ``"remote"``).
+        key: the block's offload key (empty for ``PURGE``).
+        group: the key's group (decides how many bytes of the slot are the block).
+        slot: the host slot read (``DEMOTE``) or written (``PROMOTE``); -1 otherwise.
+        snapshot: ``DEMOTE`` only: the slot is reused by this step's stores or promotes,
+            so the worker copies its bytes before submitting anything else of the plan.
+            Without it the cascade keeps the host key pinned until the job reports.
+    """
+
+    job_id: TierJobId
+    op: TierOp
+    tier: str
+    key: bytes
+    group: int = 0
+    slot: int = -1
+    snapshot: bool = False
+
+
+@dataclass(frozen=True)
+class TierWork:
+    """Tier jobs a tier hands to the step plan (see ``StepPlan.tier_jobs``)."""
+
+    flush: tuple[TierJobId, ...] = ()
+    jobs: tuple[TierJob, ...] = ()
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """What the workers must do this step, in this order.
@@ -96,15 +144,22 @@ class StepPlan:
     3. submit the other ``stores``: they read blocks this step's forward pass writes.
 
     Jobs of one direction in flight together never write the same slot or engine block.
+
+    Tier jobs (only with lower tiers, see ``kvoffload.tiers.cascade``) come first of all:
+    wait for ``tier_flush`` (tier jobs from before a cache reset), copy the slots of
+    ``snapshot`` demotes, then submit every tier job asynchronously.
     """
 
     flush: tuple[JobId, ...] = ()
     stores: tuple[TransferJob, ...] = ()
     loads: tuple[TransferJob, ...] = ()
+    tier_flush: tuple[TierJobId, ...] = ()
+    tier_jobs: tuple[TierJob, ...] = ()
 
     @property
     def is_empty(self) -> bool:
-        return not (self.flush or self.stores or self.loads)
+        return not (self.flush or self.stores or self.loads or self.tier_flush
+                    or self.tier_jobs)
 
 
 @dataclass(frozen=True)
@@ -125,6 +180,12 @@ class WorkerReport:
     finished: tuple[JobId, ...] = ()
     failed: tuple[JobId, ...] = ()
     stats: TransferStats = field(default_factory=TransferStats)
+    tier_finished: tuple[TierJobId, ...] = ()
+    """Tier jobs this rank completed (each exactly once)."""
+    tier_failed: tuple[TierJobId, ...] = ()
+    """Tier jobs this rank could not complete (a miss, a corrupt block, an I/O error)."""
+    tier_unreachable: tuple[str, ...] = ()
+    """Lower tiers this rank could not reach since its last report (skip them a while)."""
 
 
 def merge_reports(reports: Sequence[WorkerReport]) -> tuple[dict[JobId, int], set[JobId]]:

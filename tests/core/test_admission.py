@@ -93,8 +93,10 @@ def test_a_learned_branch_point_makes_later_requests_store_windows_there() -> No
     complete(planner, prefill(planner, first, 1))
     second = Req("b", [*system, 60, 61, 62, 63, 64, 65, 66, 67], hasher)
     plan = prefill(planner, second, 40)
-    # Window of the hit point at 16 = blocks 2 and 3; prompt end (20) = blocks 3 and 4.
-    assert stored_window_blocks(plan) == [2, 3, 4]
+    # Window of the hit point at 16 = blocks 2 and 3 (3 is already stored: the first
+    # request's prompt-end window); prompt end (20) = blocks 3 and 4; block 5 lies on the
+    # decode frontier.
+    assert stored_window_blocks(plan) == [2, 4, 5]
     complete(planner, plan)
     third = Req("c", [*system, 70, 71, 72, 73, 74, 75], hasher)
     assert planner.get_num_new_matched_tokens(third, 0).num_tokens == 16

@@ -299,7 +299,7 @@ class BrokenPiecesBackend(GatedCpuBackend):
         super().__init__()
         self.broken = broken
 
-    def _pieces(self, job: TransferJob) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _pieces(self, job: TransferJob) -> list[tuple[int, int, int]]:
         if job.job_id == self.broken:
             raise RuntimeError("simulated copy error")
         return super()._pieces(job)

@@ -232,20 +232,25 @@ class HybridBlockPool:
         tables = req.tables if req is not None else [[] for _ in self._policies]
         plans = [self._plan(policy, tables[policy.index], num_computed_tokens, num_tokens,
                             hit) for policy in self._policies]
-        need = sum(entry is None for plan in plans for entry in plan)
-        touch = [b for plan in plans for b in plan if b is not None and b != NULL_BLOCK_ID]
-        need += sum(1 for b in touch if self._ref[b] == 0)
+        ref = self._ref
+        touch = [b for plan in plans for b in plan if b]  # hit blocks (None and 0 are falsy)
+        need = sum(plan.count(None) for plan in plans)
+        need += sum(1 for b in touch if ref[b] == 0)
         if need > len(self._free):
             return None
         if req is None:
             req = self._requests[request_id] = _Tables(len(self._policies))
         for block in touch:  # pin hit blocks before new ones could evict them
-            if self._ref[block] == 0:
+            if ref[block] == 0:
                 del self._free[block]
-            self._ref[block] += 1
+            ref[block] += 1
         new_ids: list[tuple[int, ...]] = []
         for policy, plan in zip(self._policies, plans, strict=True):
-            ids = tuple(self._allocate_block() if b is None else b for b in plan)
+            if None in plan:
+                fresh = iter(self._allocate_blocks(plan.count(None)))
+                ids = tuple(next(fresh) if b is None else b for b in plan)
+            else:
+                ids = tuple(plan)  # type: ignore[arg-type]  # no None left
             req.tables[policy.index].extend(ids)
             g = policy.index
             req.dead[g] = max(req.dead[g], min(policy.dead_before(num_computed_tokens),
@@ -279,8 +284,23 @@ class HybridBlockPool:
         """Entries to append: the null id, a hit block id, or None for a new block."""
         dead = policy.dead_before(num_computed)
         hit_ids = hit.block_ids[policy.index] if hit is not None else ()
-        plan: list[int | None] = []
-        for pos in range(len(table), cdiv(num_tokens, policy.block_size)):
+        start, end = len(table), cdiv(num_tokens, policy.block_size)
+        if start >= end:
+            return []
+        if policy.kind is not GroupKind.MAMBA:
+            # Every live position needs a block: nulls, then hit blocks, then new blocks.
+            live = max(start, min(dead, end))
+            adopted = max(live, min(len(hit_ids), end))
+            plan: list[int | None] = [NULL_BLOCK_ID] * (live - start)
+            plan.extend(hit_ids[live:adopted])
+            if NULL_BLOCK_ID in plan[live - start:]:
+                pos = live + plan[live - start:].index(NULL_BLOCK_ID)
+                raise ValueError(f"group {policy.index}: hit has no block at live "
+                                 f"position {pos}")
+            plan.extend([None] * (end - adopted))
+            return plan
+        plan = []
+        for pos in range(start, end):
             if pos < dead or not policy.needs_block(pos, num_computed, num_tokens):
                 plan.append(NULL_BLOCK_ID)
             elif pos < len(hit_ids):
@@ -292,16 +312,20 @@ class HybridBlockPool:
                 plan.append(None)
         return plan
 
-    def _allocate_block(self) -> int:
-        """Take the free queue's front block, evicting its cached contents if any."""
-        block, _ = self._free.popitem(last=False)
-        key = self._key[block]
-        if key is not None:
-            del self._cached[key]
-            self._key[block] = None
-            self._evictions += 1
-        self._ref[block] = 1
-        return block
+    def _allocate_blocks(self, count: int) -> list[int]:
+        """Take ``count`` blocks from the free queue's front, evicting their cached contents."""
+        free, keys, cached, ref = self._free, self._key, self._cached, self._ref
+        out = []
+        for _ in range(count):
+            block, _ = free.popitem(last=False)
+            key = keys[block]
+            if key is not None:
+                del cached[key]
+                keys[block] = None
+                self._evictions += 1
+            ref[block] = 1
+            out.append(block)
+        return out
 
     def _release(self, blocks: Iterable[int]) -> None:
         """Unpin blocks; the ones nobody holds join the free queue's tail, in order."""
@@ -354,25 +378,27 @@ class HybridBlockPool:
         """
         req = self._require(request_id)
         added = 0
+        cached, keys, stamps = self._cached, self._key, self._stamp
         for policy in self._policies:
             g = policy.index
             table = req.tables[g]
+            hpb = policy.hashes_per_block
             for pos in policy.cache_positions(num_computed_tokens, req.checked[g]):
                 if pos >= len(table):
                     raise ValueError(f"request {request_id!r} group {g}: position {pos} is "
                                      f"not allocated (table has {len(table)})")
                 block = table[pos]
-                if block == NULL_BLOCK_ID or self._key[block] is not None:
+                if block == NULL_BLOCK_ID or keys[block] is not None:
                     continue
-                if (pos + 1) * policy.hashes_per_block > len(block_hashes):
+                if (pos + 1) * hpb > len(block_hashes):
                     raise ValueError(f"request {request_id!r}: {len(block_hashes)} hashes "
                                      f"do not cover group {g} position {pos}")
-                key = (g, policy.block_hash(block_hashes, pos))
-                if key in self._cached:
+                key = (g, block_hashes[(pos + 1) * hpb - 1])
+                if key in cached:
                     continue
-                self._cached[key] = block
-                self._key[block] = key
-                self._stamp[block] = self._next_stamp
+                cached[key] = block
+                keys[block] = key
+                stamps[block] = self._next_stamp
                 self._next_stamp += 1
                 added += 1
             req.checked[g] = policy.next_checked(num_computed_tokens, req.checked[g])

@@ -23,6 +23,7 @@ The planner decides every transfer and never moves a byte. Its promises:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from kvoffload.config import GroupKind, OffloadConfig, ResolvedGroup
 from kvoffload.errors import InvariantError
@@ -35,7 +36,7 @@ from kvoffload.jobs import (
     TransferJob,
     WorkerReport,
 )
-from kvoffload.keys import OffloadKey, make_offload_key
+from kvoffload.keys import BlockHash, OffloadKey, make_offload_key
 from kvoffload.metrics import PlannerStats
 from kvoffload.planner.admission import make_admission
 from kvoffload.planner.contract import (
@@ -75,6 +76,7 @@ class Planner:
         self._admission = make_admission(config.eviction_policy, config.hash_block_size,
                                          self._alignment, self._tier_has_room)
         self._full_views = [g for g in self._order if g.window_blocks is None]
+        self._key_suffix = [make_offload_key(BlockHash(b""), g.index) for g in self._groups]
 
     # ------------------------------------------------------------------ lookup
 
@@ -95,6 +97,8 @@ class Planner:
                              "request ids must be unique")
         st.planned = None
         self.stats.lookups += 1
+        if st.jobs:
+            return self._defer_or(st, 0)
         for gs in st.groups:
             gs.block_ids = []
             gs.num_freed = 0
@@ -133,23 +137,31 @@ class Planner:
         """(hit end with what is readable now, whether waiting could give more)."""
         request = st.request
         max_end = request.num_tokens - (1 if self.config.has_windowed_group else 0)
-        seen: dict[OffloadKey, LookupResult] = {}
         tier_lookup = self.tier.lookup
+        hit, miss, pending = LookupResult.HIT, LookupResult.MISS, LookupResult.PENDING
+        # Each (group, block) is asked of the tier at most once per lookup, whatever the
+        # fixpoint re-checks; one closure per group keeps the per-block cost to one call.
+        seen: list[dict[int, LookupResult]] = [{} for _ in self._groups]
+        saw_pending = False
 
-        def status(key: OffloadKey) -> LookupResult:
-            found = seen.get(key)
-            if found is None:
-                found = seen[key] = tier_lookup(key)
-            return found
+        def readable(keys: list[OffloadKey], cache: dict[int, LookupResult],
+                     accept_pending: bool) -> BlockReadable:
+            def status(i: int) -> LookupResult:
+                nonlocal saw_pending
+                found = cache.get(i)
+                if found is None:
+                    found = cache[i] = tier_lookup(keys[i])
+                    if found is pending:
+                        saw_pending = True
+                return found
 
-        def readable(keys: list[OffloadKey], accept_pending: bool) -> BlockReadable:
             if accept_pending:
-                return lambda i: status(keys[i]) is not LookupResult.MISS
-            return lambda i: status(keys[i]) is LookupResult.HIT
+                return lambda i: (cache.get(i) or status(i)) is not miss
+            return lambda i: (cache.get(i) or status(i)) is hit
 
         def views(accept_pending: bool) -> list[GroupView]:
             return [GroupView(g, len(st.groups[g.index].keys),
-                              readable(st.groups[g.index].keys, accept_pending))
+                              readable(st.groups[g.index].keys, seen[g.index], accept_pending))
                     for g in self._order]
 
         end = combined_hit_end(views(False), num_computed, max_end, self._alignment)
@@ -159,19 +171,48 @@ class Planner:
             full_end = combined_hit_end(full_only, num_computed, max_end, self._alignment)
             if full_end > end:
                 self._admission.learn_miss(request.block_hashes, full_end)
-        if LookupResult.PENDING not in seen.values():
+        if not saw_pending:
             return end, False
         hopeful = combined_hit_end(views(True), num_computed, max_end, self._alignment)
+        if hopeful > end:
+            self.tier.prefetch(self._hit_keys(st, num_computed, hopeful))
         return end, hopeful > end
 
+    def _hit_keys(self, st: RequestState, start: int, end: int) -> list[OffloadKey]:
+        """Keys a load of tokens ``[start, end)`` reads: every block of a full-attention
+        group, the last window of a window group, the state at ``end`` of a Mamba group."""
+        keys: list[OffloadKey] = []
+        for g, gs in zip(self._groups, st.groups, strict=True):
+            last = end // g.offloaded_block_size
+            first = start // g.offloaded_block_size
+            if g.window_blocks is not None:
+                first = max(first, last - g.window_blocks)
+            keys.extend(gs.keys[first:last])
+        return keys
+
     def _touch(self, st: RequestState) -> None:
-        """Keep warm what a future hit on this request's prefix needs (SYSTEM.md 2.4)."""
+        """Keep warm what a future hit on this request's prefix needs (SYSTEM.md 2.4).
+
+        Full attention: every key. Window and Mamba groups: the keys from the last W
+        blocks of the first hit on -- of those, only blocks that some aligned hit can use:
+        the others are never stored (``_store_positions``), so touching them would only
+        cost time (for a 16-block alignment, 15 of every 16 Mamba keys).
+        """
         keys: list[OffloadKey] = []
         for g, gs in zip(self._groups, st.groups, strict=True):
             if g.window_blocks is None:
                 keys.extend(gs.keys)
+                continue
+            start = max(0, gs.num_hit_blocks - g.window_blocks)
+            step = self._alignment // g.offloaded_block_size
+            width = min(g.window_blocks, step)  # useful blocks: k % step >= step - width
+            if width == step:
+                keys.extend(gs.keys[start:])
+            elif width == 1:
+                keys.extend(gs.keys[start + (step - 1 - start % step)::step])
             else:
-                keys.extend(gs.keys[max(0, gs.num_hit_blocks - g.window_blocks):])
+                for seg in range(start - start % step, len(gs.keys), step):
+                    keys.extend(gs.keys[max(start, seg + step - width):seg + step])
         self.tier.touch(keys)
 
     # ------------------------------------------------------------------- loads
@@ -299,8 +340,16 @@ class Planner:
                 stores.append(job)
         if step.other_allocations:
             self._flush |= self._fence.jobs_using(step.other_allocations)
+        tier_work = self.tier.take_tier_work()  # after the stores: it sees their evictions
+        # A store created in this step reads only blocks its running request still holds
+        # (freed positions are never stored), so none of them can be handed out afresh
+        # this step: a fence hit on it is another request adopting a shared prefix block,
+        # which reads it. Flushing such a store would run it before the forward pass
+        # writes its blocks.
+        self._flush.difference_update(job.job_id for job in stores)
         plan = StepPlan(flush=tuple(sorted(self._flush)), stores=tuple(stores),
-                        loads=tuple(self._loads))
+                        loads=tuple(self._loads), tier_flush=tier_work.flush,
+                        tier_jobs=tier_work.jobs)
         self._flush = set()
         self._loads = []
         return plan
@@ -316,7 +365,7 @@ class Planner:
         if len(sched.new_block_ids) != len(self._groups):
             raise ValueError(f"request {request.request_id!r}: new_block_ids has "
                              f"{len(sched.new_block_ids)} groups, expected {len(self._groups)}")
-        if any(self._jobs[j].direction is Direction.LOAD for j in st.jobs):
+        if st.jobs and any(self._jobs[j].direction is Direction.LOAD for j in st.jobs):
             raise InvariantError(f"request {request.request_id!r} scheduled while its load "
                                  "is in flight; wait for finished_loads")
         if sched.resumed:
@@ -325,12 +374,14 @@ class Planner:
                 gs.block_ids = []
                 gs.num_freed = 0
         self._refresh_keys(st)
-        for i, (gs, ids) in enumerate(zip(st.groups, sched.new_block_ids, strict=True)):
+        for gs, ids in zip(st.groups, sched.new_block_ids, strict=True):
             if ids:
                 gs.block_ids.extend(ids)
                 self._flush |= self._fence.jobs_using(ids)
-            if sched.num_freed_blocks is not None:
-                gs.num_freed = max(gs.num_freed, sched.num_freed_blocks[i])
+        freed = sched.num_freed_blocks
+        if freed is not None:
+            for gs, n in zip(st.groups, freed, strict=True):
+                gs.num_freed = max(gs.num_freed, n)
         offloadable = min(sched.num_computed_tokens + sched.num_scheduled_tokens,
                           request.num_tokens)
         return self._plan_store(st, offloadable)
@@ -341,22 +392,35 @@ class Planner:
         Store progress advances only when the blocks were stored, found present or
         skipped; a failed ``prepare_store`` leaves it in place to retry next step.
         """
+        limits = [min(offloadable // g.offloaded_block_size, len(gs.keys),
+                      len(gs.block_ids) // g.factor)
+                  for g, gs in zip(self._groups, st.groups, strict=True)]
+        if all(limit <= gs.next_stored for limit, gs in zip(limits, st.groups, strict=True)):
+            return None  # no block completed since the last store (the common decode step)
         candidates: list[list[tuple[int, list[int]]]] = []
-        limits: list[int] = []
         keys: list[OffloadKey] = []
-        for g, gs in zip(self._groups, st.groups, strict=True):
-            limit = min(offloadable // g.offloaded_block_size, len(gs.keys),
-                        len(gs.block_ids) // g.factor)
+        request = st.request
+        for g, gs, limit in zip(self._groups, st.groups, limits, strict=True):
             entries = []
-            request = st.request
-            for k in range(gs.next_stored, limit):
+            first = gs.next_stored
+            f = g.factor
+            if (g.kind is GroupKind.FULL_ATTENTION and first < limit and gs.num_freed <= first * f
+                    and NULL_BLOCK_ID not in gs.block_ids[first * f:limit * f]):
+                # Every block live (the usual case): what _store_positions would say,
+                # without a call per block.
+                entries = [(k, list(range(k * f, (k + 1) * f))) for k in range(first, limit)]
+                keys.extend(gs.keys[first:limit])
+                candidates.append(entries)
+                continue
+            blocks = (range(first, limit) if g.window_blocks is None
+                      else self._useful_blocks(g, first, limit))
+            for k in blocks:
                 positions = self._store_positions(g, gs, k)
                 if positions and (g.window_blocks is None or self._admission.admit(
                         g, k, request.block_hashes, request.num_prompt_tokens)):
                     entries.append((k, positions))
                     keys.append(gs.keys[k])
             candidates.append(entries)
-            limits.append(limit)
         if not keys:
             self._advance(st, limits)
             return None
@@ -396,23 +460,29 @@ class Planner:
                                slot_of: dict[OffloadKey, int]) -> list[GroupTransfer]:
         """Transfers for the chosen offloaded blocks of one group.
 
-        Only the first block of a run may be partial (nulls are a prefix), so one transfer
-        covers the group; a Mamba group stores only the last state of each block, one
-        transfer per block.
+        One transfer per run of adjacent blocks, so ``first_block_index + i`` names the
+        position of each block (blocks already in the tier split a run). Only the first
+        block of a run may be partial (nulls are a prefix). A Mamba group stores only the
+        last state of each block, one transfer per block.
         """
         ids = gs.block_ids
         if g.kind is GroupKind.MAMBA:
             return [GroupTransfer(g.index, (ids[p[0]],), p[0], (slot_of[gs.keys[k]],))
                     for k, p in chosen]
-        for _, positions in chosen[1:]:
-            if len(positions) != g.factor:
-                raise InvariantError(f"group {g.index}: a partial block after the first")
+        runs: list[list[tuple[int, list[int]]]] = []
+        for k, positions in chosen:
+            if runs and runs[-1][-1][0] == k - 1:
+                if len(positions) != g.factor:
+                    raise InvariantError(f"group {g.index}: a partial block inside a run")
+                runs[-1].append((k, positions))
+            else:
+                runs.append([(k, positions)])
         return [GroupTransfer(
             g.index,
-            tuple(ids[p] for _, positions in chosen for p in positions),
-            chosen[0][1][0],
-            tuple(slot_of[gs.keys[k]] for k, _ in chosen),
-        )]
+            tuple(ids[p] for _, positions in run for p in positions),
+            run[0][1][0],
+            tuple(slot_of[gs.keys[k]] for k, _ in run),
+        ) for run in runs]
 
     def _store_positions(self, g: ResolvedGroup, gs: GroupState, k: int) -> list[int] | None:
         """Engine positions to store for offloaded block ``k``, or None to skip it.
@@ -424,28 +494,47 @@ class Planner:
         f = g.factor
         lo, hi = k * f, (k + 1) * f
         ids = gs.block_ids
+        obs = g.offloaded_block_size
+        # The cheap position tests come before the list of live blocks is built.
+        if g.kind is GroupKind.MAMBA:
+            last = hi - 1  # the state after the block's last token
+            if (((k + 1) * obs) % self._alignment or last < gs.num_freed
+                    or ids[last] == NULL_BLOCK_ID):
+                return None
+            return [last]
+        if g.kind is GroupKind.SLIDING_WINDOW:
+            assert g.window_blocks is not None
+            step = self._alignment // obs
+            first_hit_block = (k // step + 1) * step
+            if first_hit_block > k + g.window_blocks:
+                return None
         live = [p for p in range(max(lo, gs.num_freed), hi) if ids[p] != NULL_BLOCK_ID]
         if g.kind is GroupKind.FULL_ATTENTION:
             if len(live) != f:
                 raise InvariantError(f"group {g.index} (full attention): null or freed block "
                                      f"at offloaded block {k}")
             return live
-        obs = g.offloaded_block_size
-        if g.kind is GroupKind.MAMBA:
-            if ((k + 1) * obs) % self._alignment or not live or live[-1] != hi - 1:
-                return None
-            return [hi - 1]
         if not live:
             return None
-        assert g.window_blocks is not None and g.spec.sliding_window is not None
-        step = self._alignment // obs
-        first_hit_block = (k // step + 1) * step
-        if first_hit_block > k + g.window_blocks:
-            return None
+        assert g.spec.sliding_window is not None
         if live[0] > lo and (first_hit_block * obs - g.spec.sliding_window
                              < live[0] * g.spec.block_size):
             return None
         return live
+
+    def _useful_blocks(self, g: ResolvedGroup, start: int, stop: int) -> Sequence[int]:
+        """Blocks in ``[start, stop)`` of window or Mamba group ``g`` that some aligned hit
+        can use: with hits every ``step`` blocks and a window of ``W``, block ``k`` serves
+        one iff ``k % step >= step - W``. No other block of the group is ever stored."""
+        assert g.window_blocks is not None
+        step = self._alignment // g.offloaded_block_size
+        width = min(g.window_blocks, step)
+        if width == step:
+            return range(start, stop)
+        if width == 1:
+            return range(start + (step - 1 - start % step), stop, step)
+        return [k for seg in range(start - start % step, stop, step)
+                for k in range(max(start, seg + step - width), min(seg + step, stop))]
 
     @staticmethod
     def _advance(st: RequestState, limits: list[int]) -> None:
@@ -459,7 +548,8 @@ class Planner:
 
         A report for a job from before ``reset_cache`` is ignored; a second report of a
         job by the same rank is ignored and counted; a report for a job id never issued
-        raises ``InvariantError``.
+        raises ``InvariantError``. The reports' tier-job parts go to the tier
+        (``Tier.update_from_tier_reports``), which keeps the same rules.
         """
         finished = self._early_finished
         failures = self._early_failed
@@ -481,6 +571,7 @@ class Planner:
                             failures.append(LoadFailure(js.request_id, js.num_local_tokens))
                     elif js.failed:
                         failed_stores += 1
+        self.tier.update_from_tier_reports(reports)
         self.stats.failed_loads += len(failures)
         self.stats.failed_stores += failed_stores
         return ReportOutcome(tuple(finished), tuple(failures), failed_stores)
@@ -595,7 +686,7 @@ class Planner:
 
     def has_pending_work(self) -> bool:
         """Jobs in flight or not yet handed to the workers."""
-        return bool(self._jobs or self._loads or self._flush)
+        return bool(self._jobs or self._loads or self._flush or self.tier.has_pending_work())
 
     @property
     def num_requests(self) -> int:
@@ -644,8 +735,12 @@ class Planner:
     def _refresh_keys(self, st: RequestState) -> None:
         """Append a key for every offloaded block completed since the last call."""
         hashes = st.request.block_hashes
-        for g, gs in zip(self._groups, st.groups, strict=True):
+        num_hashes = len(hashes)
+        for g, gs, suffix in zip(self._groups, st.groups, self._key_suffix, strict=True):
             hpb = g.hashes_per_block
             keys = gs.keys
-            for k in range(len(keys), len(hashes) // hpb):
-                keys.append(make_offload_key(hashes[(k + 1) * hpb - 1], g.index))
+            if len(keys) < num_hashes // hpb:
+                # hash + suffix is make_offload_key(hash, g.index), minus a call per key.
+                first = (len(keys) + 1) * hpb - 1
+                keys.extend(cast("list[OffloadKey]",
+                                 [hashes[i] + suffix for i in range(first, num_hashes, hpb)]))

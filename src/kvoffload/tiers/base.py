@@ -24,9 +24,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
+from kvoffload.errors import InvariantError
+from kvoffload.jobs import TierWork, WorkerReport
 from kvoffload.keys import OffloadKey
 
 
@@ -48,11 +50,15 @@ class PrepareStoreResult:
             present, ready or being written, are left out).
         slots: destination slot of each key in ``keys_to_store``, same order.
         evicted: keys evicted to make room.
+        evicted_slots: the slot each evicted key held, same order (a lower tier demotes
+            the victims' bytes from there before the slots are written again). Not
+            compared: two results are equal when they reserve and evict the same keys.
     """
 
     keys_to_store: tuple[OffloadKey, ...]
     slots: tuple[int, ...]
     evicted: tuple[OffloadKey, ...]
+    evicted_slots: tuple[int, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -141,3 +147,34 @@ class Tier(ABC):
     @abstractmethod
     def check_integrity(self) -> None:
         """Raise ``InvariantError`` if internal bookkeeping is inconsistent."""
+
+    # -- tier jobs (lower tiers below host memory; see ``kvoffload.tiers.cascade``) ------
+
+    def take_tier_work(self) -> TierWork:
+        """Tier jobs for the next step plan, and tier jobs the workers must wait for first.
+
+        Called once per step plan, after the plan's stores were reserved. A tier without
+        lower tiers has none.
+        """
+        return TierWork()
+
+    def update_from_tier_reports(self, reports: Sequence[WorkerReport]) -> None:
+        """Count the tier-job parts of the workers' reports (``tier_finished`` and so on).
+
+        A tier without lower tiers never issues tier jobs, so any report of one is a bug.
+        """
+        for report in reports:
+            if report.tier_finished or report.tier_failed:
+                raise InvariantError(f"{self.name}: rank {report.rank} reported tier jobs, "
+                                     "but this tier never issues any")
+
+    def has_pending_work(self) -> bool:
+        """Tier jobs in flight or not yet handed out."""
+        return False
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release threads and connections (lower tiers); the tier is not used after."""
+
+    def prefetch(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
+        """A lookup found ``keys`` PENDING and would hit them once readable: a tier whose
+        PENDING means "in a slower tier" starts bringing them up. Default: nothing."""

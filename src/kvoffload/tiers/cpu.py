@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from kvoffload.config import OffloadConfig
@@ -209,12 +210,17 @@ class HostTier(Tier):
     def demote(self, keys: Sequence[OffloadKey]) -> None:
         self._policy.demote(keys)
 
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreResult | None:
+    def prepare_store(self, keys: Sequence[OffloadKey], *,
+                      protected: AbstractSet[OffloadKey] = frozenset(),
+                      ) -> PrepareStoreResult | None:
         """Reserve a slot for every key not yet present, evicting idle keys if needed.
 
         Keys already present (ready or being written) and repeats are skipped. New keys
         become "being written" until ``complete_store``. Victims are idle (ref 0) keys not
         in ``keys``; they are gone when this returns and a ``removed`` event is queued.
+
+        ``protected`` keys are not evicted either (a cascade shields the keys requests
+        are about to load).
 
         Returns ``None`` and changes nothing (except ``stats.stores_rejected``) when there
         are not enough evictable keys. A key of a group the config does not have raises
@@ -239,14 +245,17 @@ class HostTier(Tier):
         self.stats.keys_deduped += len(keys) - len(new)
 
         evicted: tuple[OffloadKey, ...] = ()
+        evicted_slots: tuple[int, ...] = ()
         need = len(new) - self._slots.num_free
         if need > 0:
             idle = len(policy) - self._num_writing - self._num_pinned
-            victims = policy.evict(need, frozenset(keys)) if need <= idle else None
+            shield = frozenset(keys) | protected if protected else frozenset(keys)
+            victims = policy.evict(need, shield) if need <= idle else None
             if victims is None:
                 self.stats.stores_rejected += 1
                 return None
-            self._slots.free(state.slot for _, state in victims)
+            evicted_slots = tuple(state.slot for _, state in victims)
+            self._slots.free(evicted_slots)
             evicted = tuple(key for key, _ in victims)
             for key in evicted:
                 self._keys_per_group[key_group(key)] -= 1
@@ -259,7 +268,8 @@ class HostTier(Tier):
             self._keys_per_group[group] += 1
         self._num_writing += len(new)
         self.stats.keys_reserved += len(new)
-        return PrepareStoreResult(keys_to_store=tuple(new), slots=tuple(slots), evicted=evicted)
+        return PrepareStoreResult(keys_to_store=tuple(new), slots=tuple(slots), evicted=evicted,
+                                  evicted_slots=evicted_slots)
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         """End the write of keys being written.

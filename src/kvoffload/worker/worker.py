@@ -13,6 +13,10 @@ Tensor parallelism: every rank runs its own worker over its own shard tensors an
 host arena; slot ids are shared (the planner allocates them once for all ranks), and each
 rank reports every job once.
 
+Lower tiers: with ``tiers=TierConfig(...)`` the worker also runs the plans' tier jobs
+(promotes from disk/remote into host slots, demotes, deletes) on its ``TierIO`` threads,
+started first thing in ``begin_step`` and reported in the same ``WorkerReport``.
+
 Validation happens here, at submit, not inside a copy thread: a job naming an unregistered
 group, a null or out-of-range engine block, an out-of-range slot, a slot count that does not
 match ``block_size_factor``, or two writes to the same destination is not started and is
@@ -34,12 +38,15 @@ from kvoffload.jobs import (
     Direction,
     JobId,
     StepPlan,
+    TierJobId,
     TransferJob,
     WorkerReport,
 )
+from kvoffload.tiers.config import TierConfig
 from kvoffload.worker.backend import TransferBackend
 from kvoffload.worker.host_pool import HostPool
 from kvoffload.worker.layout import CacheLayout, GroupTensors
+from kvoffload.worker.tier_io import TierIO
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +67,15 @@ class TransferWorker:
 
     def __init__(self, config: OffloadConfig, rank: int = 0,
                  backend: TransferBackend | None = None, *,
-                 pin_memory: bool | None = None) -> None:
+                 pin_memory: bool | None = None, tiers: TierConfig | None = None) -> None:
         """Args:
             config: the offload configuration (groups, factor, host capacity).
             rank: this worker's tensor-parallel rank, echoed in its reports.
             backend: how bytes move; by default chosen from the caches' device at
                 registration (``default_backend``).
             pin_memory: pin the host arena; by default when CUDA is available.
+            tiers: the lower tiers (disk, remote) this rank reads and writes for the
+                plans' tier jobs (``kvoffload.worker.tier_io``); None: host memory only.
         """
         if not 0 <= rank < config.num_workers:
             raise ValueError(f"rank {rank} outside [0, num_workers={config.num_workers})")
@@ -79,6 +88,9 @@ class TransferWorker:
         self._in_flight: set[JobId] = set()
         self._rejected: list[JobId] = []
         self._deferred_stores: list[TransferJob] = []
+        self._tiers = tiers
+        self._tier_io: TierIO | None = None
+        self._tier_rejected: list[TierJobId] = []
 
     # -- registration --------------------------------------------------------------------
 
@@ -95,6 +107,8 @@ class TransferWorker:
         backend = self._backend or default_backend(layout.device)
         backend.bind(layout, pool)
         self._layout, self._pool, self._backend = layout, pool, backend
+        if self._tiers is not None and self._tiers.enabled:
+            self._tier_io = TierIO(self._tiers, self.config, layout, pool, self.rank)
 
     @property
     def layout(self) -> CacheLayout:
@@ -138,6 +152,15 @@ class TransferWorker:
         """
         if self._deferred_stores:
             raise InvariantError("begin_step called twice without end_step")
+        if plan.tier_flush or plan.tier_jobs:
+            # First of all: tier jobs snapshot slots that this plan's stores overwrite.
+            if self._tier_io is not None:
+                self._tier_io.begin(plan.tier_flush, plan.tier_jobs)
+            else:
+                if plan.tier_jobs:
+                    logger.warning("rank %d: %d tier jobs but no lower tiers configured on "
+                                   "this worker; failing them", self.rank, len(plan.tier_jobs))
+                self._tier_rejected.extend(job.job_id for job in plan.tier_jobs)
         flush = set(plan.flush)
         for job in plan.stores:
             if job.job_id in flush:
@@ -162,8 +185,15 @@ class TransferWorker:
             self._in_flight.discard(job_id)
         for job_id in failed:
             self._in_flight.discard(job_id)
+        tier_finished: list[TierJobId] = []
+        tier_failed, self._tier_rejected = self._tier_rejected, []
+        unreachable: list[str] = []
+        if self._tier_io is not None:
+            tier_finished, io_failed, unreachable = self._tier_io.poll()
+            tier_failed.extend(io_failed)
         return WorkerReport(rank=self.rank, finished=tuple(finished), failed=tuple(failed),
-                            stats=self.backend.take_stats())
+                            stats=self.backend.take_stats(), tier_finished=tuple(tier_finished),
+                            tier_failed=tuple(tier_failed), tier_unreachable=tuple(unreachable))
 
     def wait(self, jobs: Iterable[JobId]) -> None:
         """Block until the listed jobs are done; unknown or reported ids are ignored.
@@ -174,10 +204,23 @@ class TransferWorker:
         if jobs and self._backend is not None and self._layout is not None:
             self._backend.wait(jobs)
 
+    @property
+    def tier_io(self) -> TierIO | None:
+        """This rank's tier I/O, when lower tiers are configured."""
+        return self._tier_io
+
+    def wait_tier_jobs(self, jobs: Iterable[TierJobId] | None = None) -> None:
+        """Block until the listed tier jobs (default: all in flight) are done; the next
+        ``poll`` reports them."""
+        if self._tier_io is not None:
+            self._tier_io.wait(jobs)
+
     def shutdown(self) -> None:
         """Wait for in-flight jobs and release the backend's threads/streams."""
         if self._backend is not None and self._layout is not None:
             self._backend.shutdown()
+        if self._tier_io is not None:
+            self._tier_io.shutdown()
 
     # -- internals ------------------------------------------------------------------------
 

@@ -1,0 +1,74 @@
+"""The ``kvoffload`` command: ``simulate``, ``sweep``, ``presets``.
+
+Errors a user can fix (a bad option, a malformed trace line, a configuration that cannot
+work) print one ``error:`` line naming what to change and exit with status 2; no traceback.
+``simulate`` exits with 1 when the byte verification found wrong bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from collections.abc import Sequence
+
+from kvoffload.errors import ConfigError, InvariantError, KVOffloadError
+
+EPILOG = textwrap.dedent("""\
+    examples:
+      kvoffload simulate                 # the built-in chat workload on gpt-oss-20b
+      kvoffload simulate --help          # presets, workloads, traces, capacities
+      kvoffload sweep --preset all --host-capacity 4GiB,16GiB,64GiB --plot sweep.png
+      kvoffload presets
+    """)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvoffload.cli import presets, simulate, sweep
+
+    parser = argparse.ArgumentParser(
+        prog="kvoffload",
+        description="Simulate KV-cache offloading for hybrid LLMs: replay workloads and "
+                    "traces through kvoffload's planner, host tier and transfer worker.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    simulate.add_parser(sub)
+    sweep.add_parser(sub)
+    presets.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    from kvoffload.cli.common import UsageError, explain_config_error
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        status: int = args.run(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except InvariantError:
+        raise  # a bug, not a user error: keep the traceback
+    except ConfigError as exc:
+        print(f"error: {explain_config_error(exc)}", file=sys.stderr)
+        return 2
+    except KVOffloadError as exc:  # TraceError, LayoutError, ...
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "),
+              file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

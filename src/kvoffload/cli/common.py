@@ -1,0 +1,270 @@
+"""Shared pieces of the command-line tool: sizes, workload options, progress, formatting."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvoffload.engine.model_presets import PRESETS
+from kvoffload.engine.replay import Arrival
+from kvoffload.engine.simulation import Mode, SimulationConfig
+from kvoffload.engine.timing import TimingModel
+from kvoffload.engine.workloads import (
+    BUILTIN_WORKLOADS,
+    DEFAULT_WORKLOAD,
+    WorkloadRequest,
+    builtin_workload,
+    read_mooncake_trace,
+)
+from kvoffload.errors import ConfigError
+from kvoffload.tiers.eviction import registered_policies
+
+
+class UsageError(Exception):
+    """A command-line value is wrong; the message says which option and what to give."""
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
+          "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str, option: str = "size") -> int:
+    """``"16GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"4096"`` -> bytes (also ``k``/``M`` counts)."""
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise UsageError(f"{option}: cannot read {text!r} as a size; write e.g. 16GiB, "
+                         "512MiB, 1.5GB or a plain number of bytes")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_count(text: str, option: str) -> int:
+    """``"32k"``, ``"1M"``, ``"4096"`` -> an integer count (decimal units)."""
+    value = parse_size(text, option)
+    if value < 1:
+        raise UsageError(f"{option}: must be at least 1, got {text!r}")
+    return value
+
+
+def parse_sizes(text: str, option: str) -> list[int]:
+    """A comma-separated list of sizes (``"4GiB,16GiB"``)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise UsageError(f"{option}: give a comma-separated list of sizes, e.g. 4GiB,16GiB")
+    return [parse_size(t, option) for t in items]
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s * 1e6:.0f} us"
+
+
+OPTION_OF_FIELD = {
+    "engine_capacity_bytes": "--engine-capacity",
+    "engine_tokens": "--engine-tokens",
+    "engine capacity": "--engine-capacity / --engine-tokens",
+    "host_capacity_bytes": "--host-capacity",
+    "eviction_policy": "--policy",
+    "block_size": "--block-size",
+    "block_size_factor": "--block-size-factor",
+    "scale_bytes": "--scale-bytes",
+    "model": "--preset",
+    "workload": "--workload",
+    "max_num_batched_tokens": "--max-batched-tokens",
+    "max_num_seqs": "--max-seqs",
+    "decode_tokens_per_step": "--decode-steps",
+    "accelerator_flops": "--flops",
+    "link_bytes_per_s": "--bandwidth",
+}
+
+
+def explain_config_error(error: ConfigError) -> str:
+    """The error's message, plus the command-line option that sets the field."""
+    field = error.field.split("[")[0].split(".")[-1] if error.field else ""
+    option = OPTION_OF_FIELD.get(error.field) or OPTION_OF_FIELD.get(field)
+    hint = f" (option {option})" if option else ""
+    return f"{error}{hint}"
+
+
+# ----------------------------------------------------------------- shared options
+
+
+def add_workload_options(parser: argparse.ArgumentParser, *, default_limit: int | None) -> None:
+    group = parser.add_argument_group("workload")
+    source = group.add_mutually_exclusive_group()
+    source.add_argument("--workload", choices=sorted(BUILTIN_WORKLOADS), default=None,
+                        help=f"a built-in synthetic workload (default: {DEFAULT_WORKLOAD})")
+    source.add_argument("--trace", type=Path, metavar="FILE",
+                        help="a Mooncake-format trace (JSON lines with timestamp, "
+                             "input_length, output_length, hash_ids)")
+    group.add_argument("--limit", type=int, default=default_limit, metavar="N",
+                       help="use only the first N requests"
+                            + (f" (default {default_limit})" if default_limit else ""))
+    group.add_argument("--arrival", choices=[a.value for a in Arrival], default="trace",
+                       help="'trace': requests arrive at their timestamps; 'asap': as fast "
+                            "as the engine takes them (default: trace)")
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine and model")
+    group.add_argument("--block-size", type=int, metavar="TOKENS",
+                       help="engine block size (default: 16, or vLLM's page-matching size "
+                            "for models with Mamba layers)")
+    group.add_argument("--block-size-factor", type=int, default=1, metavar="N",
+                       help="engine blocks per offloaded block (default 1)")
+    cap = group.add_mutually_exclusive_group()
+    cap.add_argument("--engine-capacity", metavar="SIZE",
+                     help="accelerator memory for KV blocks, e.g. 40GiB")
+    cap.add_argument("--engine-tokens", metavar="N",
+                     help="engine capacity as N / block-size block ids, shared by all groups "
+                          "(e.g. 32k; default: 32768 for built-in workloads, 1M for traces)")
+    group.add_argument("--max-batched-tokens", type=int, default=8192, metavar="N",
+                       help="token budget of one engine step (default 8192)")
+    group.add_argument("--max-seqs", type=int, default=64, metavar="N",
+                       help="requests running at once (default 64)")
+    group.add_argument("--decode-steps", type=int, default=None, metavar="K",
+                       help="engine iterations one simulated step stands for (default: 1 in "
+                            "bytes mode, 16 in accounting mode)")
+    group.add_argument("--flops", metavar="FLOP/S", default="400e12",
+                       help="modelled accelerator throughput (default 400e12)")
+    group.add_argument("--bandwidth", metavar="BYTES/S", default="25e9",
+                       help="modelled host<->device bandwidth per direction (default 25e9)")
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("output")
+    group.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    group.add_argument("--plot", type=Path, metavar="FILE.png", help="write plots to this file")
+    group.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+
+def check_policy(name: str) -> str:
+    if name not in registered_policies():
+        raise UsageError(f"--policy: unknown policy {name!r}; choose one of "
+                         f"{', '.join(registered_policies())}")
+    return name
+
+
+def check_preset(name: str) -> str:
+    if name not in PRESETS:
+        raise UsageError(f"--preset: unknown preset {name!r}; choose one of "
+                         f"{', '.join(PRESETS)} (see 'kvoffload presets')")
+    return name
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """Where requests come from; ``load`` returns a re-iterable sequence or stream."""
+
+    name: str
+    trace: Path | None
+    limit: int | None
+    seed: int
+
+    @property
+    def label(self) -> str:
+        if self.trace is not None:
+            return f"trace {self.trace.name}" + (f" (first {self.limit})" if self.limit else "")
+        return f"{self.name} (seed {self.seed})" + (f", first {self.limit}" if self.limit else "")
+
+    def load(self) -> Sequence[WorkloadRequest] | TraceStream:
+        if self.trace is not None:
+            if not self.trace.is_file():
+                raise UsageError(f"--trace: no such file: {self.trace}")
+            return TraceStream(self.trace, self.limit)
+        requests = builtin_workload(self.name, self.seed)
+        return requests[:self.limit] if self.limit is not None else requests
+
+    def count(self) -> int:
+        if self.trace is None:
+            return len(self.load())  # type: ignore[arg-type]
+        with self.trace.open(encoding="utf-8", errors="replace") as f:
+            n = sum(1 for line in f if line.strip())
+        return n if self.limit is None else min(n, self.limit)
+
+
+class TraceStream:
+    """A trace read afresh on every iteration (each run streams it again)."""
+
+    def __init__(self, path: Path, limit: int | None) -> None:
+        self.path = path
+        self.limit = limit
+
+    def __iter__(self) -> Iterator[WorkloadRequest]:
+        return read_mooncake_trace(self.path, limit=self.limit)
+
+
+def workload_spec(args: argparse.Namespace, seed: int) -> WorkloadSpec:
+    if args.limit is not None and args.limit < 1:
+        raise UsageError("--limit: must be at least 1")
+    return WorkloadSpec(args.workload or DEFAULT_WORKLOAD, args.trace, args.limit, seed)
+
+
+def simulation_config(args: argparse.Namespace, *, preset: str, policy: str,
+                      host_capacity: int, mode: Mode) -> SimulationConfig:
+    """A ``SimulationConfig`` from the shared engine options."""
+    decode = args.decode_steps if args.decode_steps is not None else (
+        1 if mode is Mode.BYTES else 16)
+    engine_bytes = (parse_size(args.engine_capacity, "--engine-capacity")
+                    if args.engine_capacity else None)
+    tokens = (parse_count(args.engine_tokens, "--engine-tokens") if args.engine_tokens
+              else (1 << 20 if args.trace is not None else 32768))
+    try:
+        flops = float(args.flops)
+        bandwidth = float(args.bandwidth)
+    except ValueError as exc:
+        raise UsageError(f"--flops/--bandwidth: give numbers such as 400e12 ({exc})") from None
+    return SimulationConfig(
+        preset=preset, mode=mode, block_size=args.block_size,
+        block_size_factor=args.block_size_factor, engine_capacity_bytes=engine_bytes,
+        engine_tokens=tokens, host_capacity_bytes=host_capacity, eviction_policy=policy,
+        scale_bytes=getattr(args, "scale_bytes", 64),
+        max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_seqs,
+        decode_tokens_per_step=decode, arrival=Arrival(args.arrival),
+        timing=TimingModel(accelerator_flops=flops, link_bytes_per_s=bandwidth),
+        check_integrity=getattr(args, "check", False))
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool) -> Iterator[Callable[[str, int], Callable[[int], None]]]:
+    """Yields ``start(label, total) -> update(done)``; a rich bar on a TTY, else silent."""
+    if not enabled or not sys.stderr.isatty():
+        yield lambda label, total: (lambda done: None)
+        return
+    try:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+    except ImportError:  # the cli extra is not installed: run without a bar
+        yield lambda label, total: (lambda done: None)
+        return
+    from rich.console import Console
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        def start(label: str, total: int) -> Callable[[int], None]:
+            task = bar.add_task(label, total=total)
+            return lambda done: bar.update(task, completed=done)
+
+        yield start

@@ -1,0 +1,137 @@
+"""Plain-text reports of simulations, and their JSON form."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from kvoffload.cli.common import format_bytes, format_seconds
+from kvoffload.engine.simulation import SimulationResult, describe_groups
+from kvoffload.engine.summary import Percentiles, RunSummary
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:5.1f} %"
+
+
+def _ttft(p: Percentiles) -> str:
+    return f"{format_seconds(p.mean)} / {format_seconds(p.p50)} / {format_seconds(p.p90)}"
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:],
+                                                                         strict=True)]
+        out.append(indent + "  ".join(cells).rstrip())
+    return out
+
+
+def simulation_text(result: SimulationResult, workload_label: str) -> str:
+    """The human summary ``kvoffload simulate`` prints."""
+    cfg, lay, caps = result.config, result.layout, result.capacities
+    o, b = result.offload, result.baseline
+    t = cfg.timing
+    lines = [f"kvoffload simulate: {lay.preset.name}, {workload_label}, "
+             f"{o.requests} requests, {o.prompt_tokens:,} prompt tokens, {cfg.mode.value} mode"]
+    lines.append(f"  groups: {'; '.join(describe_groups(lay))}")
+    if cfg.mode.value == "bytes":
+        scaled = ("pages scaled to " + ", ".join(f"{g.spec.page_bytes} B" for g in lay.groups)
+                  + " per layer (real " + ", ".join(format_bytes(g.real_page_bytes)
+                                                     for g in lay.groups)
+                  + "); every figure below uses the real sizes")
+        lines.append(f"  moved bytes: real tensors, {scaled}")
+    else:
+        lines.append("  accounting mode: no tensors move; jobs complete in modelled time")
+    lines.append(f"  engine: {caps.engine_blocks - 1:,} blocks of {lay.block_size} tokens "
+                 f"({format_bytes((caps.engine_blocks - 1) * caps.engine_block_bytes)}); "
+                 f"host: {caps.host_slots:,} slots of {format_bytes(caps.host_slot_bytes)} "
+                 f"({format_bytes(caps.host_slots * caps.host_slot_bytes)}), policy "
+                 f"{cfg.eviction_policy}")
+    lines.append(f"  model: {t.accelerator_flops / 1e12:g} TFLOP/s accelerator, "
+                 f"{t.link_bytes_per_s / 1e9:g} GB/s host link per direction, "
+                 f"{cfg.decode_tokens_per_step} decode token(s) per step")
+    lines.append("")
+    base = b if b is not None else None
+    rows = [["", "without offload", "with offload"]]
+
+    rows.append(["prompt tokens from engine prefix cache",
+                 _pct(base.engine_hit_rate) if base else "-", _pct(o.engine_hit_rate)])
+    rows.append(["prompt tokens from host tier", "-", _pct(o.host_hit_rate)])
+    rows.append(["prefill tokens computed",
+                 f"{base.prefill_tokens_computed:,}" if base else "-",
+                 f"{o.prefill_tokens_computed:,}"])
+    rows.append(["TTFT modelled, mean / p50 / p90",
+                 _ttft(base.ttft) if base else "-", _ttft(o.ttft)])
+    rows.append(["TTFT on the clock (with queueing)",
+                 _ttft(base.clock_ttft) if base else "-", _ttft(o.clock_ttft)])
+    rows.append(["preemptions", f"{base.preemptions:,}" if base else "-", f"{o.preemptions:,}"])
+    lines += _table(rows)
+    if base is not None and base.prefill_tokens_computed:
+        saved = 1 - o.prefill_tokens_computed / base.prefill_tokens_computed
+        speed = base.ttft.mean / o.ttft.mean if o.ttft.mean else float("inf")
+        lines.append(f"  offloading computes {100 * saved:.1f} % fewer prefill tokens; mean "
+                     f"modelled TTFT {speed:.2f}x faster")
+    lines.append("")
+    grows = [["group", "stored", "loaded", "host held (peak)", "host held (end)"]]
+    for g in o.groups:
+        grows.append([f"{g.name}", format_bytes(g.stored_bytes), format_bytes(g.loaded_bytes),
+                      format_bytes(g.host_bytes_peak), format_bytes(g.host_bytes_final)])
+    lines += _table(grows)
+    lines.append(f"  host slots in use at peak: {format_bytes(o.host_reserved_bytes_peak)} of "
+                 f"{format_bytes(o.host_capacity_bytes)} (a slot fits the largest group's block)")
+    lines.append(f"  transfer time (modelled link busy): stores {format_seconds(o.store_link_s)}, "
+                 f"loads {format_seconds(o.load_link_s)}; flush stalls "
+                 f"{format_seconds(o.flush_stall_s)}")
+    if cfg.mode.value == "bytes":
+        lines.append(f"  worker moved {format_bytes(o.moved_stored_bytes)} to host and "
+                     f"{format_bytes(o.moved_loaded_bytes)} back in "
+                     f"{format_seconds(o.measured_transfer_s)} (measured, scaled pages)")
+        verdict = "OK" if o.wrong_bytes == 0 else "MISMATCH"
+        lines.append(f"  verification: {o.verified_blocks:,} engine blocks read or loaded and "
+                     f"{o.audited_host_blocks:,} host blocks compared byte for byte: wrong "
+                     f"bytes {o.wrong_bytes:,} [{verdict}] (loaded {o.wrong_loaded_bytes:,}, "
+                     f"engine cache {o.wrong_cached_bytes:,}, host {o.wrong_host_bytes:,}); "
+                     f"corrupt loads {o.corrupt_loads}, failed loads {o.failed_loads}")
+    if o.same_step_flushes:
+        lines.append(f"  WARNING: {o.same_step_flushes} store(s) were flushed in the step that "
+                     "planned them, i.e. copied before the forward pass wrote their blocks "
+                     "(a planner bug)")
+    if o.misplaced_store_blocks:
+        lines.append(f"  WARNING: {o.misplaced_store_blocks} stored block(s) were not at the "
+                     "position their transfer implies (GroupTransfer contract broken)")
+    wall = o.wall_s + (b.wall_s if b is not None else 0.0)
+    lines.append(f"  modelled makespan {format_seconds(o.makespan_s)}, {o.steps:,} steps; "
+                 f"wall time {wall:.1f} s")
+    return "\n".join(lines)
+
+
+def run_dict(summary: RunSummary | None) -> dict[str, Any] | None:
+    return None if summary is None else summary.to_dict()
+
+
+def simulation_dict(result: SimulationResult, workload_label: str) -> dict[str, Any]:
+    """The JSON object ``kvoffload simulate --json`` prints."""
+    cfg = result.config
+    config = asdict(cfg)
+    config["mode"] = cfg.mode.value
+    config["arrival"] = cfg.arrival.value
+    return {
+        "workload": workload_label,
+        "config": config,
+        "layout": {
+            "preset": result.layout.preset.name,
+            "block_size": result.layout.block_size,
+            "scaled": result.layout.is_scaled,
+            "groups": [{"name": g.spec.name, "kind": g.spec.kind.value,
+                        "num_layers": g.spec.num_layers, "block_size": g.spec.block_size,
+                        "sliding_window": g.spec.sliding_window,
+                        "real_page_bytes": g.real_page_bytes,
+                        "moved_page_bytes": g.spec.page_bytes}
+                       for g in result.layout.groups],
+        },
+        "capacities": asdict(result.capacities),
+        "offload": run_dict(result.offload),
+        "baseline": run_dict(result.baseline),
+    }

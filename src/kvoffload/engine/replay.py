@@ -1,0 +1,159 @@
+"""Feed a workload into a ``ReferenceEngine`` and run it until every request finished.
+
+Arrivals. ``Arrival.TRACE`` uses each request's ``arrival_s`` (a Mooncake trace's
+timestamps); ``Arrival.ASAP`` ignores them and keeps the engine's waiting queue full. Either
+way a request whose ``parent_id`` names an earlier request of the workload (the previous
+chat turn, the agent step it extends) arrives no earlier than that parent finished, as a
+client that waits for the answer would. At most ``max_queued`` requests wait in the engine
+and at most as many more are read ahead from the workload, so a trace of any length runs in
+bounded memory; a request held back by that bound keeps its original arrival time, so the
+wait shows in its clock TTFT.
+
+At the end, in bytes mode, the host arena is audited (``ReferenceEngine.audit_host``).
+
+When a step does nothing, the clock jumps to the next event: an arrival or a transfer's
+modelled completion (or one decode step, while a lookup is deferred).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from enum import Enum
+
+from kvoffload.engine.metrics import EngineMetrics
+from kvoffload.engine.requests import EngineRequest
+from kvoffload.engine.scheduler import ReferenceEngine
+from kvoffload.engine.workloads.request import WorkloadRequest
+from kvoffload.errors import InvariantError
+
+Progress = Callable[[int], None]
+"""Called with the number of finished requests whenever it grows."""
+
+MAX_IDLE_TICKS = 100_000
+"""Consecutive idle steps without any event before the replay declares the engine stuck."""
+
+MAX_STEPS_WITHOUT_FINISH = 1_000_000
+"""Steps in a row with requests live but none finishing before the replay declares a
+livelock (requests preempting each other forever, say)."""
+
+
+class Arrival(str, Enum):
+    TRACE = "trace"
+    """Requests arrive at their ``arrival_s``."""
+    ASAP = "asap"
+    """Requests arrive as soon as the waiting queue has room."""
+
+
+class _Feeder:
+    """Moves workload requests into the engine as the clock reaches them."""
+
+    def __init__(self, workload: Iterable[WorkloadRequest], arrival: Arrival,
+                 max_queued: int) -> None:
+        self._source: Iterator[WorkloadRequest] = iter(workload)
+        self._peek: WorkloadRequest | None = next(self._source, None)
+        self._asap = arrival is Arrival.ASAP
+        self._max_queued = max_queued
+        self._ready: list[tuple[float, int, WorkloadRequest]] = []
+        self._held: dict[str, list[WorkloadRequest]] = {}
+        self._seen: set[str] = set()
+        self._seq = itertools.count()
+        self._num_held = 0
+
+    @property
+    def exhausted(self) -> bool:
+        return self._peek is None and not self._ready and not self._num_held
+
+    def _arrival(self, request: WorkloadRequest) -> float:
+        return 0.0 if self._asap else request.arrival_s
+
+    def pull(self, engine: ReferenceEngine) -> None:
+        """Read arrived requests ahead and queue the ready ones in the engine."""
+        now = engine.clock
+        while (self._peek is not None and len(self._ready) < self._max_queued
+               and self._arrival(self._peek) <= now):
+            request, self._peek = self._peek, next(self._source, None)
+            self._seen.add(request.request_id)
+            parent = request.parent_id
+            if parent is not None and parent in self._seen and parent not in engine.finished_ids:
+                self._held.setdefault(parent, []).append(request)
+                self._num_held += 1
+                continue
+            at = self._arrival(request)
+            if parent is not None and parent in engine.finished_ids:
+                at = max(at, engine.finished_ids[parent])
+            heapq.heappush(self._ready, (at, next(self._seq), request))
+        while (self._ready and self._ready[0][0] <= now
+               and len(engine.waiting) < self._max_queued):
+            at, _, request = heapq.heappop(self._ready)
+            engine.add_request(EngineRequest(request, engine.hasher, arrival_s=at))
+
+    def finished(self, request_id: str, at: float) -> None:
+        """Release the requests that waited for ``request_id``."""
+        for child in self._held.pop(request_id, ()):
+            self._num_held -= 1
+            heapq.heappush(self._ready, (max(self._arrival(child), at), next(self._seq), child))
+
+    def next_arrival(self, engine: ReferenceEngine) -> float | None:
+        if len(engine.waiting) >= self._max_queued:
+            return None
+        times = [self._ready[0][0]] if self._ready else []
+        if self._peek is not None and len(self._ready) < self._max_queued:
+            times.append(self._arrival(self._peek))
+        return min(times, default=None)
+
+
+def replay(engine: ReferenceEngine, workload: Iterable[WorkloadRequest], *,
+           arrival: Arrival = Arrival.TRACE, max_queued: int = 256,
+           progress: Progress | None = None) -> EngineMetrics:
+    """Run ``workload`` through ``engine`` until every request finished and every transfer
+    was reported; return the engine's metrics (see the module docstring).
+
+    Raises whatever the engine raises (``ConfigError`` for a workload the engine cannot
+    hold, ``TraceError`` from a malformed trace as the reader reaches it).
+    """
+    if max_queued < 1:
+        raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+    feeder = _Feeder(workload, arrival, max_queued)
+    records = engine.metrics.records
+    seen_records = 0
+    idle = 0
+    since_finish = 0
+    while True:
+        feeder.pull(engine)
+        active = engine.step()
+        since_finish += 1
+        if since_finish > MAX_STEPS_WITHOUT_FINISH:
+            raise InvariantError(
+                f"no request finished in {MAX_STEPS_WITHOUT_FINISH} steps: "
+                f"{len(engine.running)} running, {len(engine.waiting)} waiting, "
+                f"{len(engine.loading)} loading")
+        if len(records) > seen_records:
+            since_finish = 0
+            for record in records[seen_records:]:
+                assert record.finish_s is not None
+                feeder.finished(record.request_id, record.finish_s)
+            seen_records = len(records)
+            if progress is not None:
+                progress(seen_records)
+        if active:
+            idle = 0
+            continue
+        if not engine.num_live and feeder.exhausted and not engine.has_pending_transfers():
+            break
+        events = [t for t in (feeder.next_arrival(engine), engine.next_transfer_completion())
+                  if t is not None and t > engine.clock]
+        if events:
+            engine.clock = min(events)
+        else:
+            engine.clock += engine.timing.decode_step_s
+            idle += 1
+            if idle > MAX_IDLE_TICKS:
+                raise InvariantError(
+                    f"the engine made no progress for {MAX_IDLE_TICKS} steps: "
+                    f"{len(engine.waiting)} waiting, {len(engine.loading)} loading")
+        engine.metrics.idle_advances += 1
+    engine.take_sample()
+    engine.audit_host()
+    return engine.metrics

@@ -1,0 +1,254 @@
+"""A simulation: one preset, one workload, the engine with and without offloading.
+
+``SimulationConfig`` holds every knob in user terms (capacities in real bytes);
+``build_engine`` turns it into a ``ReferenceEngine`` wired to the real planner and host tier,
+and in ``bytes`` mode to the real ``TransferWorker`` over real (scaled) tensors;
+``simulate`` runs the workload with offloading and, for comparison, without it, and
+returns both runs' ``RunSummary`` (``engine.summary``).
+
+Sizes. Accounting always uses the model's real page sizes. Bytes mode moves pages scaled
+so that the smallest is ``scale_bytes`` bytes (``ModelPreset.layout``); the host tier gets
+exactly as many slots as the real capacity holds, so both modes make the same decisions
+(a test checks that they produce the same counts).
+
+Engine capacity. Block ids are shared by every group (vLLM pads every group's page to one
+size), so one block id costs the largest group's block: ``engine_capacity_bytes //
+max(real block bytes)`` ids, plus the null block; or, given in tokens, ``cdiv(tokens,
+block_size)`` ids.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+from kvoffload.config import GroupKind, OffloadConfig
+from kvoffload.engine.executors import AccountingExecutor, TransferExecutor
+from kvoffload.engine.model_presets import ModelLayout, ModelPreset, get_preset
+from kvoffload.engine.replay import Arrival, Progress, replay
+from kvoffload.engine.scheduler import EngineConfig, ReferenceEngine
+from kvoffload.engine.summary import RunSummary, summarize
+from kvoffload.engine.timing import TimingModel
+from kvoffload.engine.workloads.request import WorkloadRequest
+from kvoffload.errors import ConfigError
+
+GiB = 1 << 30
+
+
+class Mode(str, Enum):
+    BYTES = "bytes"
+    """Real tensors (scaled pages) moved by the real worker; every load verified."""
+    ACCOUNTING = "accounting"
+    """No tensors: jobs complete in modelled time only. For long traces and sweeps."""
+
+
+KERNEL_BLOCK_ALIGNMENT = 16
+"""Attention block sizes are multiples of this (the attention kernels' block alignment)."""
+
+
+def auto_block_size(preset: ModelPreset) -> int:
+    """The engine block size vLLM would pick: 16, or for a model with Mamba layers the
+    smallest multiple of 16 whose attention page holds a Mamba state page (vLLM unifies
+    page sizes), which is then the Mamba block size too."""
+    if preset.mamba is None:
+        return 16
+    per_token = max(a.bytes_per_token_per_layer for a in preset.attention)
+    unit = KERNEL_BLOCK_ALIGNMENT * per_token
+    return KERNEL_BLOCK_ALIGNMENT * math.ceil(preset.mamba.state_bytes_per_layer / unit)
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    """Every knob of a simulation.
+
+    Attributes:
+        preset: model preset name (``kvoffload presets``).
+        mode: ``bytes`` or ``accounting``.
+        block_size: engine block size in tokens; None picks ``auto_block_size``.
+        block_size_factor: engine blocks per offloaded block.
+        engine_capacity_bytes: accelerator memory for KV blocks (real bytes); when None,
+            ``engine_tokens`` decides.
+        engine_tokens: engine capacity in tokens of one group (``cdiv(engine_tokens,
+            block_size)`` block ids), used when ``engine_capacity_bytes`` is None.
+        host_capacity_bytes: host memory for offloaded blocks (real bytes).
+        eviction_policy: the host tier's policy (``lru``, ``arc``).
+        scale_bytes: bytes mode: the smallest moved page, in bytes.
+        max_num_batched_tokens / max_num_seqs / decode_tokens_per_step: engine limits.
+        arrival: ``trace`` (use arrival times) or ``asap``.
+        max_queued: requests waiting in the engine at most (and read ahead at most).
+        timing: the modelled accelerator and link.
+        baseline: also run without offloading, for the side-by-side comparison.
+        sample_interval_s: modelled seconds between samples for the plots.
+        check_integrity: check bookkeeping every step (slow; tests).
+    """
+
+    preset: str = "gpt-oss-20b"
+    mode: Mode = Mode.BYTES
+    block_size: int | None = None
+    block_size_factor: int = 1
+    engine_capacity_bytes: int | None = None
+    engine_tokens: int = 32768
+    host_capacity_bytes: int = 16 * GiB
+    eviction_policy: str = "lru"
+    scale_bytes: int = 64
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 64
+    decode_tokens_per_step: int = 1
+    arrival: Arrival = Arrival.TRACE
+    max_queued: int = 256
+    timing: TimingModel = field(default_factory=TimingModel)
+    baseline: bool = True
+    sample_interval_s: float = 1.0
+    check_integrity: bool = False
+
+    def model(self) -> ModelPreset:
+        return get_preset(self.preset)
+
+    def layout(self) -> ModelLayout:
+        """The preset laid out: moved pages scaled in bytes mode, real in accounting."""
+        preset = self.model()
+        bs = self.block_size or auto_block_size(preset)
+        scale = self.scale_bytes if self.mode is Mode.BYTES else None
+        return preset.layout(bs, scale_bytes=scale)
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """The capacities a ``SimulationConfig`` resolves to."""
+
+    engine_blocks: int
+    engine_block_bytes: int
+    host_slots: int
+    host_slot_bytes: int
+
+
+def resolve(config: SimulationConfig, layout: ModelLayout) -> tuple[Capacities, OffloadConfig]:
+    """Engine block count, host slots, and the planner's ``OffloadConfig`` (moved sizes).
+
+    Raises ``ConfigError`` naming what to change when a capacity holds nothing.
+    """
+    block_bytes = max(g.real_block_bytes for g in layout.groups)
+    if config.engine_capacity_bytes is not None:
+        engine_blocks = config.engine_capacity_bytes // block_bytes
+        if engine_blocks < 1:
+            raise ConfigError("engine_capacity_bytes",
+                              f"{config.engine_capacity_bytes} bytes hold no engine block of "
+                              f"{block_bytes} bytes ({layout.preset.name}, block size "
+                              f"{layout.block_size})", f"Give at least {block_bytes} bytes.")
+    else:
+        if config.engine_tokens < 1:
+            raise ConfigError("engine_tokens", f"must be >= 1, got {config.engine_tokens}",
+                              "Give the tokens the engine's KV memory holds.")
+        engine_blocks = -(-config.engine_tokens // layout.block_size)
+    hash_block_size = math.gcd(*(g.spec.block_size for g in layout.groups))
+    real = OffloadConfig(groups=layout.real_specs, hash_block_size=hash_block_size,
+                         host_capacity_bytes=config.host_capacity_bytes,
+                         block_size_factor=config.block_size_factor,
+                         eviction_policy=config.eviction_policy)
+    slots = real.num_host_slots
+    moved = real
+    if layout.is_scaled:
+        probe = replace(real, groups=layout.specs, host_capacity_bytes=1 << 62)
+        moved = replace(real, groups=layout.specs,
+                        host_capacity_bytes=slots * probe.slot_bytes)
+    return Capacities(engine_blocks + 1, block_bytes, slots, real.slot_bytes), moved
+
+
+def build_engine(config: SimulationConfig, *, offload: bool = True,
+                 executor: TransferExecutor | None = None) -> ReferenceEngine:
+    """The engine for ``config``; ``offload=False`` builds the no-offloading baseline.
+
+    In bytes mode (and with offloading) the engine gets real tensors and a
+    ``WorkerExecutor`` unless ``executor`` is given.
+    """
+    layout = config.layout()
+    caps, offload_config = resolve(config, layout)
+    engine_config = EngineConfig(
+        num_blocks=caps.engine_blocks, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs, decode_tokens_per_step=config.decode_tokens_per_step,
+        sample_interval_s=config.sample_interval_s, check_integrity=config.check_integrity)
+    return assemble(layout, engine_config, offload_config if offload else None,
+                    mode=config.mode, executor=executor, timing=config.timing)
+
+
+def assemble(layout: ModelLayout, engine_config: EngineConfig,
+             offload_config: OffloadConfig | None, *, mode: Mode = Mode.ACCOUNTING,
+             executor: TransferExecutor | None = None,
+             timing: TimingModel | None = None) -> ReferenceEngine:
+    """Wire an engine: ``offload_config`` None runs without offloading; bytes mode gives
+    it real tensors over ``layout.specs`` pages, the real worker (unless ``executor`` is
+    given) and a host auditor."""
+    if offload_config is None:
+        return ReferenceEngine(layout, engine_config, timing=timing)
+    device = None
+    auditor = None
+    if mode is Mode.BYTES:
+        from kvoffload.engine.device import DeviceCaches, HostAuditor, WorkerExecutor
+
+        device = DeviceCaches(layout.specs, engine_config.num_blocks)
+        if executor is None:
+            worker = WorkerExecutor(offload_config, device)
+            auditor = HostAuditor(worker.worker.host_pool, layout.specs,
+                                  offload_config.block_size_factor)
+            executor = worker
+    return ReferenceEngine(layout, engine_config, offload=offload_config,
+                           executor=executor or AccountingExecutor(), device=device,
+                           auditor=auditor, timing=timing)
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """Both runs of one simulation."""
+
+    config: SimulationConfig
+    layout: ModelLayout
+    capacities: Capacities
+    offload: RunSummary
+    baseline: RunSummary | None
+
+
+def run_one(config: SimulationConfig, workload: Iterable[WorkloadRequest], *,
+            offload: bool = True, progress: Progress | None = None) -> RunSummary:
+    """Run ``workload`` once, with or without offloading."""
+    engine = build_engine(config, offload=offload)
+    start = time.perf_counter()
+    try:
+        metrics = replay(engine, workload, arrival=config.arrival, max_queued=config.max_queued,
+                         progress=progress)
+    finally:
+        engine.executor.shutdown()
+    if config.check_integrity:
+        engine.check_integrity()
+    return summarize(engine, metrics, wall_s=time.perf_counter() - start)
+
+
+def simulate(config: SimulationConfig, workload: Iterable[WorkloadRequest], *,
+             progress: Progress | None = None,
+             baseline_progress: Progress | None = None) -> SimulationResult:
+    """Run the workload with offloading and (``config.baseline``) without.
+
+    ``workload`` is iterated once per run: pass a list, or a re-iterable object.
+    """
+    layout = config.layout()
+    caps, _ = resolve(config, layout)
+    result = run_one(config, workload, progress=progress)
+    base = None
+    if config.baseline:
+        base = run_one(replace(config, mode=Mode.ACCOUNTING), workload, offload=False,
+                       progress=baseline_progress)
+    return SimulationResult(config, layout, caps, result, base)
+
+
+def describe_groups(layout: ModelLayout) -> list[str]:
+    """One line per group: kind, window, layers, block size."""
+    out = []
+    for g in layout.groups:
+        s = g.spec
+        kind = {GroupKind.FULL_ATTENTION: "full attention",
+                GroupKind.SLIDING_WINDOW: f"sliding window {s.sliding_window}",
+                GroupKind.MAMBA: "mamba"}[s.kind]
+        out.append(f"{kind}: {s.num_layers} layers, block {s.block_size} tokens")
+    return out

@@ -1,0 +1,92 @@
+"""Modelled time: how long a step's forward pass and a transfer take.
+
+The reference engine keeps a simulated clock. Nothing in it depends on how fast the host
+running the simulation is, so a run is deterministic and its times describe the modelled
+accelerator, not the laptop:
+
+* a step lasts ``max(prefill and decode FLOPs / accelerator_flops, decode iterations *
+  decode_step_s)``: compute-bound prefill, and a floor for memory-bound decode;
+* a transfer of ``n`` bytes occupies its link for ``n / link_bytes_per_s`` seconds; stores
+  (device to host) and loads (host to device) use two independent links (PCIe is full
+  duplex), and jobs on one link run one after the other in submission order.
+
+``TransferClock`` assigns each job its modelled completion time; the engine hands a
+worker's report to the planner only once the clock has passed that time, so the planner
+sees the same completions whether bytes really move (``bytes`` mode) or not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvoffload.errors import ConfigError
+from kvoffload.jobs import Direction, JobId
+
+
+@dataclass(frozen=True)
+class TimingModel:
+    """The modelled accelerator and host link.
+
+    Attributes:
+        accelerator_flops: sustained FLOP/s of the forward pass. The default, 400e12, is
+            about 40 % of an H100 SXM's dense BF16 peak (989e12).
+        link_bytes_per_s: host <-> device bandwidth per direction. The default, 25e9, is
+            a PCIe 4.0 x16 link at about 80 % of its 32 GB/s.
+        decode_step_s: the shortest step (one decode iteration is bound by reading the
+            weights and the cache, not by FLOPs).
+    """
+
+    accelerator_flops: float = 400e12
+    link_bytes_per_s: float = 25e9
+    decode_step_s: float = 0.015
+
+    def __post_init__(self) -> None:
+        for name in ("accelerator_flops", "link_bytes_per_s", "decode_step_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(name, f"must be positive, got {value}",
+                                  "Give a positive rate or duration.")
+
+    def compute_seconds(self, flops: float) -> float:
+        return flops / self.accelerator_flops
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        return nbytes / self.link_bytes_per_s
+
+    def step_seconds(self, flops: float, decode_iterations: int) -> float:
+        """Duration of a step doing ``flops`` of work and ``decode_iterations`` iterations."""
+        return max(self.compute_seconds(flops), decode_iterations * self.decode_step_s)
+
+
+class TransferClock:
+    """Modelled completion time of every transfer job (see the module docstring)."""
+
+    def __init__(self, timing: TimingModel) -> None:
+        self.timing = timing
+        self._link_free = {Direction.STORE: 0.0, Direction.LOAD: 0.0}
+        self._done_at: dict[JobId, float] = {}
+        self.busy_seconds = {Direction.STORE: 0.0, Direction.LOAD: 0.0}
+
+    def submit(self, job_id: JobId, direction: Direction, nbytes: int, now: float) -> float:
+        """Start a job at ``now`` (or when its link frees up); return its completion time."""
+        seconds = self.timing.transfer_seconds(nbytes)
+        start = max(now, self._link_free[direction])
+        done = start + seconds
+        self._link_free[direction] = done
+        self._done_at[job_id] = done
+        self.busy_seconds[direction] += seconds
+        return done
+
+    def done_at(self, job_id: JobId) -> float:
+        """When ``job_id`` completes; 0 for jobs this clock never saw (nothing to wait for)."""
+        return self._done_at.get(job_id, 0.0)
+
+    def forget(self, job_id: JobId) -> None:
+        self._done_at.pop(job_id, None)
+
+    def next_completion(self) -> float | None:
+        """The earliest completion time of a job not yet forgotten, if any."""
+        return min(self._done_at.values(), default=None)
+
+    def __len__(self) -> int:
+        return len(self._done_at)

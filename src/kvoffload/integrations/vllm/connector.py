@@ -1,0 +1,211 @@
+"""``KVOffloadConnector``: kvoffload as a vLLM v1 KV connector (vLLM 0.32.x).
+
+Loaded by vLLM from ``--kv-transfer-config``::
+
+    {"kv_connector": "KVOffloadConnector",
+     "kv_connector_module_path": "kvoffload.integrations.vllm",
+     "kv_role": "kv_both",
+     "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"host_memory_bytes": "8GiB"}}
+
+vLLM builds one instance with the SCHEDULER role (in the engine core) and one per worker
+with the WORKER role. The scheduler role drives kvoffload's ``Planner`` over a host tier
+(``SchedulerSide``); the worker role runs a ``TransferWorker`` over vLLM's caches
+(``WorkerSide``), with the CPU backend on vLLM's CPU platform and the CUDA backend on a
+GPU. The connector declares ``SupportsHMA``: every KV-cache group (full attention,
+sliding window, Mamba) is offloaded by its own rule, so hybrid models keep vLLM's hybrid
+memory allocator.
+
+The scheduler and the workers translate the same ``KVCacheConfig`` with the same options,
+so they agree on the host slot count; a worker whose tensors do not match raises
+``LayoutError`` at registration, before any byte moves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvoffload.integrations.vllm.metadata import KVOffloadMetadata
+from kvoffload.integrations.vllm.options import ConnectorOptions
+from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
+from kvoffload.integrations.vllm.stats import KVOffloadPromMetrics, KVOffloadStats
+from kvoffload.integrations.vllm.translate import check_parallelism, translate
+from kvoffload.integrations.vllm.version import check_vllm_version
+from kvoffload.integrations.vllm.worker_side import WorkerSide
+
+logger = logging.getLogger(__name__)
+
+
+class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvoffload's vLLM connector; see the module docstring for the configuration."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        check_vllm_version()
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.options = ConnectorOptions.from_extra_config(extra)
+        num_workers = check_parallelism(vllm_config.parallel_config)
+        self.layout = translate(kv_cache_config)
+        self.offload_config = self.layout.offload_config(self.options, num_workers)
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            events = vllm_config.kv_events_config
+            self.scheduler_side = SchedulerSide(
+                self.offload_config,
+                enable_events=bool(events is not None and events.enable_kv_cache_events))
+        else:
+            rank = int(vllm_config.parallel_config.rank) % num_workers
+            self.worker_side = WorkerSide(self.offload_config, self.layout.layer_names,
+                                          self.layout.num_blocks, rank=rank)
+        logger.info("kvoffload: %s role, groups %s, %d host slots of %d bytes",
+                    role.name, [g.name for g in self.layout.groups],
+                    self.offload_config.num_host_slots, self.offload_config.slot_bytes)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a dropped store is only a future miss."""
+        return False
+
+    @property
+    def scheduler(self) -> SchedulerSide:
+        if self.scheduler_side is None:
+            raise RuntimeError("scheduler-side call on a WORKER-role KVOffloadConnector")
+        return self.scheduler_side
+
+    @property
+    def worker(self) -> WorkerSide:
+        if self.worker_side is None:
+            raise RuntimeError("worker-side call on a SCHEDULER-role KVOffloadConnector")
+        return self.worker_side
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        # Every block's pages contiguous: [layer][block][heads][tokens][K|V].
+        return "LBHNC"
+
+    # -- worker role --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def _meta(self) -> KVOffloadMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, KVOffloadMetadata) else None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, KVOffloadMetadata):
+            self.worker.flush(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._meta()
+        if meta is not None:
+            self.worker.start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete before vLLM schedules the request: nothing to wait for here."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Stores run per step after the forward pass (``wait_for_save``), not per layer."""
+
+    def wait_for_save(self) -> None:
+        meta = self._meta()
+        if meta is not None:
+            self.worker.submit_stores(meta)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        finished, failed = self.worker.transfer_results(self._meta())
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self.worker_side is None:
+            return None
+        return self.worker_side.take_worker_meta()
+
+    # -- scheduler role -----------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
+                                   ) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks.get_block_ids(),
+                                                num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request: Any, block_ids: list[int],
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        self.scheduler.request_finished(request)
+        return False, None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...],
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        self.scheduler.request_finished(request)
+        return False, None
+
+    def take_events(self) -> Iterable[Any]:
+        return self.scheduler.take_events()
+
+    def reset_cache(self) -> bool | None:
+        return self.scheduler.reset_cache()
+
+    def has_pending_push_work(self) -> bool:
+        """Keep vLLM stepping while stores are in flight, so their reports arrive."""
+        return self.scheduler_side is not None and self.scheduler_side.has_pending_work()
+
+    # -- both ---------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVOffloadStats | None:
+        if self.scheduler_side is None:
+            return None
+        return self.scheduler_side.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVOffloadStats:
+        return KVOffloadStats(data=data) if data is not None else KVOffloadStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]],
+                           ) -> KVOffloadPromMetrics:
+        return KVOffloadPromMetrics(vllm_config, metric_types, labelnames,
+                                    per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+        if self.scheduler_side is not None:
+            self.scheduler_side.shutdown()
+
+
+__all__ = ["KVOffloadConnector"]

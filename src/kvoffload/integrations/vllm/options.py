@@ -1,0 +1,126 @@
+"""The connector's options, read from vLLM's ``kv_connector_extra_config``.
+
+Pure Python (no vLLM import), so the validation is tested on its own. Every problem
+raises ``ConfigError`` naming the key as ``kv_connector_extra_config.<key>``, what is
+wrong and what to write instead. Unknown keys are errors too: a misspelt key would
+otherwise be silently ignored.
+
+Keys (all optional except ``host_memory_bytes``):
+
+==========================  ==========================================================
+``host_memory_bytes``       Host memory for offloaded blocks, per rank: an integer or a
+                            string with a unit (``"8GiB"``, ``"512MiB"``, ``"2GB"``).
+``eviction_policy``         A registered policy name: ``"lru"`` (default) or ``"arc"``.
+``block_size_factor``       Engine blocks per offloaded block (default 1).
+``tiers``                   Storage tiers, fastest first; only ``["host"]`` exists today.
+``max_deferred_steps``      Steps a lookup may answer "ask again later" before it settles
+                            for what is readable (default 64).
+==========================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload.errors import ConfigError
+from kvoffload.tiers.eviction import registered_policies
+
+PREFIX = "kv_connector_extra_config"
+AVAILABLE_TIERS = ("host",)
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """Validated connector options (see the module docstring for the keys)."""
+
+    host_memory_bytes: int
+    eviction_policy: str = "lru"
+    block_size_factor: int = 1
+    tiers: tuple[str, ...] = ("host",)
+    max_deferred_steps: int = 64
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
+        """Parse and validate ``kv_connector_extra_config``; raise ``ConfigError``."""
+        extra = dict(extra or {})
+        known = {"host_memory_bytes", "eviction_policy", "block_size_factor", "tiers",
+                 "max_deferred_steps"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"{PREFIX}.{unknown[0]}", "is not a kvoffload option",
+                              f"Use only {sorted(known)}.")
+        if "host_memory_bytes" not in extra:
+            raise ConfigError(f"{PREFIX}.host_memory_bytes", "is missing",
+                              'Give the host memory per rank for offloaded blocks, e.g. '
+                              '"host_memory_bytes": "8GiB".')
+        memory = parse_bytes(extra["host_memory_bytes"], f"{PREFIX}.host_memory_bytes")
+        policy = extra.get("eviction_policy", "lru")
+        policies = registered_policies()
+        if not isinstance(policy, str) or policy not in policies:
+            raise ConfigError(f"{PREFIX}.eviction_policy", f"{policy!r} is not a policy",
+                              f"Use one of {list(policies)}.")
+        factor = _positive_int(extra.get("block_size_factor", 1),
+                               f"{PREFIX}.block_size_factor",
+                               "Use 1 to offload engine blocks as they are, or a small "
+                               "integer to group several engine blocks per host block.")
+        deferred = _positive_int(extra.get("max_deferred_steps", 64),
+                                 f"{PREFIX}.max_deferred_steps",
+                                 "Use a small positive number of steps, e.g. 64.")
+        tiers = _tiers(extra.get("tiers", ["host"]))
+        return cls(host_memory_bytes=memory, eviction_policy=policy,
+                   block_size_factor=factor, tiers=tiers, max_deferred_steps=deferred)
+
+
+def parse_bytes(value: object, field: str) -> int:
+    """A positive byte count from an int or a string such as ``"8GiB"``."""
+    fix = 'Give a positive integer or a size such as "8GiB" or "512MiB".'
+    if isinstance(value, bool):
+        raise ConfigError(field, f"{value!r} is not a size", fix)
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str):
+        match = _SIZE.match(value)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ConfigError(field, f"{value!r} is not a size", fix)
+        number = int(float(match.group(1)) * _UNITS[unit])
+    else:
+        raise ConfigError(field, f"{value!r} ({type(value).__name__}) is not a size", fix)
+    if number <= 0:
+        raise ConfigError(field, f"must be positive, got {value!r}", fix)
+    return number
+
+
+def _positive_int(value: object, field: str, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(field, f"must be a positive integer, got {value!r}", fix)
+    return value
+
+
+def _tiers(value: object) -> tuple[str, ...]:
+    field = f"{PREFIX}.tiers"
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not names or \
+            not all(isinstance(n, str) for n in names):
+        raise ConfigError(field, f"{value!r} is not a list of tier names",
+                          'Use a list such as ["host"].')
+    if names[0] != "host":
+        raise ConfigError(field, f"the first tier must be 'host', got {names[0]!r}",
+                          'Start the list with "host".')
+    for name in names:
+        if name not in AVAILABLE_TIERS:
+            raise ConfigError(field, f"tier {name!r} is not available in this connector",
+                              f"Use only {list(AVAILABLE_TIERS)}.")
+    if len(set(names)) != len(names):
+        raise ConfigError(field, f"{list(names)} lists a tier twice", "List each tier once.")
+    return tuple(names)

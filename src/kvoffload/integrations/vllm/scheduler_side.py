@@ -1,0 +1,188 @@
+"""The connector's scheduler role: vLLM's scheduler calls mapped onto the ``Planner``.
+
+vLLM's ``Request`` already satisfies the planner's ``RequestInfo`` protocol (request_id,
+num_tokens, num_prompt_tokens, and block_hashes at the hash block size). What this module
+adds is the mapping of vLLM's per-step ``SchedulerOutput`` onto ``StepInput`` and of the
+planner's outcomes back onto vLLM's expectations:
+
+* every scheduled request becomes a ``ScheduledRequest``; new and resumed requests carry
+  their whole block table, running ones the blocks appended this step;
+* for sliding-window and Mamba groups, ``num_freed_blocks`` is read from vLLM's block
+  table: the position of the last null block + 1 (vLLM replaces blocks it frees with the
+  null block), so the planner never stores from a position whose id may be reused;
+* a load is announced to vLLM (``finished_recving``) by the worker that ran it; a load
+  that ends without ever reaching a worker (blocks evicted between lookup and
+  allocation, or dropped by a cache reset) is announced through ``resolved_loads`` in the
+  next metadata instead, so each waiting request is released exactly once;
+* a request whose load failed is not offered a load again: vLLM recomputes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from kvoffload.config import OffloadConfig
+from kvoffload.integrations.vllm.events import to_vllm_events
+from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
+from kvoffload.integrations.vllm.stats import KVOffloadStats, StatsCollector
+from kvoffload.jobs import WorkerReport
+from kvoffload.planner.contract import ReportOutcome, ScheduledRequest, StepInput
+from kvoffload.planner.planner import Planner
+from kvoffload.tiers.cpu import HostTier
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerSide:
+    """The scheduler half of the connector (see the module docstring)."""
+
+    def __init__(self, config: OffloadConfig, *, enable_events: bool = False) -> None:
+        self.config = config
+        self.tier = HostTier(config, enable_events=enable_events)
+        self.planner = Planner(config, self.tier)
+        self.enable_events = enable_events
+        self._requests: dict[str, Any] = {}
+        self._num_groups = len(config.resolved)
+        self._windowed = tuple(g.index for g in config.resolved if g.is_windowed)
+        self._empty_ids: tuple[tuple[int, ...], ...] = ((),) * self._num_groups
+        self._managers: Sequence[Any] | None = None
+        self._loads_at_workers: set[str] = set()
+        self._resolved: list[tuple[str, bool]] = []
+        self._load_failed: set[str] = set()
+        self.num_preempted = 0
+        """Requests vLLM preempted so far (each preemption counts)."""
+        self._stats = StatsCollector()
+
+    def bind_kv_cache_manager(self, manager: Any) -> None:
+        """Keep vLLM's per-group block managers, to read freed (null) positions."""
+        self._managers = manager.coordinator.single_type_managers
+
+    # -- lookup and allocation -----------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        """Remember vLLM's request object: scheduler outputs name requests by id only."""
+        self._requests[request.request_id] = request
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
+                                   ) -> tuple[int | None, bool]:
+        """The planner's answer, except for a request whose load already failed: vLLM
+        recomputes it from scratch, and offering the same blocks again could fail again
+        forever."""
+        self._requests[request.request_id] = request
+        if request.request_id in self._load_failed:
+            return 0, False
+        result = self.planner.get_num_new_matched_tokens(request, num_computed_tokens)
+        return result.num_tokens, result.load_async
+
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[Sequence[int]],
+                                 num_external_tokens: int) -> None:
+        self._requests[request.request_id] = request
+        self.planner.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    # -- per step ------------------------------------------------------------------------
+
+    def build_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
+        """This step's plan for the workers (vLLM calls it once per step, after scheduling)."""
+        step = self.step_input(scheduler_output)
+        plan = self.planner.build_step_plan(step)
+        # Loads that ended before reaching a worker (evicted since lookup, reset).
+        self._route(self.planner.update_from_worker_reports(()))
+        for job in plan.loads:
+            self._loads_at_workers.add(job.request_id)
+        resolved = tuple(self._resolved)
+        self._resolved = []
+        return KVOffloadMetadata(plan=plan, resolved_loads=resolved)
+
+    def step_input(self, so: Any) -> StepInput:
+        """vLLM's ``SchedulerOutput`` as the planner's ``StepInput``."""
+        scheduled: list[ScheduledRequest] = []
+        num_tokens = so.num_scheduled_tokens
+        for new in so.scheduled_new_reqs:
+            rid = new.req_id
+            scheduled.append(ScheduledRequest(
+                request=self._requests[rid],
+                new_block_ids=tuple(tuple(ids) for ids in new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                num_scheduled_tokens=num_tokens[rid], resumed=True,
+                num_freed_blocks=self._freed(rid)))
+        cached = so.scheduled_cached_reqs
+        resumed_ids = cached.resumed_req_ids
+        for i, rid in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[i]
+            scheduled.append(ScheduledRequest(
+                request=self._requests[rid],
+                new_block_ids=self._empty_ids if ids is None else tuple(map(tuple, ids)),
+                num_computed_tokens=cached.num_computed_tokens[i],
+                num_scheduled_tokens=num_tokens[rid], resumed=rid in resumed_ids,
+                num_freed_blocks=self._freed(rid)))
+        preempted = tuple(so.preempted_req_ids or ())
+        self.num_preempted += len(preempted)
+        return StepInput(scheduled=tuple(scheduled), preempted=preempted)
+
+    def _freed(self, request_id: str) -> tuple[int, ...] | None:
+        """Per group, one past the last null position of vLLM's current block table."""
+        if not self._windowed or self._managers is None:
+            return None
+        freed = [0] * self._num_groups
+        for g in self._windowed:
+            blocks = self._managers[g].req_to_blocks.get(request_id)
+            if not blocks:
+                continue
+            i = len(blocks) - 1
+            while i >= 0 and not blocks[i].is_null:
+                i -= 1
+            freed[g] = i + 1
+        return tuple(freed)
+
+    def update_connector_output(self, worker_meta: Any) -> None:
+        """Feed the workers' reports (summed over ranks by vLLM) to the planner."""
+        reports: list[WorkerReport] = []
+        if isinstance(worker_meta, KVOffloadWorkerMetadata):
+            reports = worker_meta.reports
+        for report in reports:
+            self._stats.add_transfer(report.stats)
+        self._route(self.planner.update_from_worker_reports(reports))
+
+    def _route(self, outcome: ReportOutcome) -> None:
+        """Announce loads that ended without a worker job through the next metadata."""
+        if not outcome.finished_loads:
+            return
+        failed = {f.request_id for f in outcome.failed_loads}
+        self._load_failed |= failed
+        for rid in outcome.finished_loads:
+            if rid in self._loads_at_workers:
+                # The worker that ran (or runs) the job tells vLLM itself.
+                self._loads_at_workers.discard(rid)
+            else:
+                self._resolved.append((rid, rid in failed))
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def request_finished(self, request: Any) -> None:
+        """The request ended; vLLM may free its blocks now (the planner fences them)."""
+        self._requests.pop(request.request_id, None)
+        self._load_failed.discard(request.request_id)
+        self.planner.request_finished(request)
+
+    def take_events(self) -> list[Any]:
+        events = self.planner.take_events()
+        if not events:
+            return []
+        return to_vllm_events(events, self.config)
+
+    def reset_cache(self) -> bool:
+        """Drop every offloaded block (``LLM.reset_prefix_cache(reset_connector=True)``)."""
+        self.planner.reset_cache()
+        return True
+
+    def has_pending_work(self) -> bool:
+        """Jobs in flight or not yet sent: vLLM keeps stepping until they report."""
+        return self.planner.has_pending_work() or bool(self._resolved)
+
+    def take_stats(self) -> KVOffloadStats | None:
+        return self._stats.take(self.planner.stats, self.tier.usage())
+
+    def shutdown(self) -> None:
+        self.planner.shutdown()

@@ -1,0 +1,219 @@
+"""Connector statistics for vLLM's stats pipeline and Prometheus.
+
+The scheduler side knows everything worth exporting: the planner's counters, the host
+tier's occupancy, and the workers' bytes and seconds (their reports reach it through the
+worker metadata). Each engine step it hands vLLM the *increments* since the previous step
+as a ``KVOffloadStats``; vLLM sums them over an interval for its log line
+(``reduce``) and feeds every increment to ``KVOffloadPromMetrics``.
+
+The payload is a dict of plain numbers keyed by strings, so it survives vLLM's IPC::
+
+    {"counters": {name: number}, "gauges": {name: number},
+     "group_counters": {name: {group: number}}, "group_gauges": {name: {group: number}}}
+
+Counters add up under ``aggregate``; gauges keep the latest value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from kvoffload.jobs import TransferStats
+from kvoffload.metrics import PlannerStats
+from kvoffload.tiers.base import TierUsage
+
+COUNTERS: dict[str, str] = {
+    "lookups": "Lookups answered by the kvoffload planner.",
+    "hit_tokens": "Tokens the host tier offered beyond vLLM's own prefix cache.",
+    "deferred_lookups": "Lookups answered 'ask again later' (a needed block was in flight).",
+    "load_jobs": "Load jobs (host -> engine) issued.",
+    "store_jobs": "Store jobs (engine -> host) issued.",
+    "failed_loads": "Loads that failed; vLLM recomputed those tokens.",
+    "failed_stores": "Stores that failed; their host slots were freed.",
+    "store_retries": "Stores postponed because the host tier had no evictable room.",
+    "loaded_bytes": "Bytes copied host -> engine, summed over ranks.",
+    "stored_bytes": "Bytes copied engine -> host, summed over ranks.",
+    "load_seconds": "Seconds spent in loads, summed over ranks.",
+    "store_seconds": "Seconds spent in stores, summed over ranks.",
+}
+GROUP_COUNTERS: dict[str, str] = {
+    "blocks_loaded": "Engine blocks loaded, per KV-cache group.",
+    "blocks_stored": "Engine blocks stored, per KV-cache group.",
+}
+GAUGES: dict[str, str] = {
+    "host_capacity_slots": "Host tier capacity in offloaded blocks.",
+    "host_used_slots": "Host slots holding a block (ready or being written).",
+    "host_pinned_slots": "Host slots pinned by loads in flight.",
+}
+GROUP_GAUGES: dict[str, str] = {
+    "host_bytes": "Bytes of offloaded blocks held in host memory, per KV-cache group.",
+}
+_SECTIONS = ("counters", "gauges", "group_counters", "group_gauges")
+METRIC_PREFIX = "vllm:kvoffload_"
+
+
+def _empty() -> dict[str, Any]:
+    return {section: {} for section in _SECTIONS}
+
+
+@dataclass
+class KVOffloadStats(KVConnectorStats):
+    """Increments of kvoffload's counters and the latest gauges (see module docstring)."""
+
+    data: dict[str, Any] = field(default_factory=_empty)
+
+    def __post_init__(self) -> None:
+        for section in _SECTIONS:
+            self.data.setdefault(section, {})
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def is_empty(self) -> bool:
+        return not any(self.data[s] for s in _SECTIONS)
+
+    def aggregate(self, other: KVConnectorStats) -> KVOffloadStats:
+        """Add ``other``'s counters into this one; take its gauges. Returns ``self``."""
+        if not isinstance(other, KVOffloadStats) or other.is_empty():
+            return self
+        counters, gauges = self.data["counters"], self.data["gauges"]
+        for name, value in other.data["counters"].items():
+            counters[name] = counters.get(name, 0) + value
+        gauges.update(other.data["gauges"])
+        for name, per_group in other.data["group_counters"].items():
+            mine = self.data["group_counters"].setdefault(name, {})
+            for group, value in per_group.items():
+                mine[group] = mine.get(group, 0) + value
+        for name, per_group in other.data["group_gauges"].items():
+            self.data["group_gauges"].setdefault(name, {}).update(per_group)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """Flat ``{name: value}`` for vLLM's periodic log line."""
+        out: dict[str, int | float] = {}
+        out.update(self.data["counters"])
+        out.update(self.data["gauges"])
+        for section in ("group_counters", "group_gauges"):
+            for name, per_group in self.data[section].items():
+                for group, value in sorted(per_group.items()):
+                    out[f"{name}[g{group}]"] = value
+        return out
+
+
+class StatsCollector:
+    """Turns cumulative planner counters and worker reports into per-step increments."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+        self._last_groups: dict[str, dict[int, int]] = {}
+        self._transfer = TransferStats()
+
+    def add_transfer(self, stats: TransferStats) -> None:
+        """Add one worker report's bytes and seconds."""
+        t = self._transfer
+        self._transfer = TransferStats(
+            stored_bytes=t.stored_bytes + stats.stored_bytes,
+            loaded_bytes=t.loaded_bytes + stats.loaded_bytes,
+            store_seconds=t.store_seconds + stats.store_seconds,
+            load_seconds=t.load_seconds + stats.load_seconds)
+
+    def take(self, planner: PlannerStats, usage: TierUsage) -> KVOffloadStats | None:
+        """The increments since the previous call, or None when no counter moved."""
+        now: dict[str, int] = {
+            "lookups": planner.lookups,
+            "hit_tokens": planner.lookup_hit_tokens,
+            "deferred_lookups": planner.deferred_lookups,
+            "load_jobs": planner.load_jobs,
+            "store_jobs": planner.store_jobs,
+            "failed_loads": planner.failed_loads,
+            "failed_stores": planner.failed_stores,
+            "store_retries": planner.store_retries,
+        }
+        counters: dict[str, int | float] = {}
+        for name, value in now.items():
+            delta = value - self._last.get(name, 0)
+            if delta:
+                counters[name] = delta
+        self._last = now
+        t, self._transfer = self._transfer, TransferStats()
+        moved: tuple[tuple[str, int | float], ...] = (
+            ("loaded_bytes", t.loaded_bytes), ("stored_bytes", t.stored_bytes),
+            ("load_seconds", t.load_seconds), ("store_seconds", t.store_seconds))
+        for name, amount in moved:
+            if amount:
+                counters[name] = amount
+        group_counters: dict[str, dict[str, int]] = {}
+        for name, table in (("blocks_loaded", planner.blocks_loaded),
+                            ("blocks_stored", planner.blocks_stored)):
+            last = self._last_groups.setdefault(name, {})
+            for group, value in table.items():
+                delta = value - last.get(group, 0)
+                if delta:
+                    group_counters.setdefault(name, {})[str(group)] = delta
+                last[group] = value
+        if not counters and not group_counters:
+            return None
+        return KVOffloadStats(data={
+            "counters": counters,
+            "gauges": {"host_capacity_slots": usage.capacity_slots,
+                       "host_used_slots": usage.used_slots,
+                       "host_pinned_slots": usage.pinned_slots},
+            "group_counters": group_counters,
+            "group_gauges": {"host_bytes": {str(g): b for g, b in
+                                            usage.bytes_by_group.items()}},
+        })
+
+
+class KVOffloadPromMetrics(KVConnectorPromMetrics):
+    """Prometheus counters and gauges named ``vllm:kvoffload_*``, one child per engine.
+
+    Per-group metrics carry a ``group`` label (the vLLM KV-cache group index).
+    """
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+                 ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter_cls: Any = self._counter_cls
+        gauge_cls: Any = self._gauge_cls
+        self._metrics: dict[str, Any] = {}
+        for name, doc in COUNTERS.items():
+            self._metrics[name] = counter_cls(
+                name=METRIC_PREFIX + name, documentation=doc, labelnames=labelnames)
+        for name, doc in GAUGES.items():
+            self._metrics[name] = gauge_cls(
+                name=METRIC_PREFIX + name, documentation=doc, labelnames=labelnames,
+                multiprocess_mode="mostrecent")
+        for name, doc in GROUP_COUNTERS.items():
+            self._metrics[name] = counter_cls(
+                name=METRIC_PREFIX + name, documentation=doc,
+                labelnames=[*labelnames, "group"])
+        for name, doc in GROUP_GAUGES.items():
+            self._metrics[name] = gauge_cls(
+                name=METRIC_PREFIX + name, documentation=doc,
+                labelnames=[*labelnames, "group"], multiprocess_mode="mostrecent")
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Record one step's (or interval's) increments for engine ``engine_idx``."""
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in transfer_stats_data.get("counters", {}).items():
+            if name in COUNTERS and value > 0:
+                self._metrics[name].labels(*labels).inc(value)
+        for name, value in transfer_stats_data.get("gauges", {}).items():
+            if name in GAUGES:
+                self._metrics[name].labels(*labels).set(value)
+        for name, per_group in transfer_stats_data.get("group_counters", {}).items():
+            if name in GROUP_COUNTERS:
+                for group, value in per_group.items():
+                    if value > 0:
+                        self._metrics[name].labels(*labels, str(group)).inc(value)
+        for name, per_group in transfer_stats_data.get("group_gauges", {}).items():
+            if name in GROUP_GAUGES:
+                for group, value in per_group.items():
+                    self._metrics[name].labels(*labels, str(group)).set(value)

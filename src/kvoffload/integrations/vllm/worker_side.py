@@ -1,0 +1,182 @@
+"""The connector's worker role: vLLM's per-rank hooks mapped onto ``TransferWorker``.
+
+vLLM calls, every engine step, on every rank (``gpu_model_runner``, also used on CPU)::
+
+    handle_preemptions(meta)   before the batch is updated (blocks about to be reused
+                               or zeroed are still intact)          -> flush
+    ... forward pass ...
+    start_load_kv()            async loads start after the forward is launched
+    wait_for_save()            after the forward                    -> stores
+    get_transfer_results()     finished / failed loads for the scheduler
+    build_connector_worker_meta()   reports for the scheduler side
+
+The plan is executed in three slices with ``TransferWorker.execute``:
+
+1. ``flush``: the flushed stores of the plan are submitted, then every flushed job is
+   waited for, so the blocks vLLM reuses this step are no longer read;
+2. ``loads``: submitted asynchronously; they write blocks of requests vLLM keeps in
+   WAITING_FOR_REMOTE_KVS, which no forward pass touches;
+3. ``stores``: submitted after the forward pass that wrote their blocks.
+
+A load is reported to vLLM as finished receiving when the transfer worker reports it
+(as failed receiving too, when it failed); vLLM then recomputes (with
+``kv_load_failure_policy="recompute"``) or fails the request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from vllm.v1.kv_cache_interface import group_kernel_blocks
+
+from kvoffload.config import OffloadConfig
+from kvoffload.errors import LayoutError
+from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
+from kvoffload.jobs import JobId, StepPlan, TransferJob, WorkerReport
+from kvoffload.worker.backend import TransferBackend
+from kvoffload.worker.layout import CacheLayout, CacheTensorLayout, GroupTensors
+from kvoffload.worker.worker import TransferWorker
+
+logger = logging.getLogger(__name__)
+
+LoadHook = Callable[[TransferJob, CacheLayout], None]
+"""Test hook: called for every successfully finished load before vLLM hears of it."""
+
+
+class WorkerSide:
+    """One rank's half of the connector (see the module docstring)."""
+
+    def __init__(self, config: OffloadConfig, layer_names: Sequence[Sequence[str]],
+                 num_blocks: int, rank: int = 0,
+                 backend: TransferBackend | None = None) -> None:
+        """Args:
+            config: the offload configuration every rank and the scheduler share.
+            layer_names: per group, the vLLM layers whose caches belong to it.
+            num_blocks: blocks in vLLM's pool (kernel-block splits are regrouped).
+            rank: this worker's tensor-parallel rank.
+            backend: transfer backend; chosen from the caches' device by default.
+        """
+        self.config = config
+        self.layer_names = [tuple(names) for names in layer_names]
+        self.num_blocks = num_blocks
+        self.worker = TransferWorker(config, rank=rank, backend=backend)
+        self.after_load: LoadHook | None = None
+        self._loads: dict[JobId, TransferJob] = {}
+        self._reports: list[WorkerReport] = []
+        # The step being executed and how far: 0 nothing, 1 flushed, 2 loads, 3 stores.
+        # Holding the metadata object keeps its identity unique while it is current.
+        self._meta: KVOffloadMetadata | None = None
+        self._phase = 0
+        self._resolved_for: KVOffloadMetadata | None = None
+
+    # -- registration ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
+                           ) -> None:
+        """Register vLLM's per-layer caches, grouped by KV-cache group.
+
+        Layers vLLM adds on the worker only (KV-sharing or encoder-only layers) are not
+        in the groups and are ignored: they own no blocks. A Mamba layer arrives as one
+        raw page tensor ``(num_blocks, 1, 1, real_bytes)`` whose row stride is the padded
+        page; attention layers as ``(num_blocks, heads, block_size, 2 * head_size)``.
+        """
+        groups = []
+        for index, names in enumerate(self.layer_names):
+            layers: list[tuple[str, torch.Tensor | Sequence[torch.Tensor]]] = []
+            for name in names:
+                if name not in kv_caches:
+                    raise LayoutError(f"KV-cache group {index}: layer {name!r} has no cache "
+                                      f"tensor among the {len(kv_caches)} vLLM registered")
+                cache = kv_caches[name]
+                if isinstance(cache, torch.Tensor):
+                    layers.append((name, group_kernel_blocks(cache, self.num_blocks)))
+                else:
+                    layers.append((name, [group_kernel_blocks(t, self.num_blocks)
+                                          for t in cache]))
+            groups.append(GroupTensors(index, layers, CacheTensorLayout.BLOCKS_FIRST))
+        self.worker.register_kv_caches(groups)
+
+    # -- per step -------------------------------------------------------------------------
+
+    def _enter(self, meta: KVOffloadMetadata, phase: int) -> bool:
+        """Whether ``phase`` of ``meta`` still has to run (phases run once, in order)."""
+        if meta is not self._meta:
+            self._meta, self._phase = meta, 0
+        if self._phase >= phase:
+            return False
+        self._phase = phase
+        return True
+
+    def flush(self, meta: KVOffloadMetadata) -> None:
+        """Before the batch is updated: submit flushed stores, wait for every flushed job."""
+        if not self._enter(meta, 1):
+            return
+        plan = meta.plan
+        flushed = set(plan.flush)
+        self.worker.execute(dataclasses.replace(
+            plan, loads=(), stores=tuple(j for j in plan.stores if j.job_id in flushed)))
+
+    def start_loads(self, meta: KVOffloadMetadata) -> None:
+        """Submit the plan's loads (after ``flush``, which runs first if vLLM skipped it)."""
+        self.flush(meta)
+        if not self._enter(meta, 2):
+            return
+        if meta.plan.loads:
+            for job in meta.plan.loads:
+                self._loads[job.job_id] = job
+            self.worker.execute(StepPlan(loads=meta.plan.loads))
+
+    def submit_stores(self, meta: KVOffloadMetadata) -> None:
+        """After the forward pass: submit the plan's stores not submitted by ``flush``."""
+        self.start_loads(meta)
+        if not self._enter(meta, 3):
+            return
+        flushed = set(meta.plan.flush)
+        stores = tuple(j for j in meta.plan.stores if j.job_id not in flushed)
+        if stores:
+            self.worker.execute(StepPlan(stores=stores))
+
+    def transfer_results(self, meta: KVOffloadMetadata | None) -> tuple[set[str], set[str]]:
+        """``(finished receiving, failed receiving)`` request ids, from a poll of the worker.
+
+        Also queues the poll's report for ``take_worker_meta``.
+        """
+        report = self.worker.poll()
+        finished: set[str] = set()
+        failed: set[str] = set()
+        for job_id in report.finished:
+            job = self._loads.pop(job_id, None)
+            if job is not None:
+                if self.after_load is not None:
+                    self.after_load(job, self.worker.layout)
+                finished.add(job.request_id)
+        for job_id in report.failed:
+            job = self._loads.pop(job_id, None)
+            if job is not None:
+                logger.warning("kvoffload: load for request %s failed; vLLM recomputes it",
+                               job.request_id)
+                finished.add(job.request_id)
+                failed.add(job.request_id)
+        if meta is not None and meta is not self._resolved_for:
+            self._resolved_for = meta
+            for request_id, load_failed in meta.resolved_loads:
+                finished.add(request_id)
+                if load_failed:
+                    failed.add(request_id)
+        if report.finished or report.failed or report.stats.stored_bytes \
+                or report.stats.loaded_bytes:
+            self._reports.append(report)
+        return finished, failed
+
+    def take_worker_meta(self) -> KVOffloadWorkerMetadata | None:
+        """The reports since the last call, for the scheduler side; None when empty."""
+        if not self._reports:
+            return None
+        reports, self._reports = self._reports, []
+        return KVOffloadWorkerMetadata(reports)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -1,0 +1,145 @@
+"""The ``kvoffload`` command: outputs, JSON, plots, and clean errors (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from kvoffload.cli import main
+from kvoffload.cli.common import UsageError, parse_size
+from kvoffload.engine.model_presets import PRESETS
+
+TRACE = Path(os.environ.get(
+    "KVOFFLOAD_TRACE",
+    Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
+    / "mooncake_conversation_trace.jsonl"))
+
+SMALL = ["--workload", "chat", "--limit", "12", "--engine-tokens", "6000", "--quiet"]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_simulate_prints_both_runs_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run(capsys, "simulate", *SMALL)
+    assert status == 0, err
+    assert "without offload" in out and "with offload" in out
+    assert "prompt tokens from host tier" in out
+    assert "wrong bytes 0 [OK]" in out
+    assert "pages scaled to" in out  # the report says what was moved
+
+
+def test_simulate_json_has_both_runs_and_real_sizes(capsys: pytest.CaptureFixture[str],
+                                                     tmp_path: Path) -> None:
+    plot = tmp_path / "run.png"
+    status, out, _ = run(capsys, "simulate", *SMALL, "--json", "--plot", str(plot),
+                         "--preset", "nemotron-h-8b", "--block-size", "32")
+    assert status == 0
+    data = json.loads(out)
+    assert data["layout"]["preset"] == "nemotron-h-8b"
+    assert data["layout"]["scaled"] is True
+    groups = {g["kind"]: g for g in data["layout"]["groups"]}
+    assert groups["mamba"]["real_page_bytes"] > groups["mamba"]["moved_page_bytes"]
+    offload, baseline = data["offload"], data["baseline"]
+    assert offload["requests"] == baseline["requests"] == 12
+    assert offload["wrong_bytes"] == 0 and offload["verified_blocks"] > 0
+    assert baseline["host_hit_tokens"] == 0
+    assert [g["kind"] for g in offload["groups"]] == ["full_attention", "mamba"]
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_simulate_accounting_mode_on_a_trace_slice(capsys: pytest.CaptureFixture[str]) -> None:
+    if not TRACE.exists():
+        pytest.skip("shared trace not present")
+    status, out, _ = run(capsys, "simulate", "--trace", str(TRACE), "--limit", "100",
+                         "--engine-tokens", "200k", "--json", "--no-baseline",
+                         "--host-capacity", "64GiB")
+    assert status == 0
+    data = json.loads(out)
+    assert data["config"]["mode"] == "accounting"
+    assert data["baseline"] is None
+    assert data["offload"]["requests"] == 100
+    assert data["offload"]["host_hit_tokens"] > 0
+
+
+def test_sweep_runs_the_grid_and_plots(capsys: pytest.CaptureFixture[str],
+                                       tmp_path: Path) -> None:
+    plot = tmp_path / "sweep.png"
+    status, out, _ = run(capsys, "sweep", *SMALL, "--policy", "lru,arc",
+                         "--host-capacity", "64MiB,1GiB", "--json", "--plot", str(plot))
+    assert status == 0
+    points = json.loads(out)["points"]
+    assert [(p["policy"], p["host_capacity_bytes"]) for p in points] == [
+        ("lru", 64 << 20), ("lru", 1 << 30), ("arc", 64 << 20), ("arc", 1 << 30)]
+    small, large = points[0], points[1]
+    assert large["host_hit_rate"] >= small["host_hit_rate"]
+    assert large["baseline_ttft_mean_s"] == small["baseline_ttft_mean_s"]
+    assert plot.exists()
+    status, out, _ = run(capsys, "sweep", *SMALL, "--policy", "lru", "--host-capacity", "1GiB")
+    assert status == 0 and "speed-up" in out and "gpt-oss-20b" in out
+
+
+def test_presets_lists_per_token_and_per_state_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "presets")
+    assert status == 0
+    for name in PRESETS:
+        assert name in out
+    assert "per token" in out and "per state" in out
+    status, out, _ = run(capsys, "presets", "--json")
+    data = {p["name"]: p for p in json.loads(out)}
+    assert data["llama3-8b"]["bytes_per_token"] == 32 * 8 * 128 * 2 * 2
+    assert data["nemotron-h-8b"]["bytes_per_state"] == PRESETS["nemotron-h-8b"].bytes_per_state
+    assert data["nemotron-h-8b"]["block_size"] % 16 == 0
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["simulate", "--preset", "gpt-5"], "--preset: unknown preset 'gpt-5'"),
+    (["simulate", "--host-capacity", "lots"], "--host-capacity: cannot read 'lots'"),
+    (["simulate", "--policy", "fifo"], "--policy: unknown policy 'fifo'"),
+    (["simulate", "--host-capacity", "1KiB", "--limit", "2"],
+     "host_capacity_bytes: 1024 bytes cannot hold one offloaded block"),
+    (["simulate", "--engine-tokens", "64", "--limit", "3"], "Raise the engine capacity"),
+    (["simulate", "--trace", "/nonexistent/trace.jsonl"], "no such file"),
+    (["sweep", "--seeds", "x"], "--seeds: give integers"),
+])
+def test_mistakes_exit_2_with_one_clear_line(capsys: pytest.CaptureFixture[str],
+                                             argv: list[str], needle: str) -> None:
+    status, out, err = run(capsys, *argv, "--quiet")
+    assert status == 2
+    assert needle in err
+    assert "Traceback" not in err and out == ""
+    if "host_capacity_bytes" in needle:
+        assert "(option --host-capacity)" in err
+
+
+def test_a_malformed_trace_line_is_named(capsys: pytest.CaptureFixture[str],
+                                         tmp_path: Path) -> None:
+    trace = tmp_path / "bad.jsonl"
+    good = {"timestamp": 0, "input_length": 20, "output_length": 2, "hash_ids": [1]}
+    bad = {"timestamp": 5, "input_length": 600, "output_length": 2, "hash_ids": [1]}
+    trace.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    status, _, err = run(capsys, "simulate", "--trace", str(trace), "--quiet")
+    assert status == 2
+    assert f"{trace}:2: field 'input_length'" in err and "Traceback" not in err
+
+
+def test_help_teaches_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["simulate", "--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and "kvoffload simulate --trace" in out
+
+
+def test_parse_size() -> None:
+    assert parse_size("16GiB") == 16 << 30
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("4096") == 4096
+    with pytest.raises(UsageError):
+        parse_size("16 GiBs")

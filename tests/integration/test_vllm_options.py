@@ -1,0 +1,83 @@
+"""``kv_connector_extra_config`` validation and the vLLM version pin (no vLLM needed)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from kvoffload.errors import ConfigError
+from kvoffload.integrations.vllm.options import ConnectorOptions, parse_bytes
+from kvoffload.integrations.vllm.version import (
+    SUPPORTED_VLLM,
+    check_vllm_version,
+    is_supported,
+    parse_version,
+)
+
+
+def test_defaults_and_sizes() -> None:
+    opts = ConnectorOptions.from_extra_config({"host_memory_bytes": "8GiB"})
+    assert opts == ConnectorOptions(host_memory_bytes=8 << 30)
+    assert parse_bytes(1024, "x") == 1024
+    assert parse_bytes("512 MiB", "x") == 512 << 20
+    assert parse_bytes("2GB", "x") == 2 * 10**9
+    assert parse_bytes("1.5KiB", "x") == 1536
+
+
+def test_all_options() -> None:
+    opts = ConnectorOptions.from_extra_config({
+        "host_memory_bytes": 1 << 30, "eviction_policy": "arc", "block_size_factor": 4,
+        "tiers": ["host"], "max_deferred_steps": 8})
+    assert (opts.eviction_policy, opts.block_size_factor, opts.tiers,
+            opts.max_deferred_steps) == ("arc", 4, ("host",), 8)
+
+
+@pytest.mark.parametrize(("extra", "field", "hint"), [
+    ({}, "host_memory_bytes", "is missing"),
+    (None, "host_memory_bytes", "is missing"),
+    ({"host_memory_bytes": "lots"}, "host_memory_bytes", "not a size"),
+    ({"host_memory_bytes": "8 parsecs"}, "host_memory_bytes", "not a size"),
+    ({"host_memory_bytes": 0}, "host_memory_bytes", "must be positive"),
+    ({"host_memory_bytes": True}, "host_memory_bytes", "not a size"),
+    ({"host_memory_bytes": 1.5}, "host_memory_bytes", "not a size"),
+    ({"host_memory_bytes": 1, "eviction_policy": "fifo"}, "eviction_policy", "not a policy"),
+    ({"host_memory_bytes": 1, "block_size_factor": 0}, "block_size_factor", "positive"),
+    ({"host_memory_bytes": 1, "block_size_factor": "2"}, "block_size_factor", "positive"),
+    ({"host_memory_bytes": 1, "max_deferred_steps": -1}, "max_deferred_steps", "positive"),
+    ({"host_memory_bytes": 1, "tiers": []}, "tiers", "not a list"),
+    ({"host_memory_bytes": 1, "tiers": ["disk"]}, "tiers", "must be 'host'"),
+    ({"host_memory_bytes": 1, "tiers": ["host", "tape"]}, "tiers", "not available"),
+    ({"host_memory_bytes": 1, "tiers": ["host", "host"]}, "tiers", "twice"),
+    ({"host_memory_bytes": 1, "cpu_bytes_to_use": 5}, "cpu_bytes_to_use", "not a kvoffload"),
+])
+def test_invalid_options_name_the_key_and_the_fix(extra: Any, field: str, hint: str) -> None:
+    with pytest.raises(ConfigError, match=hint) as info:
+        ConnectorOptions.from_extra_config(extra)
+    assert info.value.field == f"kv_connector_extra_config.{field}"
+    assert info.value.fix
+
+
+def test_version_pin() -> None:
+    assert SUPPORTED_VLLM == ">=0.32.0,<0.33"
+    assert parse_version("0.32.0+cpu") == (0, 32, 0)
+    assert parse_version("0.32.1rc1") == (0, 32, 1)
+    assert is_supported("0.32.0") and is_supported("0.32.4+cpu")
+    assert not is_supported("0.31.9") and not is_supported("0.33.0")
+    check_vllm_version("0.32.0")
+    with pytest.raises(RuntimeError, match=re.escape("supports vLLM >=0.32.0,<0.33; found 0.33.0")):
+        check_vllm_version("0.33.0")
+
+
+def test_version_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVOFFLOAD_ALLOW_ANY_VLLM", "1")
+    check_vllm_version("0.40.0")
+
+
+def test_package_imports_without_vllm_until_the_connector_is_asked_for() -> None:
+    import kvoffload.integrations.vllm as pkg
+
+    assert pkg.SUPPORTED_VLLM == SUPPORTED_VLLM
+    with pytest.raises(AttributeError):
+        pkg.NotAConnector  # noqa: B018

@@ -1,0 +1,282 @@
+"""The CPU backend's copy path: address pieces, merging, cutting, bounds, copy threads."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from worker_kit import (
+    LAYOUTS,
+    CacheSet,
+    kv_fused_block_major,
+    kv_separate,
+    load,
+    make_worker,
+    mamba_raw_padded,
+    next_job_id,
+    run_all,
+    store,
+)
+
+from kvoffload.jobs import Direction, GroupTransfer, TransferJob
+from kvoffload.worker import CpuBackend, TransferWorker
+from kvoffload.worker import cpu as cpu_module
+
+SENTINEL = 0xEE
+
+BACKENDS = {
+    "one-thread": dict(copy_threads=1),
+    "threads-cut": dict(copy_threads=3, parallel_bytes=0, chunk_bytes=100),
+    "threads-default-cut": dict(copy_threads=2, parallel_bytes=0),
+}
+
+
+def _check_slots(worker: TransferWorker, cache: CacheSet,
+                 pairs: list[tuple[int, int, int]]) -> None:
+    glayout = worker.layout.groups[0]
+    pool = worker.host_pool
+    for block_id, slot, sub in pairs:
+        engine = cache.block(block_id)
+        start = 0
+        for index, seg in enumerate(glayout.segments):
+            host = pool.page_view(slot, 0, index, sub)
+            assert torch.equal(host, engine[start : start + seg.page_bytes]), (block_id, slot)
+            start += seg.page_bytes
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("factor", [1, 3])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_round_trip_with_runs_cuts_and_scattered_pages(name: str, factor: int,
+                                                       backend: str) -> None:
+    """Consecutive blocks into consecutive slots (merged copies), scattered ones, a start in
+    the middle of a slot, pieces cut at odd byte counts: every byte lands where the slot
+    layout says, nothing else is written, and loads bring the same bytes back."""
+    rng = random.Random(f"{name}-{factor}-{backend}")
+    num_blocks = 12 * factor + 2
+    cache = LAYOUTS[name](num_blocks, torch.Generator().manual_seed(factor))
+    worker = make_worker([cache], factor=factor, num_slots=10,
+                         backend=CpuBackend(**BACKENDS[backend]))  # type: ignore[arg-type]
+    worker.host_pool.arena.fill_(SENTINEL)
+    n = 3 * factor - 1 if factor > 1 else 3  # three slots, the first one partly
+    run_src = list(range(1, 1 + n))  # consecutive engine blocks
+    scattered = rng.sample(range(1 + n, num_blocks), n)
+    jobs = [store(0, run_src, [2, 3, 4], first_block_index=1),  # consecutive slots
+            store(0, scattered, [8, 0, 6], first_block_index=1)]
+    before = {b: cache.block(b).clone() for b in range(1, num_blocks)}
+    report = run_all(worker, jobs)
+    assert report.finished == tuple(j.job_id for j in jobs) and not report.failed
+    for job in jobs:
+        _check_slots(worker, cache, job.groups[0].pairs(factor))
+    written = {2, 3, 4, 8, 0, 6}
+    for slot in range(10):
+        if slot not in written:
+            assert bool((worker.host_pool.arena[slot] == SENTINEL).all()), slot
+    # Load back: the scattered pages into the run of blocks, the run into scattered blocks.
+    free = [b for b in range(1, num_blocks) if b not in run_src and b not in scattered]
+    dst_scattered = rng.sample(free, n)
+    loads = [load(0, run_src, [8, 0, 6], first_block_index=1),
+             load(0, dst_scattered, [2, 3, 4], first_block_index=1)]
+    report = run_all(worker, loads)
+    assert report.finished == tuple(j.job_id for j in loads) and not report.failed
+    expected = dict(before)
+    expected.update(zip(run_src, (before[b] for b in scattered), strict=True))
+    expected.update(zip(dst_scattered, (before[b] for b in run_src), strict=True))
+    for b in range(1, num_blocks):
+        assert torch.equal(cache.block(b), expected[b]), b
+    worker.shutdown()
+
+
+def _pieces(worker: TransferWorker, job: TransferJob) -> list[tuple[int, int, int]]:
+    backend = worker.backend
+    assert isinstance(backend, CpuBackend)
+    return backend._pieces(job)
+
+
+def test_contiguous_pages_become_one_copy_and_long_copies_are_cut() -> None:
+    # One segment per block that fills the whole slot: consecutive engine blocks into
+    # consecutive slots are one contiguous range on both sides.
+    cache = kv_fused_block_major(20, torch.Generator().manual_seed(1), layers=1)
+    worker = make_worker([cache], factor=2, num_slots=8,
+                         backend=CpuBackend(copy_threads=1))
+    page = worker.layout.groups[0].page_bytes
+    arena = worker.host_pool.arena.data_ptr()
+    engine = worker.layout.groups[0].segments[0].pages.data_ptr()
+    slot_bytes = worker.host_pool.slot_bytes
+    job = store(0, [3, 4, 5, 6], [1, 2])
+    assert _pieces(worker, job) == [(arena + slot_bytes, engine + 3 * page, 4 * page)]
+    # A break on the engine side (block 9 after 4) starts a new copy.
+    job = store(0, [3, 4, 9, 10], [1, 2])
+    assert _pieces(worker, job) == [(arena + slot_bytes, engine + 3 * page, 2 * page),
+                                    (arena + 2 * slot_bytes, engine + 9 * page, 2 * page)]
+    # Loads copy the other way.
+    job = load(0, [3, 4], [5])
+    assert _pieces(worker, job) == [(engine + 3 * page, arena + 5 * slot_bytes, 2 * page)]
+    worker.shutdown()
+    chunked = make_worker([cache], factor=2, num_slots=8,
+                          backend=CpuBackend(copy_threads=1, chunk_bytes=page + 7))
+    arena = chunked.host_pool.arena.data_ptr()
+    pieces = _pieces(chunked, store(0, [3, 4, 5, 6], [1, 2]))
+    assert [n for _, _, n in pieces] == [page + 7] * 3 + [4 * page - 3 * (page + 7)]
+    assert [d for d, _, _ in pieces] == [arena + slot_bytes + k * (page + 7) for k in range(4)]
+    chunked.shutdown()
+
+
+def test_pages_are_not_merged_across_segments_padding_or_slots() -> None:
+    # K and V segments: consecutive sub-blocks of one slot merge per segment, but slot 2's
+    # K pages do not continue slot 1's (its V pages lie between).
+    cache = kv_separate(20, torch.Generator().manual_seed(2), layers=1)
+    worker = make_worker([cache], factor=2, num_slots=8, backend=CpuBackend(copy_threads=1))
+    pieces = _pieces(worker, store(0, [3, 4, 5, 6], [1, 2]))
+    assert len(pieces) == 4  # (K, V) x (slot 1, slot 2)
+    assert sum(n for _, _, n in pieces) == 4 * worker.layout.groups[0].page_bytes
+    worker.shutdown()
+    # Padded engine rows (stride > page): every page is its own copy.
+    padded = mamba_raw_padded(20, torch.Generator().manual_seed(3), layers=1)
+    worker = make_worker([padded], factor=2, num_slots=8, backend=CpuBackend(copy_threads=1))
+    assert len(_pieces(worker, store(0, [3, 4, 5, 6], [1, 2]))) == 4
+    worker.shutdown()
+
+
+def _submit_direct(worker: TransferWorker, job: TransferJob) -> tuple[list[int], list[int]]:
+    """Submit straight to the backend (no worker validation) and collect the outcome."""
+    backend = worker.backend
+    backend.submit(job)
+    backend.wait([job.job_id])
+    finished, failed = backend.poll()
+    return [int(j) for j in finished], [int(j) for j in failed]
+
+
+@pytest.mark.parametrize("transfer", [
+    GroupTransfer(0, (1, 16), 0, (0, 1)),  # engine block past the end
+    GroupTransfer(0, (1, -1), 0, (0, 1)),  # negative engine block
+    GroupTransfer(0, (1, 2), 0, (0, 4)),  # slot past the end
+    GroupTransfer(0, (1, 2, 3), 0, (0, 1)),  # too few slots
+])
+def test_out_of_bounds_pages_fail_the_job_without_touching_memory(
+        transfer: GroupTransfer, caplog: pytest.LogCaptureFixture) -> None:
+    cache = kv_separate(16, torch.Generator().manual_seed(4), layers=1)
+    worker = make_worker([cache], num_slots=4, backend=CpuBackend(copy_threads=1))
+    worker.host_pool.arena.fill_(SENTINEL)
+    job = TransferJob(next_job_id(), Direction.STORE, "req", (transfer,))
+    assert _submit_direct(worker, job) == ([], [int(job.job_id)])
+    assert bool((worker.host_pool.arena == SENTINEL).all())
+    ok = store(0, [1, 2], [0, 1])
+    assert _submit_direct(worker, ok) == ([int(ok.job_id)], [])
+    worker.shutdown()
+
+
+def test_a_cache_whose_storage_moved_after_registration_fails_jobs_safely() -> None:
+    cache = kv_separate(16, torch.Generator().manual_seed(5), layers=1)
+    worker = make_worker([cache], num_slots=4, backend=CpuBackend(copy_threads=1))
+    key = cache.layers[0][1][0]
+    assert isinstance(key, torch.Tensor)
+    storage = key.untyped_storage()
+    storage.resize_(storage.nbytes() * 2)  # reallocates: the registered addresses are stale
+    job = store(0, [1, 2], [0, 1])
+    report = run_all(worker, [job])
+    assert report.failed == (job.job_id,) and report.finished == ()
+    worker.shutdown()
+
+
+def test_copy_threads_share_a_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    names: list[str] = []
+
+    def slow_memmove(dst: int, src: int, n: int) -> None:
+        names.append(threading.current_thread().name)
+        time.sleep(0.002)
+        ctypes.memmove(dst, src, n)
+
+    monkeypatch.setattr(cpu_module, "_memmove", slow_memmove)
+    cache = kv_separate(40, torch.Generator().manual_seed(6), layers=2)
+    worker = make_worker([cache], num_slots=20,
+                         backend=CpuBackend(copy_threads=2, parallel_bytes=0))
+    src, dst = list(range(1, 17)), list(range(20, 36))
+    expected = [cache.block(b).clone() for b in src]
+    slots = random.Random(6).sample(range(20), 16)
+    assert run_all(worker, [s := store(0, src, slots)]).finished == (s.job_id,)
+    assert any(n.startswith("kvoffload-copy") for n in names)
+    assert any(n.startswith("kvoffload-store") for n in names)
+    assert run_all(worker, [ld := load(0, dst, slots)]).finished == (ld.job_id,)
+    assert all(torch.equal(cache.block(b), e) for b, e in zip(dst, expected, strict=True))
+    worker.shutdown()
+
+
+def _buffers(n: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
+    src = torch.arange(n * 64, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    pieces = [(dst.data_ptr() + 64 * k, src.data_ptr() + 64 * k, 64) for k in range(n)]
+    return src, dst, pieces
+
+
+def _shared_pass(pieces: list[tuple[int, int, int]], jobs: int) -> cpu_module._SharedPass:
+    """A pass of ``jobs`` fake jobs sharing out ``pieces``."""
+    per_job = {k: pieces[k::jobs] for k in range(jobs)}
+    return cpu_module._SharedPass(per_job.__getitem__, list(per_job))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("jobs", [1, 7])
+def test_a_pass_does_not_wait_for_a_helper_that_never_started(jobs: int) -> None:
+    src, dst, pieces = _buffers(50)
+    gate = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(gate.wait)  # the only helper is busy elsewhere
+        _shared_pass(pieces, jobs).run(pool, helpers=1)
+        assert torch.equal(src, dst)
+        gate.set()
+
+
+@pytest.mark.parametrize("jobs", [1, 7])
+def test_helpers_copy_pieces_of_jobs_another_thread_planned(
+        jobs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, dst, pieces = _buffers(60)
+    threads: set[str] = set()
+
+    def memmove(dst_: int, src_: int, n: int) -> None:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.002)
+        ctypes.memmove(dst_, src_, n)
+
+    monkeypatch.setattr(cpu_module, "_memmove", memmove)
+    with ThreadPoolExecutor(2, thread_name_prefix="helper") as pool:
+        _shared_pass(pieces, jobs).run(pool, helpers=2)
+    assert torch.equal(src, dst)
+    assert len(threads) >= 2  # with one job: its pieces were shared between threads
+
+
+@pytest.mark.parametrize("where", ["copy", "plan"])
+def test_an_error_in_a_helper_fails_the_pass(where: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    src, _, pieces = _buffers(50)
+    main = threading.current_thread()
+    planned: list[int] = []
+
+    def memmove(dst: int, src_: int, n: int) -> None:
+        time.sleep(0.001)
+        if where == "copy" and threading.current_thread() is not main:
+            raise OSError("helper failed")
+        ctypes.memmove(dst, src_, n)
+
+    def plan(job: int) -> list[tuple[int, int, int]]:
+        planned.append(job)
+        if where == "plan" and threading.current_thread() is not main:
+            raise OSError("helper failed")
+        return pieces[job::5]
+
+    monkeypatch.setattr(cpu_module, "_memmove", memmove)
+    shared = cpu_module._SharedPass(plan, list(range(5)))  # type: ignore[arg-type]
+    with ThreadPoolExecutor(1) as pool, pytest.raises(OSError, match="helper failed"):
+        shared.run(pool, helpers=1)
+    del src
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="copy_threads"):
+        CpuBackend(copy_threads=0)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        CpuBackend(chunk_bytes=0)
