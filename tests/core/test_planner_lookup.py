@@ -329,11 +329,12 @@ def test_touch_keeps_every_full_attention_block_but_only_the_hit_window_warm(
     assert result is not None and result.evicted == (w0,)
 
 
-def test_touch_after_a_store_refreshes_every_window_and_mamba_block_stored() -> None:
+def test_touch_at_finish_refreshes_every_window_and_mamba_block_stored() -> None:
     # Full attention in 16-token blocks makes every hit a multiple of 16. The window
     # group (4-token blocks, 2-block window) stores only blocks 2-3 of each 16 tokens and
-    # the Mamba group only the state at each 16. The touch that follows the store keeps
-    # exactly those warm, first key most recent.
+    # the Mamba group only the state at each 16. A store inserts its keys in key order;
+    # when the request finishes, the touch of its whole prefix keeps exactly those warm,
+    # first key most recent.
     h = Harness(make_config(full(16), window(8), mamba()))
     a = h.request("a", prompt(32))
     table = [(1, 2), tuple(range(11, 19)), tuple(range(21, 29))]
@@ -342,4 +343,6 @@ def test_touch_after_a_store_refreshes_every_window_and_mamba_block_stored() -> 
     f0, f1 = h.keys(a, 0, range(2))
     w2, w3, w6, w7 = h.keys(a, 1, [2, 3, 6, 7])
     m3, m7 = h.keys(a, 2, [3, 7])
+    assert list(h.tier) == [f0, f1, w2, w3, w6, w7, m3, m7]
+    h.planner.request_finished(a)
     assert list(h.tier) == [m7, m3, w7, w6, w3, w2, f1, f0]

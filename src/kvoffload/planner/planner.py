@@ -444,7 +444,6 @@ class Planner:
             transfers.extend(group_transfers)
             ids = [b for t in group_transfers for b in t.block_ids]
             (windowed_ids if g.is_windowed else other_ids).extend(ids)
-        self._touch(st)
         job_id = self._new_job_id()
         rid = st.request.request_id
         self._jobs[job_id] = JobState(job_id, rid, Direction.STORE, result.keys_to_store,
@@ -625,6 +624,10 @@ class Planner:
             return
         st.finished = True
         st.planned = None
+        # Refresh the whole prefix once, at the end: early blocks end most recent (they
+        # serve the most future hits). Stores insert their keys as most recent already;
+        # touching the whole prefix on every store would cost O(context) per block.
+        self._touch(st)
         self._demote_finished(st)
         if not st.jobs:
             del self._requests[request.request_id]
