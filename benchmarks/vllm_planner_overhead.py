@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=192)
     parser.add_argument("--repeat", type=int, default=3, help="runs per connector (median)")
-    parser.add_argument("--host-gib", type=float, default=2.0)
+    parser.add_argument("--host-gib", type=float, default=16.0)
     args = parser.parse_args(argv)
     workload = make_workload(args.requests)
     host_bytes = int(args.host_gib * (1 << 30))

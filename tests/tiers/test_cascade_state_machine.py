@@ -31,7 +31,7 @@ from property.test_planner_state_machine import PlannerMachine, layouts
 from support.real_workers import with_pages
 from tiers.tier_kit import TieredEngine, block_files, disk_tiers
 
-EXAMPLES = int(os.environ.get("KVOFFLOAD_HYPOTHESIS_EXAMPLES", "15"))
+EXAMPLES = int(os.environ.get("KVOFFLOAD_HYPOTHESIS_EXAMPLES", "10"))
 
 
 class CascadeMachine(PlannerMachine):

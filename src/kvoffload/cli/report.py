@@ -49,13 +49,13 @@ def simulation_text(result: SimulationResult, workload_label: str) -> str:
                  f"host: {caps.host_slots:,} slots of {format_bytes(caps.host_slot_bytes)} "
                  f"({format_bytes(caps.host_slots * caps.host_slot_bytes)}), policy "
                  f"{cfg.eviction_policy}")
+    steps = ("" if cfg.decode_tokens_per_step == 1 else
+             f", one step stands for {cfg.decode_tokens_per_step} engine iterations")
     lines.append(f"  model: {t.accelerator_flops / 1e12:g} TFLOP/s accelerator, "
-                 f"{t.link_bytes_per_s / 1e9:g} GB/s host link per direction, "
-                 f"{cfg.decode_tokens_per_step} decode token(s) per step")
+                 f"{t.link_bytes_per_s / 1e9:g} GB/s host link per direction{steps}")
     lines.append("")
-    base = b if b is not None else None
+    base = b
     rows = [["", "without offload", "with offload"]]
-
     rows.append(["prompt tokens from engine prefix cache",
                  _pct(base.engine_hit_rate) if base else "-", _pct(o.engine_hit_rate)])
     rows.append(["prompt tokens from host tier", "-", _pct(o.host_hit_rate)])

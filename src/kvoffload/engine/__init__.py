@@ -1,5 +1,14 @@
-"""The reference engine: model presets, workloads and a hybrid block pool.
+"""The reference engine and the simulator built on it.
 
-A small, honest model of an inference engine's KV-cache side, used by tests and the
-simulator. It speaks to the core only through the planner's public contract.
+A small, honest model of an inference engine's KV-cache side, used by tests, the simulator
+and the ``kvoffload`` command. It speaks to the core only through the planner's public
+contract, so it exercises exactly what an engine adapter would.
+
+* ``block_pool``, ``group_policies``: the hybrid prefix-caching block pool.
+* ``scheduler``: the step loop (``ReferenceEngine``): scheduling, admission, transfers.
+* ``executors``, ``device``, ``verify``: the worker side (accounting, or the real worker
+  on real tensors) and bytes mode's contents and checks.
+* ``timing``, ``metrics``, ``summary``: modelled time and what a run measured.
+* ``replay``, ``simulation``: feeding workloads in; a whole simulation from one config.
+* ``model_presets``, ``workloads``: model dimensions, traces and synthetic workloads.
 """

@@ -379,29 +379,35 @@ class HybridBlockPool:
         req = self._require(request_id)
         added = 0
         cached, keys, stamps = self._cached, self._key, self._stamp
+        stamp = self._next_stamp
         for policy in self._policies:
             g = policy.index
             table = req.tables[g]
             hpb = policy.hashes_per_block
-            for pos in policy.cache_positions(num_computed_tokens, req.checked[g]):
-                if pos >= len(table):
-                    raise ValueError(f"request {request_id!r} group {g}: position {pos} is "
-                                     f"not allocated (table has {len(table)})")
-                block = table[pos]
-                if block == NULL_BLOCK_ID or keys[block] is not None:
-                    continue
-                if (pos + 1) * hpb > len(block_hashes):
+            positions = policy.cache_positions(num_computed_tokens, req.checked[g])
+            if positions:
+                lo, hi = positions.start, positions.stop
+                if hi > len(table):
+                    raise ValueError(f"request {request_id!r} group {g}: position {hi - 1} "
+                                     f"is not allocated (table has {len(table)})")
+                if hi * hpb > len(block_hashes):
                     raise ValueError(f"request {request_id!r}: {len(block_hashes)} hashes "
-                                     f"do not cover group {g} position {pos}")
-                key = (g, block_hashes[(pos + 1) * hpb - 1])
-                if key in cached:
-                    continue
-                cached[key] = block
-                keys[block] = key
-                stamps[block] = self._next_stamp
-                self._next_stamp += 1
-                added += 1
+                                     f"do not cover group {g} position {hi - 1}")
+                # Block at position p is cached under the hash at its last token.
+                ends = block_hashes[(lo + 1) * hpb - 1:hi * hpb:hpb]
+                for block, block_hash in zip(table[lo:hi], ends, strict=True):
+                    if block == NULL_BLOCK_ID or keys[block] is not None:
+                        continue
+                    key = (g, block_hash)
+                    if key in cached:
+                        continue
+                    cached[key] = block
+                    keys[block] = key
+                    stamps[block] = stamp
+                    stamp += 1
+                    added += 1
             req.checked[g] = policy.next_checked(num_computed_tokens, req.checked[g])
+        self._next_stamp = stamp
         return added
 
     def free(self, request_id: str) -> None:

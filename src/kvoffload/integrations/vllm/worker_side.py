@@ -12,11 +12,19 @@ vLLM calls, every engine step, on every rank (``gpu_model_runner``, also used on
 
 The plan is executed in three slices with ``TransferWorker.execute``:
 
-1. ``flush``: the flushed stores of the plan are submitted, then every flushed job is
-   waited for, so the blocks vLLM reuses this step are no longer read;
+1. ``flush``: every flushed job of an earlier step is waited for, so the blocks vLLM
+   reuses this step are no longer read;
 2. ``loads``: submitted asynchronously; they write blocks of requests vLLM keeps in
    WAITING_FOR_REMOTE_KVS, which no forward pass touches;
-3. ``stores``: submitted after the forward pass that wrote their blocks.
+3. ``stores``: all of this step's stores, submitted after the forward pass that wrote
+   their blocks.
+
+A store created this step is never submitted before the forward pass, even when the plan
+also lists it in ``flush``: its blocks belong to its running request (a store never
+reads a position vLLM has freed), so another request can only have been handed them as a
+prefix-cache hit, sharing the same contents, never to overwrite them; submitting it
+early would copy blocks the forward pass has not written yet. Such same-step flushes are
+counted in ``same_step_flushes``.
 
 A load is reported to vLLM as finished receiving when the transfer worker reports it
 (as failed receiving too, when it failed); vLLM then recomputes (with
@@ -64,6 +72,9 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.worker = TransferWorker(config, rank=rank, backend=backend)
         self.after_load: LoadHook | None = None
+        self.same_step_flushes = 0
+        """Stores the plan flushed in the step that created them (submitted after the
+        forward pass all the same; see the module docstring)."""
         self._loads: dict[JobId, TransferJob] = {}
         self._reports: list[WorkerReport] = []
         # The step being executed and how far: 0 nothing, 1 flushed, 2 loads, 3 stores.
@@ -115,9 +126,10 @@ class WorkerSide:
         if not self._enter(meta, 1):
             return
         plan = meta.plan
-        flushed = set(plan.flush)
-        self.worker.execute(dataclasses.replace(
-            plan, loads=(), stores=tuple(j for j in plan.stores if j.job_id in flushed)))
+        this_step = {job.job_id for job in plan.stores}
+        earlier = tuple(j for j in plan.flush if j not in this_step)
+        self.same_step_flushes += len(plan.flush) - len(earlier)
+        self.worker.execute(dataclasses.replace(plan, flush=earlier, loads=(), stores=()))
 
     def start_loads(self, meta: KVOffloadMetadata) -> None:
         """Submit the plan's loads (after ``flush``, which runs first if vLLM skipped it)."""
@@ -130,14 +142,12 @@ class WorkerSide:
             self.worker.execute(StepPlan(loads=meta.plan.loads))
 
     def submit_stores(self, meta: KVOffloadMetadata) -> None:
-        """After the forward pass: submit the plan's stores not submitted by ``flush``."""
+        """After the forward pass: submit the plan's stores."""
         self.start_loads(meta)
         if not self._enter(meta, 3):
             return
-        flushed = set(meta.plan.flush)
-        stores = tuple(j for j in meta.plan.stores if j.job_id not in flushed)
-        if stores:
-            self.worker.execute(StepPlan(stores=stores))
+        if meta.plan.stores:
+            self.worker.execute(StepPlan(stores=meta.plan.stores))
 
     def transfer_results(self, meta: KVOffloadMetadata | None) -> tuple[set[str], set[str]]:
         """``(finished receiving, failed receiving)`` request ids, from a poll of the worker.
