@@ -42,13 +42,15 @@ DOCS = ROOT / "docs"
 CAPACITIES = (16 << 30, 64 << 30, 256 << 30)
 POLICIES = ("lru", "arc", "hybrid")
 GiB = 1 << 30
+ENGINE_BYTES = 80 * GiB
+"""Accelerator memory for KV blocks in every run (an 80-141 GB H100/H200-class device)."""
 
 
 def preset_config(name: str, limit: int) -> SimulationConfig:
     mamba = PRESETS[name].mamba is not None
     return SimulationConfig(
         preset=name, mode=Mode.ACCOUNTING, block_size=None if mamba else 64,
-        block_size_factor=1 if mamba else 4, engine_tokens=1 << 20,
+        block_size_factor=1 if mamba else 4, engine_capacity_bytes=ENGINE_BYTES,
         host_capacity_bytes=CAPACITIES[0], decode_tokens_per_step=16, arrival=Arrival.TRACE,
         baseline=False, sample_interval_s=5.0)
 
@@ -65,6 +67,20 @@ def layout_table(limit: int) -> list[str]:
                     f"{format_bytes((caps.engine_blocks - 1) * caps.engine_block_bytes)} "
                     f"({caps.engine_blocks - 1:,} blocks) | {format_bytes(caps.host_slot_bytes)} |")
     return rows
+
+
+def slot_notes() -> list[str]:
+    """How much of a host slot each group's offloaded block fills, per preset."""
+    out = []
+    for name in PRESETS:
+        config = preset_config(name, 0)
+        layout = config.layout()
+        caps, _ = resolve(config, layout)
+        factor, slot = config.block_size_factor, caps.host_slot_bytes
+        fills = [f"{g.spec.name} {100 * g.real_block_bytes * factor / slot:.0f} %"
+                 for g in layout.groups]
+        out.append(f"  {name}: {', '.join(fills)}")
+    return out
 
 
 def markdown_table(points: list[SweepPoint]) -> list[str]:
@@ -162,7 +178,7 @@ def render(points: list[SweepPoint], result: object, limit: int, elapsed: float)
         f"## One sweep over the Mooncake trace (first {limit:,} requests)",
         "",
         "The shared conversation trace (Mooncake, FAST 2025) arrives at its own timestamps. "
-        "Each preset runs with 1M tokens of engine KV memory, 64 sequences at once, and host "
+        "Each preset runs with 80 GiB of engine KV memory, 64 sequences at once, and host "
         "capacities of 16, 64 and 256 GiB under LRU, ARC and kvoffload's hybrid-aware "
         "policy (`hybrid`: window blocks and Mamba states only at likely hit points). "
         "Regenerate with `python benchmarks/make_simulator_doc.py` "
@@ -178,6 +194,14 @@ def render(points: list[SweepPoint], result: object, limit: int, elapsed: float)
         "host memory the blocks held (real bytes).",
         "",
         "![sweep](img/simulator_sweep.png)",
+        "",
+        "Every host slot is as large as the largest group's offloaded block, so a smaller "
+        "group's block leaves part of its slot unused. Share of a slot each group's block "
+        "fills:",
+        "",
+        "```",
+        *slot_notes(),
+        "```",
         "",
         "## One run over time",
         "",

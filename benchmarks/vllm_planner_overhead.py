@@ -14,7 +14,7 @@ the idle check). The script prints the connector time per engine step for both a
 ratio kvoffload / vLLM, measured in the same run, for a full-attention layout and a
 hybrid one (sliding window + full attention, like gpt-oss).
 
-    .venv/bin/python benchmarks/vllm_planner_overhead.py [--requests 192] [--repeat 3]
+    .venv/bin/python benchmarks/vllm_planner_overhead.py [--requests 192] [--repeat 5]
 
 Goal: ratio <= 1 (kvoffload costs no more than vLLM's own scheduler side).
 """
@@ -255,7 +255,7 @@ def quiet() -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=192)
-    parser.add_argument("--repeat", type=int, default=3, help="runs per connector (median)")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per connector (median)")
     parser.add_argument("--host-gib", type=float, default=16.0)
     args = parser.parse_args(argv)
     workload = make_workload(args.requests)

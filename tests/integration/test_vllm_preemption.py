@@ -25,7 +25,7 @@ pytestmark = VLLM
 
 CASES = {
     # model: (engine kwargs, prompt lengths, tokens to generate)
-    "llama": ({"kv_cache_bytes": 24 * 16 << 10}, [150, 170, 190, 210, 230, 250], 48),
+    "llama": ({"kv_cache_bytes": 24 * 16 << 10}, [150, 170, 190, 210, 230, 250], 32),
 }
 
 

@@ -81,6 +81,8 @@ OPTION_OF_FIELD = {
     "engine_tokens": "--engine-tokens",
     "engine capacity": "--engine-capacity / --engine-tokens",
     "host_capacity_bytes": "--host-capacity",
+    "disk_capacity_bytes": "--disk-capacity / --mode",
+    "remote_capacity_bytes": "--remote-capacity",
     "eviction_policy": "--policy",
     "block_size": "--block-size",
     "block_size_factor": "--block-size-factor",
@@ -135,6 +137,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     cap.add_argument("--engine-tokens", metavar="N",
                      help="engine capacity as N / block-size block ids, shared by all groups "
                           "(e.g. 32k; default: 32768 for built-in workloads, 1M for traces)")
+    group.add_argument("--disk-capacity", metavar="SIZE",
+                       help="add a disk tier below host memory (write-back; accounting mode)")
+    group.add_argument("--remote-capacity", metavar="SIZE",
+                       help="add a shared remote store below it (write-through; accounting "
+                            "mode)")
     group.add_argument("--max-batched-tokens", type=int, default=8192, metavar="N",
                        help="token budget of one engine step (default 8192)")
     group.add_argument("--max-seqs", type=int, default=64, metavar="N",
@@ -231,8 +238,12 @@ def simulation_config(args: argparse.Namespace, *, preset: str, policy: str,
         bandwidth = float(args.bandwidth)
     except ValueError as exc:
         raise UsageError(f"--flops/--bandwidth: give numbers such as 400e12 ({exc})") from None
+    disk = parse_size(args.disk_capacity, "--disk-capacity") if args.disk_capacity else None
+    remote = (parse_size(args.remote_capacity, "--remote-capacity") if args.remote_capacity
+              else None)
     return SimulationConfig(
         preset=preset, mode=mode, block_size=args.block_size,
+        disk_capacity_bytes=disk, remote_capacity_bytes=remote,
         block_size_factor=args.block_size_factor, engine_capacity_bytes=engine_bytes,
         engine_tokens=tokens, host_capacity_bytes=host_capacity, eviction_policy=policy,
         scale_bytes=getattr(args, "scale_bytes", 64),

@@ -77,14 +77,23 @@ def plot_sweep(points: Sequence[SweepPoint], path: Path, title: str) -> None:
     curves: dict[tuple[str, str], list[SweepPoint]] = {}
     for p in points:
         curves.setdefault((p.preset, p.policy), []).append(p)
+    presets = list(dict.fromkeys(p.preset for p in points))
+    policies = list(dict.fromkeys(p.policy for p in points))
+    styles = ["-", "--", ":", "-."]
+    colors = plt.get_cmap("tab10")
+    capacities = sorted({p.host_capacity_bytes for p in points})
     for (preset, policy), unordered in curves.items():
         pts = sorted(unordered, key=lambda p: p.host_capacity_bytes)
         xs = [p.host_capacity_bytes / GIB for p in pts]
-        label = f"{preset} / {policy}" if len({k[1] for k in curves}) > 1 else preset
-        left.plot(xs, [100 * p.hit_rate for p in pts], marker="o", label=label)
-        right.plot(xs, [p.ttft_speedup for p in pts], marker="o", label=label)
+        label = f"{preset} / {policy}" if len(policies) > 1 else preset
+        style = {"color": colors(presets.index(preset) % 10), "marker": "o",
+                 "linestyle": styles[policies.index(policy) % len(styles)]}
+        left.plot(xs, [100 * p.hit_rate for p in pts], label=label, **style)
+        right.plot(xs, [p.ttft_speedup for p in pts], label=label, **style)
     for ax in (left, right):
         ax.set_xscale("log", base=2)
+        ax.set_xticks([c / GIB for c in capacities])
+        ax.set_xticklabels([f"{c / GIB:g}" for c in capacities])
         ax.set_xlabel("host capacity (GiB)")
         ax.grid(True, alpha=0.3)
     left.set_ylabel("prompt tokens served by a cache (%)")

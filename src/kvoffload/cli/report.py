@@ -58,7 +58,11 @@ def simulation_text(result: SimulationResult, workload_label: str) -> str:
     rows = [["", "without offload", "with offload"]]
     rows.append(["prompt tokens from engine prefix cache",
                  _pct(base.engine_hit_rate) if base else "-", _pct(o.engine_hit_rate)])
-    rows.append(["prompt tokens from host tier", "-", _pct(o.host_hit_rate)])
+    tiers = o.tier_hit_rates or {"host": o.host_hit_rate}
+    rows.append(["prompt tokens from host tier", "-", _pct(tiers.get("host", 0.0))])
+    for name in o.lower_tier_bytes:
+        rows.append([f"prompt tokens from {name} tier (promoted)", "-",
+                     _pct(tiers.get(name, 0.0))])
     rows.append(["prefill tokens computed",
                  f"{base.prefill_tokens_computed:,}" if base else "-",
                  f"{o.prefill_tokens_computed:,}"])
@@ -79,6 +83,8 @@ def simulation_text(result: SimulationResult, workload_label: str) -> str:
         grows.append([f"{g.name}", format_bytes(g.stored_bytes), format_bytes(g.loaded_bytes),
                       format_bytes(g.host_bytes_peak), format_bytes(g.host_bytes_final)])
     lines += _table(grows)
+    for name, held in o.lower_tier_bytes.items():
+        lines.append(f"  {name} tier holds {format_bytes(held)} at the end")
     lines.append(f"  host slots in use at peak: {format_bytes(o.host_reserved_bytes_peak)} of "
                  f"{format_bytes(o.host_capacity_bytes)} (a slot fits the largest group's block)")
     lines.append(f"  transfer time (modelled link busy): stores {format_seconds(o.store_link_s)}, "

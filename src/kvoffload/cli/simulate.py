@@ -25,6 +25,7 @@ EPILOG = textwrap.dedent("""\
       kvoffload simulate                                   # defaults: gpt-oss-20b, chat, bytes mode
       kvoffload simulate --preset nemotron-h-8b --workload agentic
       kvoffload simulate --engine-tokens 16k --host-capacity 4GiB --policy arc
+      kvoffload simulate --host-capacity 2GiB --disk-capacity 64GiB   # a disk tier below
       kvoffload simulate --trace ../shared/traces/mooncake_conversation_trace.jsonl \\
           --limit 500 --mode accounting --plot run.png
       kvoffload simulate --json | jq .offload.host_hit_rate
@@ -48,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         help="model preset (default gpt-oss-20b; see 'kvoffload presets')")
     parser.add_argument("--mode", choices=[m.value for m in Mode], default=None,
                         help="bytes (real tensors, verified) or accounting (default: bytes "
-                             "for built-in workloads, accounting for traces)")
+                             "for built-in workloads, accounting for traces and lower tiers)")
     parser.add_argument("--host-capacity", default="16GiB", metavar="SIZE",
                         help="host memory for offloaded blocks, real bytes (default 16GiB)")
     parser.add_argument("--policy", default="lru", help="host eviction policy: lru, arc, ...")
@@ -68,7 +69,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     preset = check_preset(args.preset)
     policy = check_policy(args.policy)
-    mode = Mode(args.mode) if args.mode else (Mode.ACCOUNTING if args.trace else Mode.BYTES)
+    lower = args.disk_capacity or args.remote_capacity
+    mode = Mode(args.mode) if args.mode else (
+        Mode.ACCOUNTING if args.trace or lower else Mode.BYTES)
     spec = workload_spec(args, args.seed)
     config = simulation_config(args, preset=preset, policy=policy, mode=mode,
                                host_capacity=parse_size(args.host_capacity, "--host-capacity"))

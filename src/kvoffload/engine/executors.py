@@ -21,7 +21,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from kvoffload.jobs import JobId, StepPlan, TransferJob, TransferStats, WorkerReport
+from kvoffload.jobs import (
+    JobId,
+    StepPlan,
+    TierJobId,
+    TransferJob,
+    TransferStats,
+    WorkerReport,
+)
 
 
 class TransferExecutor(Protocol):
@@ -46,7 +53,8 @@ JobFilter = Callable[[TransferJob], bool]
 class AccountingExecutor:
     """Moves nothing: every submitted job is finished (or failed) at the next ``poll``.
 
-    ``fail`` selects jobs to report as failed (tests of the recompute path). With
+    ``fail`` selects transfer jobs to report as failed (tests of the recompute path).
+    Tier jobs (promotes and demotes of a tier cascade) are all reported finished. With
     ``num_workers`` ranks, every rank reports every job.
     """
 
@@ -56,8 +64,10 @@ class AccountingExecutor:
         self._finished: list[JobId] = []
         self._failed: list[JobId] = []
         self._stores: tuple[TransferJob, ...] = ()
+        self._tier: list[TierJobId] = []
 
     def begin_step(self, plan: StepPlan) -> None:
+        self._tier.extend(j.job_id for j in plan.tier_jobs)
         self._take(plan.loads)
         self._stores = plan.stores
 
@@ -73,12 +83,12 @@ class AccountingExecutor:
                 self._finished.append(job.job_id)
 
     def poll(self) -> list[WorkerReport]:
-        if not self._finished and not self._failed:
+        if not self._finished and not self._failed and not self._tier:
             return []
-        finished, failed = tuple(self._finished), tuple(self._failed)
-        self._finished, self._failed = [], []
-        return [WorkerReport(rank, finished, failed, TransferStats())
+        finished, failed, tier = tuple(self._finished), tuple(self._failed), tuple(self._tier)
+        self._finished, self._failed, self._tier = [], [], []
+        return [WorkerReport(rank, finished, failed, TransferStats(), tier_finished=tier)
                 for rank in range(self.num_workers)]
 
     def shutdown(self) -> None:
-        self._finished, self._failed = [], []
+        self._finished, self._failed, self._tier = [], [], []

@@ -8,7 +8,7 @@ metrics keep once the request is gone.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from kvoffload.engine.hashing import EngineHasher
@@ -34,7 +34,10 @@ class RequestRecord:
         engine_hit_tokens: prompt tokens the engine's prefix cache served when the request
             first started to run (re-admissions after a preemption, which hit the
             request's own blocks, do not count).
-        host_hit_tokens: prompt tokens loaded from the host tier (and verified) then.
+        host_hit_tokens: prompt tokens loaded through host memory (and verified) then,
+            wherever they were offloaded.
+        tier_hit_tokens: ``host_hit_tokens`` split by the tier each block was in when the
+            request asked for it (``"host"``, or the lower tier it was promoted from).
         prefill_tokens: tokens computed before the first token, recomputations included.
         prefill_flops: FLOPs of those tokens.
         recomputed_tokens: tokens computed again after a preemption that came after the
@@ -50,6 +53,7 @@ class RequestRecord:
     output_tokens: int
     engine_hit_tokens: int = 0
     host_hit_tokens: int = 0
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)
     prefill_tokens: int = 0
     prefill_flops: int = 0
     recomputed_tokens: int = 0
@@ -92,6 +96,8 @@ class EngineRequest:
         """Set after a failed or corrupt load: later admissions accept no external tokens."""
         self.pending_hits = (0, 0)
         """(engine, host) hit tokens of the load in progress."""
+        self.pending_origin: dict[str, int] = {}
+        """Blocks of the load in progress by the tier they came from (tier cascades)."""
         self.started = False
         """Whether the request ran once (its hits are then recorded)."""
         self.record = RequestRecord(

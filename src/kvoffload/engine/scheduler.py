@@ -50,9 +50,20 @@ from kvoffload.engine.model_presets import ModelLayout
 from kvoffload.engine.requests import EngineRequest, Status
 from kvoffload.engine.timing import TimingModel, TransferClock
 from kvoffload.errors import ConfigError
-from kvoffload.jobs import Direction, JobId, StepPlan, TransferJob, WorkerReport
+from kvoffload.jobs import (
+    Direction,
+    JobId,
+    StepPlan,
+    TierJob,
+    TierJobId,
+    TierOp,
+    TransferJob,
+    WorkerReport,
+)
 from kvoffload.planner.contract import ReportOutcome, ScheduledRequest, StepInput
 from kvoffload.planner.planner import Planner
+from kvoffload.tiers.base import Tier
+from kvoffload.tiers.cascade import CascadeTier
 from kvoffload.tiers.cpu import HostTier
 
 if TYPE_CHECKING:  # bytes mode imports torch; accounting mode never does
@@ -135,6 +146,8 @@ class ReferenceEngine:
             pass and every loaded block is verified. None: nothing is written.
         auditor: bytes mode: checks the host arena against what the stores were to write
             (``audit_host``).
+        tier: the planner's tier, built from ``offload`` (e.g. a ``CascadeTier`` with
+            disk and remote tiers); by default a ``HostTier``.
         timing: the modelled accelerator and link.
         hash_seed: seed of the chained block hashes.
     """
@@ -145,6 +158,7 @@ class ReferenceEngine:
                  device: DeviceCaches | None = None,
                  auditor: HostAuditor | None = None,
                  timing: TimingModel | None = None,
+                 tier: Tier | None = None,
                  hash_seed: str = "kvoffload") -> None:
         specs = layout.specs
         if offload is not None:
@@ -161,10 +175,17 @@ class ReferenceEngine:
         self.pool = HybridBlockPool(specs, config.num_blocks, hash_block_size)
         self.hasher = EngineHasher(hash_block_size, seed=hash_seed)
         self.offload = offload
-        self.tier: HostTier | None = None
+        self.tier: Tier | None = None
+        self.host: HostTier | None = None
+        """Host memory: the tier itself, or the first level of a cascade."""
         self.planner: Planner | None = None
         if offload is not None:
-            self.tier = HostTier(offload, enable_events=False)
+            self.tier = tier or HostTier(offload, enable_events=False)
+            host = self.tier.host if isinstance(self.tier, CascadeTier) else self.tier
+            if not isinstance(host, HostTier):
+                raise TypeError(f"tier {type(self.tier).__name__} is neither a HostTier nor "
+                                "a CascadeTier over one")
+            self.host = host
             self.planner = Planner(offload, self.tier)
         self.executor: TransferExecutor = executor or AccountingExecutor(
             offload.num_workers if offload is not None else 1)
@@ -177,6 +198,8 @@ class ReferenceEngine:
                 device, auditor, pool=self.pool, specs=specs, hash_block_size=hash_block_size,
                 factor=offload.block_size_factor if offload else 1, metrics=self.metrics)
         self.transfers = TransferClock(self.timing)
+        self.tier_transfers = TransferClock(self.timing, self.timing.lower_bytes_per_s)
+        """Modelled time of tier jobs (promotes read, demotes write a lower tier)."""
         self.clock = 0.0
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
@@ -189,6 +212,7 @@ class ReferenceEngine:
         self._jobs: dict[JobId, _Job] = {}
         self._load_jobs: dict[str, TransferJob] = {}
         self._reports: list[tuple[JobId, int, bool]] = []
+        self._tier_reports: list[tuple[TierJobId, int, bool]] = []
         self._next_sample = 0.0
 
     # ------------------------------------------------------------------ requests
@@ -203,10 +227,13 @@ class ReferenceEngine:
         self.waiting.append(request)
 
     def has_pending_transfers(self) -> bool:
-        return bool(self._jobs) or (self.planner is not None and self.planner.has_pending_work())
+        return (bool(self._jobs or self._tier_reports or len(self.tier_transfers))
+                or (self.planner is not None and self.planner.has_pending_work()))
 
     def next_transfer_completion(self) -> float | None:
-        return self.transfers.next_completion()
+        times = [t for t in (self.transfers.next_completion(),
+                             self.tier_transfers.next_completion()) if t is not None]
+        return min(times, default=None)
 
     # ---------------------------------------------------------------------- step
 
@@ -223,6 +250,8 @@ class ReferenceEngine:
             plan = self.planner.build_step_plan(
                 StepInput(tuple(e.sched for e in entries), tuple(preempted)))
         start = self.clock
+        if plan.tier_flush:
+            start = max(start, *(self.tier_transfers.done_at(j) for j in plan.tier_flush))
         if plan.flush:
             stores = {j.job_id for j in plan.stores}
             # A store planned this step reads blocks this step's forward pass writes; a
@@ -237,6 +266,8 @@ class ReferenceEngine:
             self.checks.expect_stores(plan.stores, {e.request.request_id: e.request
                                                     for e in entries})
         self.executor.begin_step(plan)
+        for tier_job in plan.tier_jobs:
+            self._tier_submitted(tier_job, start)
         for job in plan.loads:
             self._submitted(job, start)
         flops, iterations = self._forward(entries)
@@ -350,7 +381,11 @@ class ReferenceEngine:
             if self.checks is not None:
                 self.checks.check_hit(req, hit)
             assert self.planner is not None
+            before = self._loaded_by_tier()
             self.planner.update_state_after_alloc(req, self.pool.block_table(rid), external)
+            after = self._loaded_by_tier()
+            req.pending_origin = {t: n - before.get(t, 0) for t, n in after.items()
+                                  if n > before.get(t, 0)}
             req.status = Status.LOADING
             req.num_computed = local
             req.pending_hits = (local, external)
@@ -437,11 +472,19 @@ class ReferenceEngine:
         if job.direction is Direction.LOAD:
             self._load_jobs[job.request_id] = job
 
+    def _tier_submitted(self, job: TierJob, now: float) -> None:
+        moves = job.op in (TierOp.PROMOTE, TierOp.DEMOTE)
+        nbytes = self._real_offloaded_bytes[job.group] if moves else 0
+        direction = Direction.LOAD if job.op is TierOp.PROMOTE else Direction.STORE
+        self.tier_transfers.submit(job.job_id, direction, nbytes, now)
+
     def _deliver(self) -> bool:
         """Hand the planner every report whose modelled completion time has passed."""
         for report in self.executor.poll():
             self._reports.extend((j, report.rank, False) for j in report.finished)
             self._reports.extend((j, report.rank, True) for j in report.failed)
+            self._tier_reports.extend((j, report.rank, False) for j in report.tier_finished)
+            self._tier_reports.extend((j, report.rank, True) for j in report.tier_failed)
             s = report.stats
             self.metrics.moved_stored_bytes += s.stored_bytes
             self.metrics.moved_loaded_bytes += s.loaded_bytes
@@ -458,12 +501,28 @@ class ReferenceEngine:
             if rank == 0:
                 self._account(job_id, failed)
         self._reports = later
+        tier_due: dict[int, tuple[list[TierJobId], list[TierJobId]]] = {}
+        tier_later: list[tuple[TierJobId, int, bool]] = []
+        for tier_id, rank, failed in self._tier_reports:
+            if self.tier_transfers.done_at(tier_id) > self.clock:
+                tier_later.append((tier_id, rank, failed))
+                continue
+            ok_t, bad_t = tier_due.setdefault(rank, ([], []))
+            (bad_t if failed else ok_t).append(tier_id)
+            if rank == 0:
+                self.tier_transfers.forget(tier_id)
+        self._tier_reports = tier_later
         if self.planner is None:
             return bool(due)
-        reports = [WorkerReport(rank, tuple(ok), tuple(bad)) for rank, (ok, bad) in due.items()]
+        reports = []
+        for rank in sorted(due.keys() | tier_due.keys()):
+            ok, bad = due.get(rank, ([], []))
+            ok_t, bad_t = tier_due.get(rank, ([], []))
+            reports.append(WorkerReport(rank, tuple(ok), tuple(bad), tier_finished=tuple(ok_t),
+                                        tier_failed=tuple(bad_t)))
         outcome = self.planner.update_from_worker_reports(reports)
         self._loads_done(outcome)
-        return bool(due or outcome.finished_loads)
+        return bool(due or tier_due or outcome.finished_loads)
 
     def _account(self, job_id: JobId, failed: bool) -> None:
         job = self._jobs.pop(job_id)
@@ -510,6 +569,12 @@ class ReferenceEngine:
             req.send_full_table = True
             self.running.append(req)
 
+    def _loaded_by_tier(self) -> dict[str, int]:
+        """Blocks the cascade has handed to loads so far, by the tier each came from."""
+        if isinstance(self.tier, CascadeTier):
+            return dict(self.tier.stats.loaded_blocks)
+        return {}
+
     def _started(self, req: EngineRequest, local: int, external: int, loaded: int) -> None:
         """The request starts to run: its first start fixes its hits (later admissions
         after a preemption hit its own blocks, which is no reuse)."""
@@ -518,6 +583,15 @@ class ReferenceEngine:
         req.started = True
         rec = req.record
         rec.engine_hit_tokens, rec.host_hit_tokens, rec.loaded_bytes = local, external, loaded
+        if external:
+            # Split the external tokens by where the load's blocks came from (all from
+            # host memory without lower tiers).
+            origin = req.pending_origin or {"host": 1}
+            total = sum(origin.values())
+            shares = {t: external * n // total for t, n in origin.items()}
+            first = next(iter(shares))
+            shares[first] += external - sum(shares.values())
+            rec.tier_hit_tokens = shares
         self.metrics.started(rec)
 
     def _requeue(self, req: EngineRequest) -> None:
@@ -531,9 +605,9 @@ class ReferenceEngine:
     def audit_host(self) -> int:
         """Bytes mode: wrong bytes among the blocks the host tier can serve now (also
         added to ``metrics.wrong_host_bytes``); 0 without the real worker."""
-        if self.checks is None or self.tier is None:
+        if self.checks is None or self.host is None:
             return 0
-        return self.checks.audit(self.tier)
+        return self.checks.audit(self.host)
 
     # ---------------------------------------------------------------- metrics
 
@@ -570,7 +644,7 @@ class ReferenceEngine:
             time_s=self.clock, prompt_tokens=m.cum_prompt_tokens,
             engine_hit_tokens=m.cum_engine_hit_tokens, host_hit_tokens=m.cum_host_hit_tokens,
             host_bytes_by_group=held,
-            host_used_slots=self.tier.usage().used_slots if self.tier is not None else 0,
+            host_used_slots=self.host.usage().used_slots if self.host is not None else 0,
             engine_blocks_used=pool.num_blocks - 1 - pool.num_free_blocks,
             running=len(self.running) + len(self.loading), waiting=len(self.waiting)))
 

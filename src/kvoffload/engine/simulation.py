@@ -34,6 +34,9 @@ from kvoffload.engine.summary import RunSummary, summarize
 from kvoffload.engine.timing import TimingModel
 from kvoffload.engine.workloads.request import WorkloadRequest
 from kvoffload.errors import ConfigError
+from kvoffload.tiers.base import Tier
+from kvoffload.tiers.config import DiskTierConfig, RemoteTierConfig, TierConfig
+from kvoffload.tiers.factory import make_tier
 
 GiB = 1 << 30
 
@@ -74,6 +77,10 @@ class SimulationConfig:
         engine_tokens: engine capacity in tokens of one group (``cdiv(engine_tokens,
             block_size)`` block ids), used when ``engine_capacity_bytes`` is None.
         host_capacity_bytes: host memory for offloaded blocks (real bytes).
+        disk_capacity_bytes / remote_capacity_bytes: lower tiers below host memory (real
+            bytes, accounting mode only): a disk tier (write-back: host evictions land
+            there) and a shared remote store (write-through), modelled as budgeted
+            indexes; None: no such tier.
         eviction_policy: the host tier's policy (``lru``, ``arc``).
         scale_bytes: bytes mode: the smallest moved page, in bytes.
         max_num_batched_tokens / max_num_seqs / decode_tokens_per_step: engine limits.
@@ -93,6 +100,8 @@ class SimulationConfig:
     engine_tokens: int = 32768
     host_capacity_bytes: int = 16 * GiB
     eviction_policy: str = "lru"
+    disk_capacity_bytes: int | None = None
+    remote_capacity_bytes: int | None = None
     scale_bytes: int = 64
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 64
@@ -170,17 +179,38 @@ def build_engine(config: SimulationConfig, *, offload: bool = True,
         num_blocks=caps.engine_blocks, max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs, decode_tokens_per_step=config.decode_tokens_per_step,
         sample_interval_s=config.sample_interval_s, check_integrity=config.check_integrity)
+    tier = None
+    if offload and (config.disk_capacity_bytes or config.remote_capacity_bytes):
+        tier = lower_tiers(config, offload_config)
     return assemble(layout, engine_config, offload_config if offload else None,
-                    mode=config.mode, executor=executor, timing=config.timing)
+                    mode=config.mode, executor=executor, timing=config.timing, tier=tier)
+
+
+def lower_tiers(config: SimulationConfig, offload_config: OffloadConfig) -> Tier:
+    """Host memory with the configured lower tiers behind it (a ``CascadeTier`` whose
+    lower tiers are budgeted indexes: accounting mode only)."""
+    if config.mode is not Mode.ACCOUNTING:
+        raise ConfigError("disk_capacity_bytes", "disk and remote tiers are simulated in "
+                          "accounting mode only", "Add --mode accounting.")
+    for name in ("disk_capacity_bytes", "remote_capacity_bytes"):
+        value = getattr(config, name)
+        if value is not None and value <= 0:
+            raise ConfigError(name, f"must be positive, got {value}", "Give a size, e.g. 1TiB.")
+    disk = (DiskTierConfig("(simulated disk)", config.disk_capacity_bytes)
+            if config.disk_capacity_bytes else None)
+    remote = RemoteTierConfig() if config.remote_capacity_bytes else None
+    tiers = TierConfig(model_id=config.preset, disk=disk, remote=remote)
+    return make_tier(offload_config, tiers, enable_events=False, accounting=True,
+                     remote_capacity_bytes=config.remote_capacity_bytes or 1)
 
 
 def assemble(layout: ModelLayout, engine_config: EngineConfig,
              offload_config: OffloadConfig | None, *, mode: Mode = Mode.ACCOUNTING,
              executor: TransferExecutor | None = None,
-             timing: TimingModel | None = None) -> ReferenceEngine:
+             timing: TimingModel | None = None, tier: Tier | None = None) -> ReferenceEngine:
     """Wire an engine: ``offload_config`` None runs without offloading; bytes mode gives
     it real tensors over ``layout.specs`` pages, the real worker (unless ``executor`` is
-    given) and a host auditor."""
+    given) and a host auditor. ``tier``: the planner's tier (default a ``HostTier``)."""
     if offload_config is None:
         return ReferenceEngine(layout, engine_config, timing=timing)
     device = None
@@ -196,7 +226,7 @@ def assemble(layout: ModelLayout, engine_config: EngineConfig,
             executor = worker
     return ReferenceEngine(layout, engine_config, offload=offload_config,
                            executor=executor or AccountingExecutor(), device=device,
-                           auditor=auditor, timing=timing)
+                           auditor=auditor, timing=timing, tier=tier)
 
 
 @dataclass(frozen=True)

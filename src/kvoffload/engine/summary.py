@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffload.engine.metrics import EngineMetrics, GroupTraffic, Sample
 from kvoffload.jobs import Direction
+from kvoffload.tiers.cascade import CascadeTier
 
 if TYPE_CHECKING:
     from kvoffload.engine.scheduler import ReferenceEngine
@@ -60,7 +61,10 @@ class RunSummary:
     """One run's results. Token counts are prompt tokens unless said otherwise.
 
     ``engine_hit_rate`` and ``host_hit_rate`` are shares of prompt tokens served by the
-    engine's prefix cache and by the host tier at each request's admission;
+    engine's prefix cache and by offloading (loaded through host memory) when each request
+    first started; ``tier_hit_rates`` splits the latter by the tier the blocks were in
+    (``host``, ``disk``, ``remote``); ``lower_tier_bytes`` is what each lower tier holds
+    at the end;
     ``prefill_tokens_saved`` is their sum in tokens. ``host_reserved_bytes_peak`` is the
     host memory the tier's slots take (every slot is as large as the largest group's
     offloaded block); ``host_bytes_peak`` counts only the blocks' own bytes.
@@ -76,6 +80,8 @@ class RunSummary:
     recomputed_tokens: int
     engine_hit_rate: float
     host_hit_rate: float
+    tier_hit_rates: dict[str, float]
+    lower_tier_bytes: dict[str, int]
     groups: tuple[GroupSummary, ...]
     stored_bytes: int
     loaded_bytes: int
@@ -144,8 +150,17 @@ def summarize(engine: ReferenceEngine, metrics: EngineMetrics, *, wall_s: float)
     slot_bytes = engine.real_slot_bytes
     peak_slots = max((s.host_used_slots for s in metrics.samples), default=0)
     capacity = 0
-    if engine.tier is not None:
-        capacity = engine.tier.capacity * slot_bytes
+    if engine.host is not None:
+        capacity = engine.host.capacity * slot_bytes
+    by_tier: dict[str, int] = {}
+    for r in records:
+        for tier, n in r.tier_hit_tokens.items():
+            by_tier[tier] = by_tier.get(tier, 0) + n
+    lower: dict[str, int] = {}
+    if isinstance(engine.tier, CascadeTier):
+        for lt in engine.tier.lowers:
+            used = getattr(lt, "used_bytes", None)
+            lower[lt.name] = int(used) if isinstance(used, int) else 0
     ttft = [timing.compute_seconds(r.prefill_flops) + timing.transfer_seconds(r.loaded_bytes)
             for r in records]
     clock = [r.first_token_s - r.arrival_s for r in records if r.first_token_s is not None]
@@ -158,6 +173,8 @@ def summarize(engine: ReferenceEngine, metrics: EngineMetrics, *, wall_s: float)
         recomputed_tokens=sum(r.recomputed_tokens for r in records),
         engine_hit_rate=engine_hits / prompt if prompt else 0.0,
         host_hit_rate=host_hits / prompt if prompt else 0.0,
+        tier_hit_rates={t: n / prompt for t, n in by_tier.items()} if prompt else {},
+        lower_tier_bytes=lower,
         groups=groups,
         stored_bytes=sum(g.stored_bytes for g in groups),
         loaded_bytes=sum(g.loaded_bytes for g in groups),

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvoffload.errors import ConfigError
-from kvoffload.jobs import Direction, JobId
+from kvoffload.jobs import Direction
 
 
 @dataclass(frozen=True)
@@ -34,14 +34,18 @@ class TimingModel:
             a PCIe 4.0 x16 link at about 80 % of its 32 GB/s.
         decode_step_s: the shortest step (one decode iteration is bound by reading the
             weights and the cache, not by FLOPs).
+        lower_bytes_per_s: bandwidth between host memory and a lower tier (disk, remote),
+            per direction; the default, 5e9, is a PCIe 4.0 NVMe drive.
     """
 
     accelerator_flops: float = 400e12
     link_bytes_per_s: float = 25e9
     decode_step_s: float = 0.015
+    lower_bytes_per_s: float = 5e9
 
     def __post_init__(self) -> None:
-        for name in ("accelerator_flops", "link_bytes_per_s", "decode_step_s"):
+        for name in ("accelerator_flops", "link_bytes_per_s", "decode_step_s",
+                     "lower_bytes_per_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(name, f"must be positive, got {value}",
@@ -59,17 +63,19 @@ class TimingModel:
 
 
 class TransferClock:
-    """Modelled completion time of every transfer job (see the module docstring)."""
+    """Modelled completion time of every job on one pair of links (see the module
+    docstring); ``bytes_per_s`` defaults to the host link's bandwidth."""
 
-    def __init__(self, timing: TimingModel) -> None:
+    def __init__(self, timing: TimingModel, bytes_per_s: float | None = None) -> None:
         self.timing = timing
+        self.bytes_per_s = bytes_per_s or timing.link_bytes_per_s
         self._link_free = {Direction.STORE: 0.0, Direction.LOAD: 0.0}
-        self._done_at: dict[JobId, float] = {}
+        self._done_at: dict[int, float] = {}
         self.busy_seconds = {Direction.STORE: 0.0, Direction.LOAD: 0.0}
 
-    def submit(self, job_id: JobId, direction: Direction, nbytes: int, now: float) -> float:
+    def submit(self, job_id: int, direction: Direction, nbytes: int, now: float) -> float:
         """Start a job at ``now`` (or when its link frees up); return its completion time."""
-        seconds = self.timing.transfer_seconds(nbytes)
+        seconds = nbytes / self.bytes_per_s
         start = max(now, self._link_free[direction])
         done = start + seconds
         self._link_free[direction] = done
@@ -77,11 +83,11 @@ class TransferClock:
         self.busy_seconds[direction] += seconds
         return done
 
-    def done_at(self, job_id: JobId) -> float:
+    def done_at(self, job_id: int) -> float:
         """When ``job_id`` completes; 0 for jobs this clock never saw (nothing to wait for)."""
         return self._done_at.get(job_id, 0.0)
 
-    def forget(self, job_id: JobId) -> None:
+    def forget(self, job_id: int) -> None:
         self._done_at.pop(job_id, None)
 
     def next_completion(self) -> float | None:

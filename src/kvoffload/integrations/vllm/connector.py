@@ -65,6 +65,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+            if policy != "recompute":
+                logger.warning("kvoffload: kv_load_failure_policy is %r: a failed load fails "
+                               "its request. Set it to 'recompute' to recompute instead.",
+                               policy)
             events = vllm_config.kv_events_config
             self.scheduler_side = SchedulerSide(
                 self.offload_config,
