@@ -11,16 +11,18 @@ the worker runs. ``--threads N`` gives both sides the same N threads (torch's in
 threads, the CPU backend's copy threads); the header prints both.
 
 Fairness: the jobs are built before the clock starts (the worker's own validation and
-planning are timed, the benchmark's bookkeeping is not); every timed run, reference or
-worker, starts after the same idle gap (``--gap-ms``), so neither inherits the other's
-busy threads (OpenMP threads spin for milliseconds after a parallel ``copy_`` and would
-otherwise steal a core from the worker run that follows); and which of the two goes first
-alternates from one repetition to the next. The ratio is worker throughput / contiguous
-throughput, taken per repetition against the reference run next to it and reported as the
-median with its quartiles (shared machines drift); the GB/s columns are medians. With
-``--best`` the GB/s columns and the ratio come from the fastest run of each kind instead:
-on a machine busy with other work, those are the runs nothing interrupted. The worker's
-loaded bytes are checked against the stored ones once per size.
+planning are timed, the benchmark's bookkeeping is not); OpenMP threads wait passively
+(``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets a policy): by default they spin
+for milliseconds after each parallel ``copy_``, and on a machine with few cores the spinning
+thread steals a core from the worker run timed right after the reference; which of the two
+goes first alternates from one repetition to the next; ``--gap-ms`` adds an idle gap before
+every timed run (both kinds; off by default: after an idle gap every run pays a cold start,
+threads and CPUs waking up, which pulls the ratio towards 1). The ratio is worker
+throughput / contiguous throughput, taken per repetition against the reference run next to
+it and reported as the median with its quartiles (shared machines drift); the GB/s columns
+are medians. With ``--best`` the GB/s columns and the ratio come from the fastest run of
+each kind instead: on a machine busy with other work, those are the runs nothing
+interrupted. The worker's loaded bytes are checked against the stored ones once per size.
 
     python benchmarks/transfer_bandwidth.py                 # CPU backend
     python benchmarks/transfer_bandwidth.py --device cuda   # CUDA backend, pinned arena
@@ -31,11 +33,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+
+# Before torch starts its OpenMP runtime (see "Fairness" above).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
@@ -215,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="GB/s and ratio from the fastest run of each kind instead of "
                              "medians: on a machine shared with other work, the fastest "
                              "runs are the ones nothing else interrupted")
-    parser.add_argument("--gap-ms", type=float, default=20.0,
+    parser.add_argument("--gap-ms", type=float, default=0.0,
                         help="idle time before every timed run (worker and reference alike)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -229,12 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"device": args.device, "segments": args.segments,
                           "factor": args.factor, "threads": torch.get_num_threads(),
+                          "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                          "gap_ms": args.gap_ms,
                           "copy_threads": copy_threads if args.device == "cpu" else None,
                           "rows": [r.as_json() for r in rows]}, indent=1))
         return 0
     copies = f" copy threads={copy_threads}" if args.device == "cpu" else ""
     print(f"device={args.device} segments/block={args.segments} factor={args.factor} "
           f"torch threads={torch.get_num_threads()}{copies} "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} gap={args.gap_ms:g}ms "
           f"({'best' if args.best else 'median'} of {args.reps}, paired-ratio quartiles in "
           f"brackets; GB/s)")
     head = (f"{'block':>8} {'page':>9} {'store':>7} {'contig':>7} {'ratio':>17}   "

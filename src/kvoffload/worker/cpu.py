@@ -14,12 +14,11 @@ segment fills the slot) are merged into one piece, and pieces longer than ``chun
 are cut so that copy threads can share them. Pieces are copied by ``ctypes.memmove``, which
 releases the GIL while it copies, so ``copy_threads`` threads (the direction thread and
 helpers) copy in parallel and use every core the way one large contiguous ``copy_`` does.
-They share a pass through one deque of pieces and one iterator of jobs (``_SharedPass``):
-a thread that finds the deque empty plans the next job, so planning overlaps copying, and
-no thread waits for a slower one. Before it is copied, every page is checked against the
-bounds of the registered tensors and of the arena (block ids, slots), and each pass checks
-that the tensors' storage is still where it was at ``bind``; a job failing either check
-fails without touching memory.
+The direction thread plans every job of a pass, then all threads take pieces from one
+shared iterator (``_SharedPass``), so no thread waits for a slower one. While planning,
+every page is checked against the bounds of the registered tensors and of the arena (block
+ids, slots), and each pass checks that the tensors' storage is still where it was at
+``bind``; a job failing either check fails without touching memory.
 
 A direction thread copies the jobs already queued behind the one it takes in the same pass
 (up to ``batch_bytes``). Jobs of one direction that are in flight together never write the
@@ -27,16 +26,18 @@ same destination (slots and engine blocks stay owned by a job until it completes
 copying them in one pass, in any order, keeps their results; a failing pass is redone job
 by job so the failure is reported for the job that caused it.
 
-The previous design (tensor views per page, copied by ``torch._foreach_copy_``) spent about
-3 us of GIL-held Python per page building views, and torch's per-tensor ``copy_`` overhead
-(about 0.65 us) on top; ``benchmarks/transfer_bandwidth.py`` measured it at about 0.3 (16 KiB
-pages) to 0.6 (64 KiB) of a contiguous copy of the same bytes on a quiet 2-core VM. What is
-left per page now is about 0.15 us of planning and 0.35 us for the ``memmove`` call.
+Measured (``benchmarks/transfer_bandwidth.py``, worker / contiguous copy of the same bytes,
+2-core VM shared with other work, median of three runs): 16 KiB pages 0.27 -> 0.54, 64 KiB
+0.52 -> 0.73, 256 KiB 0.65 -> 0.80, 1 MiB 0.65 -> 0.88, 4 MiB 0.69 -> 0.89, against the
+previous design (tensor views per page copied by ``torch._foreach_copy_``: about 3 us of
+GIL-held Python per page to build views, plus about 0.65 us of torch per-tensor overhead).
+What is left at 64 KiB: scattered pages copy about 10% slower than one contiguous range even
+with bare ``memmove`` (no Python); planning about 0.15 us per page plus about 0.35 us per
+``memmove`` call; and the worker's per-job validation on the calling thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
@@ -44,7 +45,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import starmap
@@ -294,10 +295,11 @@ class CpuBackend(TransferBackend):
             ids = [e.job.job_id for e in batch if e.inject]
             raise InjectedFaultError(f"injected fault in {batch[0].job.direction.value} "
                                      f"job(s) {ids}")
+        pieces = [p for entry in batch for p in self._pieces(entry.job)]
         helpers = 0
         if self._helpers is not None and sum(e.nbytes for e in batch) >= self.parallel_bytes:
-            helpers = self.copy_threads - 1
-        _SharedPass(self._pieces, [e.job for e in batch]).run(self._helpers, helpers)
+            helpers = min(self.copy_threads, len(pieces)) - 1
+        _SharedPass(pieces).run(self._helpers, helpers)
 
     def _check_storage(self, groups: Iterable[int]) -> None:
         """Raise if the storage of the arena or of a tensor of ``groups`` moved since
@@ -384,39 +386,34 @@ def _drain(pieces: Iterator[Piece]) -> None:
 
 
 class _SharedPass:
-    """The jobs of one pass, planned and copied by the direction thread and up to
-    ``helpers`` copy threads together.
+    """The pieces of one pass, copied by the direction thread and up to ``helpers`` copy
+    threads, all taking pieces from one list iterator (taking the next item is atomic under
+    the GIL), so no thread waits for a slower one.
 
-    Every thread loops: copy pieces from the shared deque until it is empty, then take the
-    next job from the shared job iterator, plan it (the only part that holds the GIL for
-    long), push its pieces onto the deque, and go back to copying; it stops when both are
-    empty. So planning a job overlaps copying the previous one, the pieces of one large job
-    are shared by every thread, and a thread that planned a job is still there to copy its
-    pieces if the others have stopped. Taking from a deque or a list iterator is atomic
-    under the GIL.
+    Every piece is planned before any is copied. Planning while copying (a thread plans the
+    next job when it runs out of pieces) measured about 5% slower at 64 KiB pages: a thread
+    planning holds the GIL for microseconds, a thread whose ``memmove`` returns meanwhile
+    goes to sleep on the GIL, and waking it costs tens of microseconds on a VM.
 
     The direction thread never waits for a helper that has not started: a helper that
-    starts after the direction thread found everything done copies nothing.
+    starts after the direction thread found the iterator empty copies nothing.
     """
 
-    def __init__(self, plan: Callable[[TransferJob], list[Piece]],
-                 jobs: list[TransferJob]) -> None:
-        self._plan = plan
-        self._jobs = iter(jobs)
-        self._work: deque[Piece] = deque()
+    def __init__(self, pieces: list[Piece]) -> None:
+        self._pieces = iter(pieces)
         self._cond = threading.Condition()
         self._busy = 0
         self._closed = False
         self._error: BaseException | None = None
 
     def run(self, pool: ThreadPoolExecutor | None, helpers: int) -> None:
-        """Copy everything, with up to ``helpers`` threads of ``pool``; raise the first
+        """Copy every piece, with up to ``helpers`` threads of ``pool``; raise the first
         error any thread met (after every thread that started has stopped)."""
         if pool is not None:
             for _ in range(helpers):
                 pool.submit(self._help)
         try:
-            self._copy_until_done()
+            _drain(self._pieces)
         finally:
             with self._cond:
                 self._closed = True
@@ -425,23 +422,13 @@ class _SharedPass:
         if self._error is not None:
             raise self._error
 
-    def _copy_until_done(self) -> None:
-        work, jobs = self._work, self._jobs
-        while True:
-            with contextlib.suppress(IndexError):  # popleft on the empty deque ends it
-                _drain(iter(work.popleft, None))
-            job = next(jobs, None)
-            if job is None:
-                return
-            work.extend(self._plan(job))
-
     def _help(self) -> None:
         with self._cond:
             if self._closed:
                 return
             self._busy += 1
         try:
-            self._copy_until_done()
+            _drain(self._pieces)
         except BaseException as exc:  # raised by the direction thread
             self._error = exc
         finally:
