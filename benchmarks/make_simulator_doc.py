@@ -188,12 +188,28 @@ def render(points: list[SweepPoint], result: object, limit: int, elapsed: float)
         "",
         *markdown_table(points),
         "",
-        "Columns: share of prompt tokens served by the engine's prefix cache and by the host "
-        "tier; prefill tokens computed with offloading and as a share of those computed "
-        "without; mean modelled TTFT with and without offloading and their ratio; the most "
-        "host memory the blocks held (real bytes).",
+        "Columns: share of prompt tokens served by the engine's prefix cache and by "
+        "offloading (loaded from host memory); prefill tokens computed with offloading "
+        "and as a share of those computed without; mean modelled TTFT with and without "
+        "offloading and their ratio; the most host memory the blocks held (real bytes).",
         "",
         "![sweep](img/simulator_sweep.png)",
+        "",
+        "Reading it:",
+        "",
+        "* *Prefill computed* also counts tokens computed again after a preemption (before "
+        "the first token). With offloading a preempted request reloads its own blocks from "
+        "host memory instead, so *vs no offload* can drop below 100 % where few prompt "
+        "tokens hit other requests' blocks.",
+        "* Nemotron-H runs at vLLM's page-matching block size (over 1000 tokens), while the "
+        "trace's requests share prefixes in 512-token units: a shared system prompt shorter "
+        "than one block never hits, in the engine or in any tier.",
+        "* Gemma 3 holds about half a MiB of KV per token (52 window layers of 1024 tokens), "
+        "and its full-attention blocks fill a fifth of a host slot (below), so host memory "
+        "holds few prefixes.",
+        "* Under LRU and ARC the window group stores every block (each could end some hit's "
+        "window) but loads only the last window of a hit; the run below shows the ratio. "
+        "The `hybrid` policy stores window blocks only near likely hit points.",
         "",
         "Every host slot is as large as the largest group's offloaded block, so a smaller "
         "group's block leaves part of its slot unused. Share of a slot each group's block "

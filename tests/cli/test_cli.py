@@ -68,6 +68,14 @@ def test_simulate_accounting_mode_on_a_trace_slice(capsys: pytest.CaptureFixture
     assert data["offload"]["host_hit_tokens"] > 0
 
 
+def test_simulate_with_a_disk_tier_reports_its_hits(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "simulate", *SMALL, "--host-capacity", "64MiB",
+                         "--disk-capacity", "8GiB")
+    assert status == 0
+    assert "accounting mode" in out  # lower tiers switch the default mode
+    assert "prompt tokens from disk tier (promoted)" in out and "disk tier holds" in out
+
+
 def test_sweep_runs_the_grid_and_plots(capsys: pytest.CaptureFixture[str],
                                        tmp_path: Path) -> None:
     plot = tmp_path / "sweep.png"

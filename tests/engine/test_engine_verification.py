@@ -137,3 +137,26 @@ def test_store_transfers_name_the_positions_of_their_blocks() -> None:
                              answer_tokens=(8, 40), seed=2).generate()
     summary = run_one(config, agents)
     assert summary.misplaced_store_blocks == 0
+
+
+def test_a_disk_tier_below_host_memory_serves_what_host_memory_evicted() -> None:
+    base = SimulationConfig(preset="gpt-oss-20b", mode=Mode.ACCOUNTING, engine_tokens=1200,
+                            host_capacity_bytes=8 << 20, max_num_batched_tokens=256,
+                            max_num_seqs=4, baseline=False, check_integrity=True)
+    alone = run_one(base, _chat())
+    cascade = run_one(SimulationConfig(**{**base.__dict__, "disk_capacity_bytes": 8 << 30}),
+                      _chat())
+    assert set(cascade.lower_tier_bytes) == {"disk"} and cascade.lower_tier_bytes["disk"] > 0
+    disk = cascade.tier_hit_rates.get("disk", 0.0)
+    assert disk > 0  # blocks host memory evicted came back from disk ...
+    assert cascade.host_hit_rate > alone.host_hit_rate  # ... on top of what host memory had
+    assert sum(cascade.tier_hit_rates.values()) == pytest.approx(cascade.host_hit_rate)
+    assert cascade.prefill_tokens_computed < alone.prefill_tokens_computed
+
+
+def test_lower_tiers_are_refused_in_bytes_mode() -> None:
+    from kvoffload.errors import ConfigError
+
+    config = SimulationConfig(disk_capacity_bytes=1 << 30, baseline=False)
+    with pytest.raises(ConfigError, match="accounting mode only"):
+        run_one(config, _chat())

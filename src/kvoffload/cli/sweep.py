@@ -49,6 +49,7 @@ class SweepPoint:
     host_capacity_bytes: int
     engine_hit_rate: float
     host_hit_rate: float
+    lower_hit_rate: float
     prefill_tokens_computed: float
     baseline_prefill_tokens_computed: float
     ttft_mean_s: float
@@ -107,6 +108,8 @@ def run_sweep(base: SimulationConfig, spec: WorkloadSpec, *, presets: Sequence[s
                     preset=preset, policy=policy, host_capacity_bytes=capacity,
                     engine_hit_rate=_mean([r.engine_hit_rate for r in runs]),
                     host_hit_rate=_mean([r.host_hit_rate for r in runs]),
+                    lower_hit_rate=_mean([sum(v for t, v in r.tier_hit_rates.items()
+                                              if t != "host") for r in runs]),
                     prefill_tokens_computed=_mean([r.prefill_tokens_computed for r in runs]),
                     baseline_prefill_tokens_computed=_mean(
                         [r.prefill_tokens_computed for r in baselines]),
@@ -120,13 +123,18 @@ def run_sweep(base: SimulationConfig, spec: WorkloadSpec, *, presets: Sequence[s
 
 
 def sweep_table(points: Sequence[SweepPoint]) -> list[list[str]]:
-    rows = [["preset", "policy", "host", "engine hit", "host hit", "prefill computed",
-             "vs no offload", "TTFT mean", "no offload", "speed-up", "host peak"]]
+    """Rows of the sweep's table (header first); "offload hit" counts blocks loaded
+    through host memory, "of which lower" those promoted from a disk or remote tier."""
+    lower = any(p.lower_hit_rate for p in points)
+    rows = [["preset", "policy", "host", "engine hit", "offload hit",
+             *(["of which lower"] if lower else []), "prefill computed", "vs no offload",
+             "TTFT mean", "no offload", "speed-up", "host peak"]]
     for p in points:
         saved = (p.prefill_tokens_computed / p.baseline_prefill_tokens_computed
                  if p.baseline_prefill_tokens_computed else 0.0)
         rows.append([p.preset, p.policy, format_bytes(p.host_capacity_bytes),
                      f"{100 * p.engine_hit_rate:.1f} %", f"{100 * p.host_hit_rate:.1f} %",
+                     *([f"{100 * p.lower_hit_rate:.1f} %"] if lower else []),
                      f"{p.prefill_tokens_computed:,.0f}", f"{100 * saved:.0f} %",
                      format_seconds(p.ttft_mean_s), format_seconds(p.baseline_ttft_mean_s),
                      f"{p.ttft_speedup:.2f}x", format_bytes(p.host_bytes_peak)])

@@ -43,6 +43,7 @@ class RequestRecord:
         recomputed_tokens: tokens computed again after a preemption that came after the
             first token.
         loaded_bytes: bytes of that successful, verified load.
+        promoted_bytes: the part of them read up from a lower tier for this request.
         first_token_s / finish_s: modelled clock times (None until they happen).
         preemptions / failed_loads / corrupt_loads: how often each setback happened.
     """
@@ -58,6 +59,7 @@ class RequestRecord:
     prefill_flops: int = 0
     recomputed_tokens: int = 0
     loaded_bytes: int = 0
+    promoted_bytes: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None
     preemptions: int = 0
@@ -96,8 +98,8 @@ class EngineRequest:
         """Set after a failed or corrupt load: later admissions accept no external tokens."""
         self.pending_hits = (0, 0)
         """(engine, host) hit tokens of the load in progress."""
-        self.pending_origin: dict[str, int] = {}
-        """Blocks of the load in progress by the tier they came from (tier cascades)."""
+        self.pending_origin: dict[tuple[str, int], int] = {}
+        """Blocks of the load in progress by (tier they came from, group) (cascades)."""
         self.started = False
         """Whether the request ran once (its hits are then recorded)."""
         self.record = RequestRecord(

@@ -180,7 +180,7 @@ class ReferenceEngine:
         """Host memory: the tier itself, or the first level of a cascade."""
         self.planner: Planner | None = None
         if offload is not None:
-            self.tier = tier or HostTier(offload, enable_events=False)
+            self.tier = tier if tier is not None else HostTier(offload, enable_events=False)
             host = self.tier.host if isinstance(self.tier, CascadeTier) else self.tier
             if not isinstance(host, HostTier):
                 raise TypeError(f"tier {type(self.tier).__name__} is neither a HostTier nor "
@@ -384,8 +384,8 @@ class ReferenceEngine:
             before = self._loaded_by_tier()
             self.planner.update_state_after_alloc(req, self.pool.block_table(rid), external)
             after = self._loaded_by_tier()
-            req.pending_origin = {t: n - before.get(t, 0) for t, n in after.items()
-                                  if n > before.get(t, 0)}
+            req.pending_origin = {k: n - before.get(k, 0) for k, n in after.items()
+                                  if n > before.get(k, 0)}
             req.status = Status.LOADING
             req.num_computed = local
             req.pending_hits = (local, external)
@@ -569,10 +569,10 @@ class ReferenceEngine:
             req.send_full_table = True
             self.running.append(req)
 
-    def _loaded_by_tier(self) -> dict[str, int]:
-        """Blocks the cascade has handed to loads so far, by the tier each came from."""
+    def _loaded_by_tier(self) -> dict[tuple[str, int], int]:
+        """Blocks the cascade has handed to loads so far, by (tier they came from, group)."""
         if isinstance(self.tier, CascadeTier):
-            return dict(self.tier.stats.loaded_blocks)
+            return dict(self.tier.stats.loaded_group_blocks)
         return {}
 
     def _started(self, req: EngineRequest, local: int, external: int, loaded: int) -> None:
@@ -585,8 +585,14 @@ class ReferenceEngine:
         rec.engine_hit_tokens, rec.host_hit_tokens, rec.loaded_bytes = local, external, loaded
         if external:
             # Split the external tokens by where the load's blocks came from (all from
-            # host memory without lower tiers).
-            origin = req.pending_origin or {"host": 1}
+            # host memory without lower tiers); promoted blocks were read from a lower
+            # tier first.
+            origin: dict[str, int] = {}
+            for (tier, group), n in req.pending_origin.items():
+                origin[tier] = origin.get(tier, 0) + n
+                if tier != "host":
+                    rec.promoted_bytes += n * self._real_offloaded_bytes[group]
+            origin = origin or {"host": 1}
             total = sum(origin.values())
             shares = {t: external * n // total for t, n in origin.items()}
             first = next(iter(shares))

@@ -3,8 +3,9 @@
 Time to first token is given two ways:
 
 * **modelled** (``ttft_*``): the request's own prefill work, ``prefill FLOPs of the tokens
-  it computed / accelerator FLOP/s + bytes it loaded / link bandwidth``, without queueing;
-  this is the figure offloading is meant to cut;
+  it computed / accelerator FLOP/s + bytes it loaded / link bandwidth + bytes promoted for
+  it from a lower tier / lower-tier bandwidth``, without queueing; this is the figure
+  offloading is meant to cut;
 * **clock** (``clock_ttft_*``): first-token time minus arrival on the engine's modelled
   clock, queueing and batching with other requests included.
 """
@@ -162,7 +163,7 @@ def summarize(engine: ReferenceEngine, metrics: EngineMetrics, *, wall_s: float)
             used = getattr(lt, "used_bytes", None)
             lower[lt.name] = int(used) if isinstance(used, int) else 0
     ttft = [timing.compute_seconds(r.prefill_flops) + timing.transfer_seconds(r.loaded_bytes)
-            for r in records]
+            + r.promoted_bytes / timing.lower_bytes_per_s for r in records]
     clock = [r.first_token_s - r.arrival_s for r in records if r.first_token_s is not None]
     return RunSummary(
         offload=engine.planner is not None,
