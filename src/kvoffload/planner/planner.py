@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
+from kvoffload.completion import count_rank_report
 from kvoffload.config import GroupKind, OffloadConfig, ResolvedGroup
 from kvoffload.errors import InvariantError
 from kvoffload.jobs import (
@@ -577,22 +578,9 @@ class Planner:
 
     def _count_report(self, job_id: JobId, rank: int, failed: bool) -> JobState | None:
         """Record one rank's report; return the job once every rank has reported it."""
-        if job_id < self._stale_below:
-            self.stats.stale_reports += 1
-            return None
-        js = self._jobs.get(job_id)
-        if js is None:
-            if job_id >= self._next_job or job_id < 0:
-                raise InvariantError(f"report for job {job_id}, which was never issued")
-            self.stats.duplicate_reports += 1
-            return None
-        bit = 1 << rank
-        if js.reported_ranks & bit:
-            self.stats.duplicate_reports += 1
-            return None
-        js.reported_ranks |= bit
-        js.failed = js.failed or failed
-        return js if js.reported_ranks == self._all_ranks else None
+        return count_rank_report(self._jobs, job_id, rank, failed, next_id=self._next_job,
+                                 stale_below=self._stale_below, all_ranks=self._all_ranks,
+                                 counters=self.stats)
 
     def _finish_job(self, js: JobState) -> None:
         del self._jobs[js.job_id]

@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kvoffload.completion import count_rank_report
 from kvoffload.errors import InvariantError
 from kvoffload.jobs import TierJob, TierJobId, TierOp, TierWork, WorkerReport
 from kvoffload.keys import OffloadKey, key_group
@@ -370,22 +371,9 @@ class CascadeTier(Tier):
                 self._queue(TierOp.DELETE, lower, key)
 
     def _count(self, job_id: TierJobId, rank: int, failed: bool) -> _Job | None:
-        if job_id < self._stale_below:
-            self.stats.stale_reports += 1
-            return None
-        js = self._jobs.get(job_id)
-        if js is None:
-            if job_id >= self._next_id or job_id < 0:
-                raise InvariantError(f"report for tier job {job_id}, which was never issued")
-            self.stats.duplicate_reports += 1
-            return None
-        bit = 1 << rank
-        if js.reported_ranks & bit:
-            self.stats.duplicate_reports += 1
-            return None
-        js.reported_ranks |= bit
-        js.failed = js.failed or failed
-        return js if js.reported_ranks == self._all_ranks else None
+        return count_rank_report(self._jobs, job_id, rank, failed, next_id=self._next_id,
+                                 stale_below=self._stale_below, all_ranks=self._all_ranks,
+                                 counters=self.stats, what="tier job")
 
     def _finish(self, js: _Job) -> None:
         del self._jobs[js.job.job_id]
