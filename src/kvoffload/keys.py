@@ -121,14 +121,34 @@ class BlockHasher:
         """Append the hashes of every full block of ``token_ids`` not yet in ``hashes``.
 
         ``hashes`` must be this hasher's hashes of a prefix of ``token_ids``; it is
-        extended in place and returned.
+        extended in place and returned. Each block's hash is ``hash_block(parent, tokens,
+        extra)``; without LoRA or multimodal inputs the new tokens are packed once and the
+        constant length prefixes reused (a replay hashes millions of blocks).
         """
         bs = self.block_size
+        first, last = len(hashes), len(token_ids) // bs
+        if last <= first:
+            return hashes
         parent = hashes[-1] if hashes else self.root
-        for start in range(len(hashes) * bs, len(token_ids) - bs + 1, bs):
-            end = start + bs
-            parent = hash_block(parent, token_ids[start:end], context.extra_keys(start, end),
-                                self.algo)
+        if context.lora_name is not None or context.multimodal:
+            for block in range(first, last):
+                start, end = block * bs, (block + 1) * bs
+                parent = hash_block(parent, token_ids[start:end],
+                                    context.extra_keys(start, end), self.algo)
+                hashes.append(parent)
+            return hashes
+        raw = array("q", token_ids[first * bs:last * bs]).tobytes()
+        width = 8 * bs
+        parent_prefix = struct.pack("<I", len(self.root))
+        token_prefix = struct.pack("<I", width)
+        no_extra = _lp(b"")
+        for i in range(last - first):
+            extra = no_extra
+            if first + i == 0 and context.cache_salt is not None:
+                extra = _lp(context.extra_keys(0, bs))
+            chunk = raw[i * width:(i + 1) * width]
+            parent = BlockHash(_digest(self.algo, parent_prefix + parent + token_prefix
+                                       + chunk + extra))
             hashes.append(parent)
         return hashes
 

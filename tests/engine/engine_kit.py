@@ -7,14 +7,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvoffload.config import OffloadConfig
-from kvoffload.engine.hashing import EngineHasher
 from kvoffload.engine.model_presets import AttentionLayers, MambaLayers, ModelPreset
 from kvoffload.engine.requests import RequestRecord
 from kvoffload.engine.scheduler import EngineConfig, ReferenceEngine
 from kvoffload.engine.simulation import Mode, assemble
 from kvoffload.engine.workloads import WorkloadRequest
 from kvoffload.jobs import StepPlan
-from kvoffload.keys import OffloadKey, make_offload_key
+from kvoffload.keys import BlockHasher, OffloadKey, make_offload_key
 from kvoffload.planner.contract import StepInput
 
 BS = 4
@@ -63,7 +62,7 @@ def toks(n: int, base: int = 1000) -> list[int]:
 
 def key_at(tokens: Sequence[int], position: int, group: int) -> OffloadKey:
     """The offload key of the block ending at ``(position + 1) * BS`` tokens."""
-    hashes = EngineHasher(BS).extend([], list(tokens))
+    hashes = BlockHasher(BS).extend([], list(tokens))
     return make_offload_key(hashes[position], group)
 
 

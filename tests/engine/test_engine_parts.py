@@ -6,27 +6,31 @@ import numpy as np
 import pytest
 
 from kvoffload.engine.device import block_content, full_block_seed
-from kvoffload.engine.hashing import EngineHasher
 from kvoffload.engine.model_presets import PRESETS
 from kvoffload.engine.simulation import auto_block_size
 from kvoffload.engine.summary import Percentiles
 from kvoffload.engine.timing import TimingModel, TransferClock
 from kvoffload.errors import ConfigError
 from kvoffload.jobs import Direction, JobId
-from kvoffload.keys import BlockHasher, HashAlgorithm, HashContext
+from kvoffload.keys import BlockHasher, HashAlgorithm, HashContext, hash_block
 
 
 @pytest.mark.parametrize("algo", list(HashAlgorithm))
 @pytest.mark.parametrize("context", [HashContext(), HashContext(cache_salt="tenant-3"),
                                      HashContext(lora_name="adapter")])
-def test_engine_hasher_gives_block_hashers_hashes(algo: HashAlgorithm,
-                                                  context: HashContext) -> None:
+def test_block_hasher_chains_hash_block(algo: HashAlgorithm, context: HashContext) -> None:
+    """The packed fast path and the general path both equal ``hash_block`` chained."""
     tokens = list(range(7, 7 + 103))
-    fast, ref = EngineHasher(16, "s", algo), BlockHasher(16, "s", algo)
-    assert fast.extend([], tokens, context) == ref.hashes(tokens, context)
-    grown = fast.extend([], tokens[:40], context)  # incremental, as decode appends
+    hasher = BlockHasher(16, "s", algo)
+    parent, ref = hasher.root, []
+    for start in range(0, 96, 16):
+        parent = hash_block(parent, tokens[start:start + 16],
+                            context.extra_keys(start, start + 16), algo)
+        ref.append(parent)
+    assert hasher.extend([], tokens, context) == ref
+    grown = hasher.extend([], tokens[:40], context)  # incremental, as decode appends
     assert len(grown) == 2
-    assert fast.extend(grown, tokens, context) == ref.hashes(tokens, context)
+    assert hasher.extend(grown, tokens, context) == ref
 
 
 def test_block_content_is_deterministic_and_differs_almost_everywhere() -> None:

@@ -11,9 +11,8 @@ from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvoffload.engine.hashing import EngineHasher
 from kvoffload.engine.workloads.request import TOKEN_TYPECODE, WorkloadRequest, derive_tokens
-from kvoffload.keys import BlockHash, HashContext
+from kvoffload.keys import BlockHash, BlockHasher, HashContext
 
 
 class Status(str, Enum):
@@ -75,7 +74,7 @@ class EngineRequest:
     ``tokens`` and is extended by ``emit``.
     """
 
-    def __init__(self, source: WorkloadRequest, hasher: EngineHasher,
+    def __init__(self, source: WorkloadRequest, hasher: BlockHasher,
                  arrival_s: float | None = None) -> None:
         self.source = source
         self.request_id = source.request_id

@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING
 from kvoffload.config import OffloadConfig
 from kvoffload.engine.block_pool import Allocation, HybridBlockPool
 from kvoffload.engine.executors import AccountingExecutor, TransferExecutor
-from kvoffload.engine.hashing import EngineHasher
 from kvoffload.engine.metrics import EngineMetrics, Sample
 from kvoffload.engine.model_presets import ModelLayout
 from kvoffload.engine.requests import EngineRequest, Status
@@ -60,6 +59,7 @@ from kvoffload.jobs import (
     TransferJob,
     WorkerReport,
 )
+from kvoffload.keys import BlockHasher
 from kvoffload.planner.contract import ReportOutcome, ScheduledRequest, StepInput
 from kvoffload.planner.planner import Planner
 from kvoffload.tiers.base import Tier
@@ -173,7 +173,7 @@ class ReferenceEngine:
         self.specs = specs
         self.timing = timing or TimingModel()
         self.pool = HybridBlockPool(specs, config.num_blocks, hash_block_size)
-        self.hasher = EngineHasher(hash_block_size, seed=hash_seed)
+        self.hasher = BlockHasher(hash_block_size, seed=hash_seed)
         self.offload = offload
         self.tier: Tier | None = None
         self.host: HostTier | None = None
