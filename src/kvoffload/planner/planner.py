@@ -330,7 +330,6 @@ class Planner:
             if st is None:
                 continue
             self._flush |= st.jobs
-            st.preempted = True
             for gs in st.groups:
                 gs.block_ids = []
                 gs.num_freed = 0
@@ -370,7 +369,6 @@ class Planner:
             raise InvariantError(f"request {request.request_id!r} scheduled while its load "
                                  "is in flight; wait for finished_loads")
         if sched.resumed:
-            st.preempted = False
             for gs in st.groups:
                 gs.block_ids = []
                 gs.num_freed = 0

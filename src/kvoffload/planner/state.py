@@ -55,7 +55,6 @@ class RequestState:
     looked_up: bool = False
     deferred_steps: int = 0
     finished: bool = False
-    preempted: bool = False
 
 
 @dataclass
