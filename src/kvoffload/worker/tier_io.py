@@ -48,6 +48,9 @@ from kvoffload.worker.layout import CacheLayout
 
 logger = logging.getLogger(__name__)
 
+_DISK_BATCH_BLOCKS = 4
+"""Disk jobs of one kind per I/O-thread task: fewer hand-offs, still parallel files."""
+
 
 def layout_fingerprint(ns: str, layout: CacheLayout) -> bytes:
     """16 bytes naming the namespace and how this rank lays out a block inside a slot
@@ -106,12 +109,16 @@ class TierIO:
         self.fingerprint = layout_fingerprint(self.namespace, layout)
         self._pool = pool
         self._layout = layout
+        # A numpy alias of the arena: slicing it is ~100x cheaper than slicing the tensor.
+        self._arena = pool.arena.numpy()
+        self._block_bytes = {g: layout.groups[g].block_bytes for g in layout.groups}
         self.stores: dict[str, BlockStore] = (
             dict(stores) if stores is not None
             else build_stores(tiers, self.namespace, rank, self.fingerprint))
         threads = {"disk": tiers.disk.io_threads if tiers.disk else 1,
                    "remote": tiers.remote.io_threads if tiers.remote else 1}
-        self._batch = {"remote": tiers.remote.batch_blocks if tiers.remote else 1}
+        self._batch = {"remote": tiers.remote.batch_blocks if tiers.remote else 1,
+                       "disk": _DISK_BATCH_BLOCKS}
         self._executors = {
             name: ThreadPoolExecutor(max_workers=threads.get(name, 2),
                                      thread_name_prefix=f"kvoffload-{name}-r{rank}")
@@ -204,10 +211,11 @@ class TierIO:
         copy of it taken now."""
         if job.op not in (TierOp.PROMOTE, TierOp.DEMOTE):
             return None
-        view = self._pool.slot_view(job.slot, job.group)  # (block_bytes,) uint8
+        # The slot's first block_bytes (``HostPool.slot_view``), as a buffer.
+        view = memoryview(self._arena[job.slot, : self._block_bytes[job.group]])
         if job.snapshot:
-            return view.numpy().tobytes()
-        return memoryview(view.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
+            return view.tobytes()
+        return view
 
     def _chunks(self, runnable: Sequence[tuple[TierJob, BytesLike | None]]
                 ) -> list[tuple[str, TierOp, list[tuple[TierJob, BytesLike | None]]]]:
