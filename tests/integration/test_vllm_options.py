@@ -34,6 +34,23 @@ def test_all_options() -> None:
             opts.max_deferred_steps) == ("arc", 4, ("host",), 8)
 
 
+def test_lower_tiers_follow_the_tiers_list() -> None:
+    from kvoffload.tiers.config import WriteMode
+
+    opts = ConnectorOptions.from_extra_config({
+        "host_memory_bytes": "1GiB", "tiers": ["host", "remote", "disk"],
+        "disk_path": "/nvme/kv", "disk_capacity": "64GiB", "disk_write_mode": "write_through",
+        "remote_url": "redis://cache:6379/0", "remote_batch_blocks": 8, "model_id": "m@r"})
+    tiers = opts.tier_config
+    assert tiers.enabled == ("remote", "disk")
+    assert tiers.disk is not None and tiers.disk.capacity_bytes == 64 << 30
+    assert tiers.disk.write_mode is WriteMode.WRITE_THROUGH
+    assert tiers.remote is not None and tiers.remote.batch_blocks == 8
+    assert tiers.model_id == "m@r"
+    assert ConnectorOptions.from_extra_config(
+        {"host_memory_bytes": 1}).tier_config.enabled == ()
+
+
 @pytest.mark.parametrize(("extra", "field", "hint"), [
     ({}, "host_memory_bytes", "is missing"),
     (None, "host_memory_bytes", "is missing"),
@@ -50,6 +67,17 @@ def test_all_options() -> None:
     ({"host_memory_bytes": 1, "tiers": ["disk"]}, "tiers", "must be 'host'"),
     ({"host_memory_bytes": 1, "tiers": ["host", "tape"]}, "tiers", "not available"),
     ({"host_memory_bytes": 1, "tiers": ["host", "host"]}, "tiers", "twice"),
+    ({"host_memory_bytes": 1, "tiers": ["host", "disk"]}, "disk_path", "missing"),
+    ({"host_memory_bytes": 1, "tiers": ["host", "remote"]}, "remote_url", "missing"),
+    ({"host_memory_bytes": 1, "disk_path": "/x", "disk_capacity": "1GiB"}, "tiers",
+     "does not list 'disk'"),
+    ({"host_memory_bytes": 1, "tiers": ["host", "disk"], "disk_path": "/x"},
+     "disk_capacity", "missing"),
+    ({"host_memory_bytes": 1, "tiers": ["host", "disk"], "disk_path": "/x",
+      "disk_capacity": "1GiB", "disk_io_threads": 0}, "disk_io_threads", ">= 1"),
+    ({"host_memory_bytes": 1, "tiers": ["host", "remote"], "remote_url": "redis://h:1/0",
+      "remote_timeout_s": "soon"}, "remote_timeout_s", "as a number"),
+    ({"host_memory_bytes": 1, "tier_order": "disk"}, "tier_order", "not a kvoffload"),
     ({"host_memory_bytes": 1, "cpu_bytes_to_use": 5}, "cpu_bytes_to_use", "not a kvoffload"),
 ])
 def test_invalid_options_name_the_key_and_the_fix(extra: Any, field: str, hint: str) -> None:

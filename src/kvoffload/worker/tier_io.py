@@ -212,7 +212,7 @@ class TierIO:
         if job.op not in (TierOp.PROMOTE, TierOp.DEMOTE):
             return None
         # The slot's first block_bytes (``HostPool.slot_view``), as a buffer.
-        view = memoryview(self._arena[job.slot, : self._block_bytes[job.group]])
+        view = memoryview(self._arena[job.slot, : self._block_bytes[job.group]])  # type: ignore[arg-type]  # ndarray is a buffer
         if job.snapshot:
             return view.tobytes()
         return view

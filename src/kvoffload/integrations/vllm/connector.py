@@ -16,6 +16,12 @@ GPU. The connector declares ``SupportsHMA``: every KV-cache group (full attentio
 sliding window, Mamba) is offloaded by its own rule, so hybrid models keep vLLM's hybrid
 memory allocator.
 
+Lower tiers (``"tiers": ["host", "disk", "remote"]`` with ``disk_path``/``disk_capacity``
+and ``remote_url``; see ``options``) sit behind host memory: the scheduler's planner talks
+to a ``CascadeTier`` and every worker runs the plans' tier jobs. Unless the options name
+one, the ``model_id`` that namespaces stored blocks is the served model, its revision and
+its dtype, so engines serving the same weights share blocks and others never do.
+
 The scheduler and the workers translate the same ``KVCacheConfig`` with the same options,
 so they agree on the host slot count; a worker whose tensors do not match raises
 ``LayoutError`` at registration, before any byte moves.
@@ -23,6 +29,7 @@ so they agree on the host slot count; a worker whose tensors do not match raises
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -45,6 +52,7 @@ from kvoffload.integrations.vllm.stats import KVOffloadPromMetrics, KVOffloadSta
 from kvoffload.integrations.vllm.translate import check_parallelism, translate
 from kvoffload.integrations.vllm.version import check_vllm_version
 from kvoffload.integrations.vllm.worker_side import WorkerSide
+from kvoffload.tiers.config import TierConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +70,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         num_workers = check_parallelism(vllm_config.parallel_config)
         self.layout = translate(kv_cache_config)
         self.offload_config = self.layout.offload_config(self.options, num_workers)
+        self.tier_config = with_model_id(self.options.tier_config, vllm_config)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -73,14 +82,17 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             events = vllm_config.kv_events_config
             self.scheduler_side = SchedulerSide(
                 self.offload_config,
-                enable_events=bool(events is not None and events.enable_kv_cache_events))
+                enable_events=bool(events is not None and events.enable_kv_cache_events),
+                tiers=self.tier_config)
         else:
             rank = int(vllm_config.parallel_config.rank) % num_workers
             self.worker_side = WorkerSide(self.offload_config, self.layout.layer_names,
-                                          self.layout.num_blocks, rank=rank)
-        logger.info("kvoffload: %s role, groups %s, %d host slots of %d bytes",
+                                          self.layout.num_blocks, rank=rank,
+                                          tiers=self.tier_config)
+        logger.info("kvoffload: %s role, groups %s, %d host slots of %d bytes, tiers %s",
                     role.name, [g.name for g in self.layout.groups],
-                    self.offload_config.num_host_slots, self.offload_config.slot_bytes)
+                    self.offload_config.num_host_slots, self.offload_config.slot_bytes,
+                    list(self.options.tiers))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -214,3 +226,14 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 __all__ = ["KVOffloadConnector"]
+
+
+def with_model_id(tiers: TierConfig, vllm_config: Any) -> TierConfig:
+    """``tiers`` with ``model_id`` filled from vLLM's model config when the options left
+    it empty: ``<model>@<revision>:<dtype>`` (what changes the KV bytes besides the
+    layout, which the namespace covers on its own)."""
+    if tiers.model_id or not tiers.enabled:
+        return tiers
+    model = vllm_config.model_config
+    model_id = f"{model.model}@{model.revision or 'main'}:{model.dtype}"
+    return dataclasses.replace(tiers, model_id=model_id)

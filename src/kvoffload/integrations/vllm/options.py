@@ -12,9 +12,17 @@ Keys (all optional except ``host_memory_bytes``):
                             string with a unit (``"8GiB"``, ``"512MiB"``, ``"2GB"``).
 ``eviction_policy``         A registered policy name: ``"lru"`` (default) or ``"arc"``.
 ``block_size_factor``       Engine blocks per offloaded block (default 1).
-``tiers``                   Storage tiers, fastest first; only ``["host"]`` exists today.
+``tiers``                   Storage tiers, fastest first: ``["host"]`` (default), or
+                            host followed by ``"disk"`` and/or ``"remote"`` in lookup
+                            order, e.g. ``["host", "disk", "remote"]``.
 ``max_deferred_steps``      Steps a lookup may answer "ask again later" before it settles
                             for what is readable (default 64).
+``disk_path``, ...          The lower tiers' settings: every option of
+                            ``kvoffload.tiers.config.OPTION_HELP`` except ``tier_order``
+                            (the ``tiers`` list gives the order). ``"disk"`` in ``tiers``
+                            needs ``disk_path`` and ``disk_capacity``; ``"remote"`` needs
+                            ``remote_url``. ``model_id`` defaults to the served model,
+                            its revision and dtype (see ``KVOffloadConnector``).
 ==========================  ==========================================================
 """
 
@@ -22,14 +30,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload.errors import ConfigError
+from kvoffload.tiers.config import OPTION_HELP, TierConfig
 from kvoffload.tiers.eviction import registered_policies
 
 PREFIX = "kv_connector_extra_config"
-AVAILABLE_TIERS = ("host",)
+AVAILABLE_TIERS = ("host", "disk", "remote")
+TIER_OPTIONS = tuple(key for key in OPTION_HELP if key != "tier_order")
+"""Lower-tier keys the connector accepts, passed to ``TierConfig.from_options``."""
+_TIER_ENABLER = {"disk": "disk_path", "remote": "remote_url"}
 
 _UNITS = {
     "": 1, "b": 1,
@@ -48,13 +60,15 @@ class ConnectorOptions:
     block_size_factor: int = 1
     tiers: tuple[str, ...] = ("host",)
     max_deferred_steps: int = 64
+    tier_config: TierConfig = field(default_factory=TierConfig)
+    """The lower tiers (none by default); ``model_id`` empty until the connector fills it."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
         """Parse and validate ``kv_connector_extra_config``; raise ``ConfigError``."""
         extra = dict(extra or {})
         known = {"host_memory_bytes", "eviction_policy", "block_size_factor", "tiers",
-                 "max_deferred_steps"}
+                 "max_deferred_steps", *TIER_OPTIONS}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"{PREFIX}.{unknown[0]}", "is not a kvoffload option",
@@ -77,8 +91,10 @@ class ConnectorOptions:
                                  f"{PREFIX}.max_deferred_steps",
                                  "Use a small positive number of steps, e.g. 64.")
         tiers = _tiers(extra.get("tiers", ["host"]))
+        tier_config = _tier_config(tiers, {k: v for k, v in extra.items() if k in TIER_OPTIONS})
         return cls(host_memory_bytes=memory, eviction_policy=policy,
-                   block_size_factor=factor, tiers=tiers, max_deferred_steps=deferred)
+                   block_size_factor=factor, tiers=tiers, max_deferred_steps=deferred,
+                   tier_config=tier_config)
 
 
 def parse_bytes(value: object, field: str) -> int:
@@ -124,3 +140,22 @@ def _tiers(value: object) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ConfigError(field, f"{list(names)} lists a tier twice", "List each tier once.")
     return tuple(names)
+
+
+def _tier_config(tiers: tuple[str, ...], options: dict[str, Any]) -> TierConfig:
+    """The lower tiers ``tiers`` lists, built from their options; each listed tier needs
+    its enabling option and each enabling option needs its tier listed."""
+    for name, enabler in _TIER_ENABLER.items():
+        if name in tiers and enabler not in options:
+            raise ConfigError(f"{PREFIX}.{enabler}", f"is missing while tiers lists {name!r}",
+                              f"Give {enabler}, or remove {name!r} from tiers.")
+        if name not in tiers and enabler in options:
+            raise ConfigError(f"{PREFIX}.tiers", f"does not list {name!r} while {enabler} "
+                              "is set", f'Add "{name}" to tiers, or remove {enabler}.')
+    lower = [name for name in tiers if name != "host"]
+    if lower:
+        options = {**options, "tier_order": ",".join(lower)}
+    try:
+        return TierConfig.from_options(options)
+    except ConfigError as exc:
+        raise ConfigError(f"{PREFIX}.{exc.field}", exc.problem, exc.fix) from None

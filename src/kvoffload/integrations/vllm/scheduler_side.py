@@ -30,7 +30,8 @@ from kvoffload.integrations.vllm.stats import KVOffloadStats, StatsCollector
 from kvoffload.jobs import WorkerReport
 from kvoffload.planner.contract import ReportOutcome, ScheduledRequest, StepInput
 from kvoffload.planner.planner import Planner
-from kvoffload.tiers.cpu import HostTier
+from kvoffload.tiers.config import TierConfig
+from kvoffload.tiers.factory import make_tier
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +39,15 @@ logger = logging.getLogger(__name__)
 class SchedulerSide:
     """The scheduler half of the connector (see the module docstring)."""
 
-    def __init__(self, config: OffloadConfig, *, enable_events: bool = False) -> None:
+    def __init__(self, config: OffloadConfig, *, enable_events: bool = False,
+                 tiers: TierConfig | None = None) -> None:
+        """Args:
+            config: the offload configuration the workers share.
+            enable_events: publish KV-cache events for what the tiers hold.
+            tiers: lower tiers (disk, remote) behind host memory; None: host only.
+        """
         self.config = config
-        self.tier = HostTier(config, enable_events=enable_events)
+        self.tier = make_tier(config, tiers, enable_events=enable_events)
         self.planner = Planner(config, self.tier)
         self.enable_events = enable_events
         self._requests: dict[str, Any] = {}

@@ -44,6 +44,7 @@ from kvoffload.config import OffloadConfig
 from kvoffload.errors import LayoutError
 from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.jobs import JobId, StepPlan, TransferJob, WorkerReport
+from kvoffload.tiers.config import TierConfig
 from kvoffload.worker.backend import TransferBackend
 from kvoffload.worker.layout import CacheLayout, CacheTensorLayout, GroupTensors
 from kvoffload.worker.worker import TransferWorker
@@ -58,19 +59,21 @@ class WorkerSide:
     """One rank's half of the connector (see the module docstring)."""
 
     def __init__(self, config: OffloadConfig, layer_names: Sequence[Sequence[str]],
-                 num_blocks: int, rank: int = 0,
-                 backend: TransferBackend | None = None) -> None:
+                 num_blocks: int, *, rank: int = 0,
+                 backend: TransferBackend | None = None,
+                 tiers: TierConfig | None = None) -> None:
         """Args:
             config: the offload configuration every rank and the scheduler share.
             layer_names: per group, the vLLM layers whose caches belong to it.
             num_blocks: blocks in vLLM's pool (kernel-block splits are regrouped).
             rank: this worker's tensor-parallel rank.
             backend: transfer backend; chosen from the caches' device by default.
+            tiers: lower tiers (disk, remote) this rank reads and writes; None: host only.
         """
         self.config = config
         self.layer_names = [tuple(names) for names in layer_names]
         self.num_blocks = num_blocks
-        self.worker = TransferWorker(config, rank=rank, backend=backend)
+        self.worker = TransferWorker(config, rank=rank, backend=backend, tiers=tiers)
         self.after_load: LoadHook | None = None
         self.same_step_flushes = 0
         """Stores the plan flushed in the step that created them (submitted after the
@@ -177,7 +180,8 @@ class WorkerSide:
                 if load_failed:
                     failed.add(request_id)
         if report.finished or report.failed or report.stats.stored_bytes \
-                or report.stats.loaded_bytes:
+                or report.stats.loaded_bytes or report.tier_finished or report.tier_failed \
+                or report.tier_unreachable:
             self._reports.append(report)
         return finished, failed
 
