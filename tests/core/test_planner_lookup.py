@@ -339,10 +339,11 @@ def test_touch_at_finish_refreshes_every_window_and_mamba_block_stored() -> None
     a = h.request("a", prompt(32))
     table = [(1, 2), tuple(range(11, 19)), tuple(range(21, 29))]
     h.admit(a, table)  # nothing in the tier: the first hit is 0 blocks
-    h.step(h.sched(a, table, 0, 32))
+    h.step(h.sched(a, table, 0, 16))  # two chunks: a Mamba state exists at 16 and 32
+    h.step(h.sched(a, [(), (), ()], 16, 16))
     f0, f1 = h.keys(a, 0, range(2))
     w2, w3, w6, w7 = h.keys(a, 1, [2, 3, 6, 7])
     m3, m7 = h.keys(a, 2, [3, 7])
-    assert list(h.tier) == [f0, f1, w2, w3, w6, w7, m3, m7]
+    assert list(h.tier) == [f0, w2, w3, m3, f1, w6, w7, m7]
     h.planner.request_finished(a)
     assert list(h.tier) == [m7, m3, w7, w6, w3, w2, f1, f0]

@@ -50,8 +50,7 @@ def test_store_skips_null_window_and_mamba_blocks_and_moves_past_them() -> None:
     assert h.moved(store, a) == [
         Moved(0, tuple(range(1, 8)), 0, tuple(range(7))),
         Moved(1, (13, 14, 15, 16, 17), 2, (2, 3, 4, 5, 6)),  # nulls never stored
-        Moved(2, (26,), 5, (5,)),  # one transfer per Mamba state
-        Moved(2, (27,), 6, (6,)),
+        Moved(2, (27,), 6, (6,)),  # the state at 28, where the step ends
     ]
     # Nothing is complete beyond block 6 until token 32: no store, and the skipped null
     # blocks are not reconsidered.
@@ -160,14 +159,32 @@ def test_finer_window_blocks_store_only_what_an_aligned_hit_can_use() -> None:
 
 def test_mamba_states_are_stored_only_at_checkpoints() -> None:
     # States checkpointed every 8 tokens: of the 4 Mamba blocks of a 16-token prefill
-    # only those ending at 8 and 16 can ever serve a hit.
+    # in 4-token chunks only those ending at 8 and 16 can ever serve a hit.
+    h = Harness(make_config(full(), mamba(alignment=8)))
+    a = h.request("a", prompt(16))
+    table = [(1, 2, 3, 4), (11, 12, 13, 14)]
+    h.admit(a, table)
+    moved = []
+    for chunk in range(4):
+        new = [(1 + chunk,), (11 + chunk,)]
+        for job in h.step(h.sched(a, new, 4 * chunk, 4)).stores:
+            moved += h.moved(job, a)
+    assert moved == [Moved(0, (1,), 0, (0,)), Moved(0, (2,), 1, (1,)),
+                     Moved(1, (12,), 1, (1,)), Moved(0, (3,), 2, (2,)),
+                     Moved(0, (4,), 3, (3,)), Moved(1, (14,), 3, (3,))]
+
+
+def test_a_mamba_state_a_step_crossed_is_never_stored() -> None:
+    # One 16-token step crosses the state boundary at 8 without ever producing that
+    # state (the engine writes a state only where a step ends): only the state at 16,
+    # where the step ends, may be stored -- the block at 8 holds no such state.
     h = Harness(make_config(full(), mamba(alignment=8)))
     a = h.request("a", prompt(16))
     table = [(1, 2, 3, 4), (11, 12, 13, 14)]
     h.admit(a, table)
     store = only(h.step(h.sched(a, table, 0, 16)).stores)
     assert h.moved(store, a) == [Moved(0, (1, 2, 3, 4), 0, (0, 1, 2, 3)),
-                                 Moved(1, (12,), 1, (1,)), Moved(1, (14,), 3, (3,))]
+                                 Moved(1, (14,), 3, (3,))]
 
 
 def test_store_progress_jumps_past_a_loaded_prefix() -> None:
@@ -268,11 +285,12 @@ def test_factor_2_mamba_stores_and_loads_the_last_state_of_an_offloaded_block() 
     a = h.request("a", tokens)
     table = [(1, 2, 3, 4), (11, 12, 13, 14)]
     h.admit(a, table)
-    store = only(h.step(h.sched(a, table, 0, 16)).stores)
-    assert h.moved(store, a) == [Moved(0, (1, 2, 3, 4), 0, (0, 1)),
-                                 Moved(1, (12,), 1, (0,)),  # state after token 8
-                                 Moved(1, (14,), 3, (1,))]  # state after token 16
-    h.complete(store.job_id)
+    first = only(h.step(h.sched(a, [(1, 2), (11, 12)], 0, 8)).stores)
+    second = only(h.step(h.sched(a, [(3, 4), (13, 14)], 8, 8)).stores)
+    assert h.moved(first, a) + h.moved(second, a) == [
+        Moved(0, (1, 2), 0, (0,)), Moved(1, (12,), 1, (0,)),  # state after token 8
+        Moved(0, (3, 4), 2, (1,)), Moved(1, (14,), 3, (1,))]  # state after token 16
+    h.complete(first.job_id, second.job_id)
     b = h.request("b", [*tokens, 1])
     assert h.lookup(b) == MatchResult(16, load_async=True)
     h.alloc(b, [(21, 22, 23, 24, 25), (0, 0, 0, 34, 35)], 16)

@@ -7,6 +7,8 @@ request recompute; both modes must make the same decisions.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from engine_kit import BS, Recorder, key_at, make_engine, record, req, tiny_preset, toks
 
@@ -87,6 +89,25 @@ def _chat() -> list:  # type: ignore[type-arg]
                         output_tokens=(8, 40), seed=3).generate()
 
 
+def _long_chat() -> list:  # type: ignore[type-arg]
+    return ChatWorkload(num_sessions=4, turns=(2, 4), system_tokens=1100,
+                        user_tokens=(200, 900), output_tokens=(8, 40), seed=3).generate()
+
+
+def test_mamba_states_are_stored_only_where_a_step_ended() -> None:
+    """Prefill chunks of 2048 tokens cross 1040-token Mamba blocks mid-step: no state
+    exists at those block ends, so none may be stored -- loading one would hand the
+    engine a state from another position (wrong bytes, caught here)."""
+    config = SimulationConfig(preset="nemotron-h-8b", engine_tokens=16000,
+                              host_capacity_bytes=4 << 30, max_num_batched_tokens=2048,
+                              max_num_seqs=4, scale_bytes=16, baseline=False)
+    summary = run_one(config, _long_chat())
+    assert summary.wrong_bytes == 0 and summary.corrupt_loads == 0
+    aligned = run_one(SimulationConfig(**{**config.__dict__,
+                                          "max_num_batched_tokens": 1040}), _long_chat())
+    assert aligned.wrong_bytes == 0 and aligned.host_hit_rate > 0
+
+
 def test_bytes_and_accounting_modes_make_the_same_decisions() -> None:
     base = SimulationConfig(preset="gpt-oss-20b", engine_tokens=1200, max_num_batched_tokens=256,
                             max_num_seqs=4, scale_bytes=16, baseline=False)
@@ -154,9 +175,64 @@ def test_a_disk_tier_below_host_memory_serves_what_host_memory_evicted() -> None
     assert cascade.prefill_tokens_computed < alone.prefill_tokens_computed
 
 
-def test_lower_tiers_are_refused_in_bytes_mode() -> None:
+@pytest.mark.parametrize("preset", ["gpt-oss-20b", "nemotron-h-8b"])
+def test_a_real_disk_tier_serves_a_second_run_verified(preset: str, tmp_path: Path) -> None:
+    """Bytes mode with a real directory: the second run (a restarted engine) promotes
+    what the first stored, every loaded byte checked; damaged files are misses."""
+    hybrid = preset == "nemotron-h-8b"  # 1040-token blocks, ~100 MiB Mamba states
+    config = SimulationConfig(preset=preset, engine_tokens=16000 if hybrid else 1200,
+                              host_capacity_bytes=400 << 20 if hybrid else 8 << 20,
+                              max_num_batched_tokens=1040 if hybrid else 2048,
+                              max_num_seqs=4, scale_bytes=16,
+                              baseline=False, disk_capacity_bytes=64 << 30,
+                              disk_path=str(tmp_path))
+    chat = _long_chat if hybrid else _chat
+    first = run_one(config, chat())
+    assert first.lower_tier_blocks["disk"] > 0
+    second = run_one(config, chat())
+    assert second.tier_hit_rates.get("disk", 0.0) > 0
+    assert second.wrong_bytes == 0 and second.failed_loads == 0
+    assert second.prefill_tokens_computed < first.prefill_tokens_computed
+    files = list(tmp_path.rglob("*.kvb"))
+    assert files
+    for path in files:  # flip the last payload byte of every block file
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    third = run_one(config, chat())
+    # Every damaged file is a miss (dropped); only blocks this run wrote back itself hit.
+    assert third.tier_hit_rates.get("disk", 0.0) < second.tier_hit_rates["disk"]
+    assert third.prefill_tokens_computed > second.prefill_tokens_computed
+    assert third.wrong_bytes == 0 and third.failed_loads == 0
+
+
+def test_a_real_redis_tier_is_shared_by_two_engines() -> None:
+    from tiers.tier_kit import redis_server
+
+    with redis_server() as server:
+        config = SimulationConfig(preset="gpt-oss-20b", engine_tokens=1200,
+                                  host_capacity_bytes=8 << 20, max_num_batched_tokens=256,
+                                  max_num_seqs=4, scale_bytes=16, baseline=False,
+                                  remote_url=server.url)
+        first = run_one(config, _chat())
+        second = run_one(config, _chat())  # a second engine, empty host memory
+    assert second.tier_hit_rates.get("remote", 0.0) > first.tier_hit_rates.get("remote", 0.0)
+    assert second.prefill_tokens_computed < first.prefill_tokens_computed
+    assert second.wrong_bytes == 0 and second.failed_loads == 0
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"disk_capacity_bytes": 1 << 30}, "disk_path"),
+    ({"disk_path": "/tmp/x"}, "disk_capacity_bytes"),
+    ({"remote_capacity_bytes": 1 << 30}, "remote_capacity_bytes"),
+    ({"mode": Mode.ACCOUNTING, "disk_path": "/tmp/x", "disk_capacity_bytes": 1}, "disk_path"),
+    ({"mode": Mode.ACCOUNTING, "remote_url": "redis://127.0.0.1:1/0"}, "remote_url"),
+])
+def test_tier_settings_that_cannot_work_are_refused(changes: dict[str, object],
+                                                   field: str) -> None:
     from kvoffload.errors import ConfigError
 
-    config = SimulationConfig(disk_capacity_bytes=1 << 30, baseline=False)
-    with pytest.raises(ConfigError, match="accounting mode only"):
+    config = SimulationConfig(**{**SimulationConfig(baseline=False).__dict__, **changes})
+    with pytest.raises(ConfigError) as info:
         run_one(config, _chat())
+    assert info.value.field == field and info.value.fix

@@ -240,10 +240,17 @@ class SimEngine:
                     table[pos] = NULL_BLOCK_ID
 
     def _write(self, req: SimRequest, start: int, end: int) -> None:
-        """The forward pass: write KV for tokens ``[start, end)``."""
+        """The forward pass: write KV for tokens ``[start, end)``.
+
+        A Mamba group gets one state, the one at ``end``, in the block holding ``end``: the
+        blocks whose ends the step crossed never see the state at their end.
+        """
         for gi, table in enumerate(req.tables):
             bs = self.groups[gi].spec.block_size
-            for pos in range(start // bs, -(-end // bs)):
+            first = start // bs
+            if self.groups[gi].kind is GroupKind.MAMBA:
+                first = max(first, -(-end // bs) - 1)
+            for pos in range(first, -(-end // bs)):
                 block = table[pos]
                 if block == NULL_BLOCK_ID:
                     continue
@@ -266,7 +273,10 @@ class SimEngine:
         c = req.num_computed
         for gi, table in enumerate(req.tables):
             bs = self.groups[gi].spec.block_size
-            for pos in range(min(len(table), -(-c // bs))):
+            positions = range(min(len(table), -(-c // bs)))
+            if self.groups[gi].kind is GroupKind.MAMBA:
+                positions = positions[-1:]  # the one state the step reads: the one at c
+            for pos in positions:
                 block = table[pos]
                 if block == NULL_BLOCK_ID:
                     continue
@@ -427,7 +437,10 @@ class SimEngine:
         c = req.num_computed
         for gi, table in enumerate(req.tables):
             bs = self.groups[gi].spec.block_size
-            for pos in range(min(len(table), c // bs)):
+            positions = range(min(len(table), c // bs))
+            if self.groups[gi].kind is GroupKind.MAMBA:
+                positions = positions[-1:]  # a load brings the one state at the hit
+            for pos in positions:
                 block = table[pos]
                 if block != NULL_BLOCK_ID and not self._holds(req, gi, pos, c, block):
                     raise RuleViolation(f"rule 6: loaded block {block} of {req.request_id} "

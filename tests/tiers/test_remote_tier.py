@@ -134,7 +134,7 @@ def test_a_corrupted_value_is_a_miss(redis_srv: RedisServer) -> None:
     config = hybrid_config(host_slots=24)
     tokens = prompt(1, PREFIX)
     with tiered_engine(config, remote_tiers(redis_srv.url)) as engine:
-        engine.run([tokens])
+        engine.run([tokens], chunk=4)  # a Mamba state at every block end
         evicting(engine, range(2, 4))
         ns = namespace(config, remote_tiers(redis_srv.url))
         block5 = make_offload_key(engine.sim.hasher.hashes(tokens)[5], 0)

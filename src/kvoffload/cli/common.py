@@ -138,10 +138,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                      help="engine capacity as N / block-size block ids, shared by all groups "
                           "(e.g. 32k; default: 32768 for built-in workloads, 1M for traces)")
     group.add_argument("--disk-capacity", metavar="SIZE",
-                       help="add a disk tier below host memory (write-back; accounting mode)")
+                       help="add a disk tier below host memory (write-back); modelled in "
+                            "accounting mode, a real directory (--disk-path) in bytes mode")
     group.add_argument("--remote-capacity", metavar="SIZE",
-                       help="add a shared remote store below it (write-through; accounting "
-                            "mode)")
+                       help="add a modelled shared remote store below it (write-through; "
+                            "accounting mode; in bytes mode give --remote-url instead)")
     group.add_argument("--max-batched-tokens", type=int, default=8192, metavar="N",
                        help="token budget of one engine step (default 8192)")
     group.add_argument("--max-seqs", type=int, default=64, metavar="N",
@@ -247,6 +248,8 @@ def simulation_config(args: argparse.Namespace, *, preset: str, policy: str,
         block_size_factor=args.block_size_factor, engine_capacity_bytes=engine_bytes,
         engine_tokens=tokens, host_capacity_bytes=host_capacity, eviction_policy=policy,
         scale_bytes=getattr(args, "scale_bytes", 64),
+        disk_path=getattr(args, "disk_path", None),
+        remote_url=getattr(args, "remote_url", None),
         max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_seqs,
         decode_tokens_per_step=decode, arrival=Arrival(args.arrival),
         timing=TimingModel(accelerator_flops=flops, link_bytes_per_s=bandwidth),

@@ -6,7 +6,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvoffload.cli.common import format_bytes, format_seconds
-from kvoffload.engine.simulation import SimulationResult, describe_groups
+from kvoffload.engine.simulation import Mode, SimulationResult, describe_groups
 from kvoffload.engine.summary import Percentiles, RunSummary
 
 
@@ -84,7 +84,10 @@ def simulation_text(result: SimulationResult, workload_label: str) -> str:
                       format_bytes(g.host_bytes_peak), format_bytes(g.host_bytes_final)])
     lines += _table(grows)
     for name, held in o.lower_tier_bytes.items():
-        lines.append(f"  {name} tier holds {format_bytes(held)} at the end")
+        blocks = o.lower_tier_blocks.get(name, 0)
+        size = format_bytes(held) + (" moved, scaled" if result.config.mode is Mode.BYTES
+                                     else "")
+        lines.append(f"  {name} tier holds {blocks:,} blocks ({size}) at the end")
     lines.append(f"  host slots in use at peak: {format_bytes(o.host_reserved_bytes_peak)} of "
                  f"{format_bytes(o.host_capacity_bytes)} (a slot fits the largest group's block)")
     lines.append(f"  transfer time (modelled link busy): stores {format_seconds(o.store_link_s)}, "

@@ -26,6 +26,8 @@ EPILOG = textwrap.dedent("""\
       kvoffload simulate --preset nemotron-h-8b --workload agentic
       kvoffload simulate --engine-tokens 16k --host-capacity 4GiB --policy arc
       kvoffload simulate --host-capacity 2GiB --disk-capacity 64GiB   # a disk tier below
+      kvoffload simulate --host-capacity 64MiB --disk-capacity 1GiB --disk-path /tmp/kv
+                                                           # a real one (run it twice)
       kvoffload simulate --trace ../shared/traces/mooncake_conversation_trace.jsonl \\
           --limit 500 --mode accounting --plot run.png
       kvoffload simulate --json | jq .offload.host_hit_rate
@@ -58,6 +60,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         help="bytes mode: the smallest moved page, in bytes (default 64)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the run without offloading")
+    parser.add_argument("--disk-path", metavar="DIR",
+                        help="bytes mode: a real disk tier in DIR (with --disk-capacity); "
+                             "a second run on DIR hits what the first one stored")
+    parser.add_argument("--remote-url", metavar="URL",
+                        help="bytes mode: a real shared tier on a Redis/Valkey server, "
+                             "e.g. redis://127.0.0.1:6379/0")
     parser.add_argument("--check", action="store_true",
                         help="check the pool's and planner's bookkeeping every step (slow)")
     add_workload_options(parser, default_limit=None)
@@ -69,9 +77,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     preset = check_preset(args.preset)
     policy = check_policy(args.policy)
-    lower = args.disk_capacity or args.remote_capacity
+    modelled = args.disk_capacity or args.remote_capacity
+    real = args.disk_path or args.remote_url
     mode = Mode(args.mode) if args.mode else (
-        Mode.ACCOUNTING if args.trace or lower else Mode.BYTES)
+        Mode.BYTES if real else Mode.ACCOUNTING if args.trace or modelled else Mode.BYTES)
     spec = workload_spec(args, args.seed)
     config = simulation_config(args, preset=preset, policy=policy, mode=mode,
                                host_capacity=parse_size(args.host_capacity, "--host-capacity"))

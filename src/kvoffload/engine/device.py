@@ -26,6 +26,7 @@ import torch
 from kvoffload.config import GroupSpec, OffloadConfig
 from kvoffload.jobs import JobId, StepPlan, TransferStats, WorkerReport
 from kvoffload.keys import BlockHash
+from kvoffload.tiers.config import TierConfig
 from kvoffload.worker import (
     CpuBackend,
     GroupTensors,
@@ -141,6 +142,12 @@ class HostAuditor:
             self._expect.pop((g, slot), None)
         self._expect[(group, slot)] = subs
 
+    def forget(self, slot: int) -> None:
+        """``slot`` is being filled from a lower tier: its contents are checked by the
+        tier's checksum and, when loaded, by the engine's load verification."""
+        for g in range(len(self.groups)):
+            self._expect.pop((g, slot), None)
+
     def audit(self, keys: Iterable[tuple[int, int]]) -> tuple[int, int]:
         """``(blocks compared, wrong bytes)`` over ``(group, slot)`` of readable keys."""
         compared = wrong = 0
@@ -169,25 +176,33 @@ class WorkerExecutor:
     """
 
     def __init__(self, config: OffloadConfig, caches: DeviceCaches,
-                 backend: TransferBackend | None = None) -> None:
+                 backend: TransferBackend | None = None,
+                 tiers: TierConfig | None = None) -> None:
+        """``tiers``: real lower tiers (a directory, a Redis server) the worker reads and
+        writes for the plans' tier jobs; waited for like transfers."""
         self.worker = TransferWorker(config, rank=0,
                                      backend=backend or CpuBackend(copy_threads=1),
-                                     pin_memory=False)
+                                     pin_memory=False, tiers=tiers)
         self.worker.register_kv_caches(caches.group_tensors())
         self._in_flight: set[JobId] = set()
+        self._tier_in_flight = False
         self.moved = TransferStats()
 
     def begin_step(self, plan: StepPlan) -> None:
         self.worker.begin_step(plan)
         self._in_flight.update(j.job_id for j in (*plan.loads, *plan.stores))
+        self._tier_in_flight |= bool(plan.tier_jobs)
 
     def end_step(self) -> None:
         self.worker.end_step()
 
     def poll(self) -> list[WorkerReport]:
-        if not self._in_flight:
+        if not self._in_flight and not self._tier_in_flight:
             return []
         self.worker.wait(self._in_flight)
+        if self.worker.tier_io is not None:
+            self.worker.tier_io.wait()
+        self._tier_in_flight = False
         report = self.worker.poll()
         for job_id in (*report.finished, *report.failed):
             self._in_flight.discard(job_id)

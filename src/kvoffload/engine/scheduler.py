@@ -239,6 +239,10 @@ class ReferenceEngine:
 
     def step(self) -> bool:
         """Run one engine step at ``self.clock``; False when it had nothing to do."""
+        if isinstance(self.tier, CascadeTier):
+            # A modelled step takes no wall time; a real one outlasts a lower tier's
+            # existence checks, so let them land before the lookups of this step.
+            self.tier.wait_idle()
         budget = self.config.max_num_batched_tokens * self.config.decode_tokens_per_step
         entries: list[_Entry] = []
         preempted: list[str] = []
@@ -265,6 +269,8 @@ class ReferenceEngine:
         if self.checks is not None and plan.stores:
             self.checks.expect_stores(plan.stores, {e.request.request_id: e.request
                                                     for e in entries})
+        if self.checks is not None and plan.tier_jobs:
+            self.checks.promoting(plan.tier_jobs)
         self.executor.begin_step(plan)
         for tier_job in plan.tier_jobs:
             self._tier_submitted(tier_job, start)

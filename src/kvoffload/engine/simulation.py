@@ -78,9 +78,14 @@ class SimulationConfig:
             block_size)`` block ids), used when ``engine_capacity_bytes`` is None.
         host_capacity_bytes: host memory for offloaded blocks (real bytes).
         disk_capacity_bytes / remote_capacity_bytes: lower tiers below host memory (real
-            bytes, accounting mode only): a disk tier (write-back: host evictions land
-            there) and a shared remote store (write-through), modelled as budgeted
-            indexes; None: no such tier.
+            bytes): a disk tier (write-back: host evictions land there) and a shared
+            remote store (write-through). Accounting mode models both as budgeted
+            indexes; bytes mode runs a real disk tier (``disk_path`` with this budget)
+            and a real Redis/Valkey server (``remote_url``; its capacity is the
+            server's own ``maxmemory``, so ``remote_capacity_bytes`` stays None).
+        disk_path: bytes mode: the real disk tier's directory. A second run on the same
+            directory finds the blocks the first one stored (a restart).
+        remote_url: bytes mode: ``redis://host:port/db`` of a real shared tier.
         eviction_policy: the host tier's policy (``lru``, ``arc``).
         scale_bytes: bytes mode: the smallest moved page, in bytes.
         max_num_batched_tokens / max_num_seqs / decode_tokens_per_step: engine limits.
@@ -102,6 +107,8 @@ class SimulationConfig:
     eviction_policy: str = "lru"
     disk_capacity_bytes: int | None = None
     remote_capacity_bytes: int | None = None
+    disk_path: str | None = None
+    remote_url: str | None = None
     scale_bytes: int = 64
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 64
@@ -179,38 +186,65 @@ def build_engine(config: SimulationConfig, *, offload: bool = True,
         num_blocks=caps.engine_blocks, max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs, decode_tokens_per_step=config.decode_tokens_per_step,
         sample_interval_s=config.sample_interval_s, check_integrity=config.check_integrity)
-    tier = None
-    if offload and (config.disk_capacity_bytes or config.remote_capacity_bytes):
-        tier = lower_tiers(config, offload_config)
+    tier = tiers = None
+    if offload and (config.disk_capacity_bytes or config.remote_capacity_bytes
+                    or config.disk_path or config.remote_url):
+        tiers = lower_tier_config(config, offload_config.slot_bytes / caps.host_slot_bytes)
+        tier = make_tier(offload_config, tiers, enable_events=False,
+                         accounting=config.mode is Mode.ACCOUNTING,
+                         remote_capacity_bytes=config.remote_capacity_bytes or 1)
     return assemble(layout, engine_config, offload_config if offload else None,
-                    mode=config.mode, executor=executor, timing=config.timing, tier=tier)
+                    mode=config.mode, executor=executor, timing=config.timing, tier=tier,
+                    tiers=tiers)
 
 
-def lower_tiers(config: SimulationConfig, offload_config: OffloadConfig) -> Tier:
-    """Host memory with the configured lower tiers behind it (a ``CascadeTier`` whose
-    lower tiers are budgeted indexes: accounting mode only)."""
-    if config.mode is not Mode.ACCOUNTING:
-        raise ConfigError("disk_capacity_bytes", "disk and remote tiers are simulated in "
-                          "accounting mode only", "Add --mode accounting.")
+def lower_tier_config(config: SimulationConfig, byte_scale: float = 1.0) -> TierConfig:
+    """The lower tiers ``config`` asks for: modelled ones in accounting mode, real ones
+    (a directory, a Redis/Valkey server) in bytes mode. ``byte_scale``: moved bytes per
+    real byte (bytes mode scales pages down; the disk budget, given in real bytes, keeps
+    the same number of blocks)."""
     for name in ("disk_capacity_bytes", "remote_capacity_bytes"):
         value = getattr(config, name)
         if value is not None and value <= 0:
             raise ConfigError(name, f"must be positive, got {value}", "Give a size, e.g. 1TiB.")
-    disk = (DiskTierConfig("(simulated disk)", config.disk_capacity_bytes)
-            if config.disk_capacity_bytes else None)
-    remote = RemoteTierConfig() if config.remote_capacity_bytes else None
-    tiers = TierConfig(model_id=config.preset, disk=disk, remote=remote)
-    return make_tier(offload_config, tiers, enable_events=False, accounting=True,
-                     remote_capacity_bytes=config.remote_capacity_bytes or 1)
+    if config.mode is Mode.ACCOUNTING:
+        if config.disk_path or config.remote_url:
+            raise ConfigError("disk_path" if config.disk_path else "remote_url",
+                              "real tiers move real bytes: they need bytes mode",
+                              "Use --mode bytes, or model the tiers with --disk-capacity / "
+                              "--remote-capacity in accounting mode.")
+        disk = (DiskTierConfig("(simulated disk)", config.disk_capacity_bytes)
+                if config.disk_capacity_bytes else None)
+        remote = RemoteTierConfig() if config.remote_capacity_bytes else None
+        return TierConfig(model_id=config.preset, disk=disk, remote=remote)
+    if config.disk_capacity_bytes and not config.disk_path:
+        raise ConfigError("disk_path", "is missing: bytes mode writes a real disk tier",
+                          "Give --disk-path DIR, or use --mode accounting.")
+    if config.disk_path and not config.disk_capacity_bytes:
+        raise ConfigError("disk_capacity_bytes", "is missing for the disk tier",
+                          "Give --disk-capacity, e.g. 1GiB.")
+    if config.remote_capacity_bytes:
+        raise ConfigError("remote_capacity_bytes", "a real server's capacity is its own "
+                          "maxmemory", "Drop --remote-capacity and give --remote-url; or use "
+                          "--mode accounting to model the store.")
+    disk = None
+    if config.disk_path and config.disk_capacity_bytes:
+        budget = max(1, int(config.disk_capacity_bytes * byte_scale))
+        disk = DiskTierConfig(config.disk_path, budget, fsync=False)
+    remote = RemoteTierConfig(config.remote_url) if config.remote_url else None
+    return TierConfig(model_id=f"{config.preset}:scaled{config.scale_bytes}",
+                      disk=disk, remote=remote)
 
 
 def assemble(layout: ModelLayout, engine_config: EngineConfig,
              offload_config: OffloadConfig | None, *, mode: Mode = Mode.ACCOUNTING,
              executor: TransferExecutor | None = None,
-             timing: TimingModel | None = None, tier: Tier | None = None) -> ReferenceEngine:
+             timing: TimingModel | None = None, tier: Tier | None = None,
+             tiers: TierConfig | None = None) -> ReferenceEngine:
     """Wire an engine: ``offload_config`` None runs without offloading; bytes mode gives
     it real tensors over ``layout.specs`` pages, the real worker (unless ``executor`` is
-    given) and a host auditor. ``tier``: the planner's tier (default a ``HostTier``)."""
+    given) and a host auditor. ``tier``: the planner's tier (default a ``HostTier``);
+    ``tiers``: the lower tiers the real worker reads and writes (bytes mode)."""
     if offload_config is None:
         return ReferenceEngine(layout, engine_config, timing=timing)
     device = None
@@ -220,7 +254,7 @@ def assemble(layout: ModelLayout, engine_config: EngineConfig,
 
         device = DeviceCaches(layout.specs, engine_config.num_blocks)
         if executor is None:
-            worker = WorkerExecutor(offload_config, device)
+            worker = WorkerExecutor(offload_config, device, tiers=tiers)
             auditor = HostAuditor(worker.worker.host_pool, layout.specs,
                                   offload_config.block_size_factor)
             executor = worker
@@ -250,6 +284,8 @@ def run_one(config: SimulationConfig, workload: Iterable[WorkloadRequest], *,
                          progress=progress)
     finally:
         engine.executor.shutdown()
+        if engine.tier is not None:
+            engine.tier.close()
     if config.check_integrity:
         engine.check_integrity()
     return summarize(engine, metrics, wall_s=time.perf_counter() - start)

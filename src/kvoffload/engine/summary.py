@@ -64,8 +64,9 @@ class RunSummary:
     ``engine_hit_rate`` and ``host_hit_rate`` are shares of prompt tokens served by the
     engine's prefix cache and by offloading (loaded through host memory) when each request
     first started; ``tier_hit_rates`` splits the latter by the tier the blocks were in
-    (``host``, ``disk``, ``remote``); ``lower_tier_bytes`` is what each lower tier holds
-    at the end;
+    (``host``, ``disk``, ``remote``); ``lower_tier_blocks`` / ``lower_tier_bytes`` is
+    what each lower tier holds at the end (bytes: real sizes in accounting mode, the moved
+    scaled-down files with their headers in bytes mode);
     ``prefill_tokens_saved`` is their sum in tokens. ``host_reserved_bytes_peak`` is the
     host memory the tier's slots take (every slot is as large as the largest group's
     offloaded block); ``host_bytes_peak`` counts only the blocks' own bytes.
@@ -83,6 +84,7 @@ class RunSummary:
     host_hit_rate: float
     tier_hit_rates: dict[str, float]
     lower_tier_bytes: dict[str, int]
+    lower_tier_blocks: dict[str, int]
     groups: tuple[GroupSummary, ...]
     stored_bytes: int
     loaded_bytes: int
@@ -158,10 +160,12 @@ def summarize(engine: ReferenceEngine, metrics: EngineMetrics, *, wall_s: float)
         for tier, n in r.tier_hit_tokens.items():
             by_tier[tier] = by_tier.get(tier, 0) + n
     lower: dict[str, int] = {}
+    lower_blocks: dict[str, int] = {}
     if isinstance(engine.tier, CascadeTier):
         for lt in engine.tier.lowers:
             used = getattr(lt, "used_bytes", None)
             lower[lt.name] = int(used) if isinstance(used, int) else 0
+            lower_blocks[lt.name] = len(lt) if hasattr(lt, "__len__") else 0
     ttft = [timing.compute_seconds(r.prefill_flops) + timing.transfer_seconds(r.loaded_bytes)
             + r.promoted_bytes / timing.lower_bytes_per_s for r in records]
     clock = [r.first_token_s - r.arrival_s for r in records if r.first_token_s is not None]
@@ -175,7 +179,7 @@ def summarize(engine: ReferenceEngine, metrics: EngineMetrics, *, wall_s: float)
         engine_hit_rate=engine_hits / prompt if prompt else 0.0,
         host_hit_rate=host_hits / prompt if prompt else 0.0,
         tier_hit_rates={t: n / prompt for t, n in by_tier.items()} if prompt else {},
-        lower_tier_bytes=lower,
+        lower_tier_bytes=lower, lower_tier_blocks=lower_blocks,
         groups=groups,
         stored_bytes=sum(g.stored_bytes for g in groups),
         loaded_bytes=sum(g.loaded_bytes for g in groups),

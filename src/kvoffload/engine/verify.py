@@ -23,7 +23,7 @@ from kvoffload.engine.block_pool import CacheHit, HybridBlockPool
 from kvoffload.engine.device import DeviceCaches, HostAuditor, full_block_seed
 from kvoffload.engine.metrics import EngineMetrics
 from kvoffload.engine.requests import EngineRequest
-from kvoffload.jobs import NULL_BLOCK_ID, TransferJob
+from kvoffload.jobs import NULL_BLOCK_ID, TierJob, TierOp, TransferJob
 from kvoffload.keys import key_group
 from kvoffload.tiers.cpu import HostTier
 
@@ -128,6 +128,15 @@ class ByteChecks:
                     per_slot.setdefault(slot, {})[sub] = (self._seed(req, t.group, pos), pos)
                 for slot, subs in per_slot.items():
                     self.auditor.expect(t.group, slot, subs)
+
+    def promoting(self, jobs: Sequence[TierJob]) -> None:
+        """Host slots the plan's promotes fill: the auditor stops expecting what the
+        stores before wrote there."""
+        if self.auditor is None:
+            return
+        for job in jobs:
+            if job.op is TierOp.PROMOTE:
+                self.auditor.forget(job.slot)
 
     def audit(self, tier: HostTier) -> int:
         """Wrong bytes among the blocks ``tier`` can serve now (added to the metrics)."""

@@ -62,6 +62,7 @@ class Planner:
         self.tier = tier
         self.stats = PlannerStats()
         self._groups = config.resolved
+        self._mamba_groups = tuple(g for g in self._groups if g.kind is GroupKind.MAMBA)
         self._order = lookup_order(self._groups)
         self._alignment = config.hit_alignment
         self._all_ranks = (1 << config.num_workers) - 1
@@ -372,6 +373,7 @@ class Planner:
             for gs in st.groups:
                 gs.block_ids = []
                 gs.num_freed = 0
+                gs.exact_states = set()  # states of the old blocks, not of the new ones
         self._refresh_keys(st)
         for gs, ids in zip(st.groups, sched.new_block_ids, strict=True):
             if ids:
@@ -381,9 +383,11 @@ class Planner:
         if freed is not None:
             for gs, n in zip(st.groups, freed, strict=True):
                 gs.num_freed = max(gs.num_freed, n)
-        offloadable = min(sched.num_computed_tokens + sched.num_scheduled_tokens,
-                          request.num_tokens)
-        return self._plan_store(st, offloadable)
+        end = sched.num_computed_tokens + sched.num_scheduled_tokens
+        for g in self._mamba_groups:
+            if end and end % g.offloaded_block_size == 0:
+                st.groups[g.index].exact_states.add(end // g.offloaded_block_size - 1)
+        return self._plan_store(st, min(end, request.num_tokens))
 
     def _plan_store(self, st: RequestState, offloadable: int) -> TransferJob | None:
         """A store job for the request's newly complete blocks, or None.
@@ -497,7 +501,7 @@ class Planner:
         if g.kind is GroupKind.MAMBA:
             last = hi - 1  # the state after the block's last token
             if (((k + 1) * obs) % self._alignment or last < gs.num_freed
-                    or ids[last] == NULL_BLOCK_ID):
+                    or ids[last] == NULL_BLOCK_ID or k not in gs.exact_states):
                 return None
             return [last]
         if g.kind is GroupKind.SLIDING_WINDOW:
@@ -538,6 +542,8 @@ class Planner:
     def _advance(st: RequestState, limits: list[int]) -> None:
         for gs, limit in zip(st.groups, limits, strict=True):
             gs.next_stored = max(gs.next_stored, limit)
+            if gs.exact_states:
+                gs.exact_states = {k for k in gs.exact_states if k >= gs.next_stored}
 
     # ------------------------------------------------------------- completion
 

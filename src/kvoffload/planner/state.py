@@ -23,6 +23,9 @@ class GroupState:
         next_stored: index of the next offloaded block to consider for storing.
         num_hit_blocks: offloaded blocks hit (device + offload) at the first lookup;
             drives which window blocks are kept warm.
+        exact_states: Mamba groups: offloaded blocks ``k`` whose state exists, because a
+            step ended exactly at ``(k + 1) * offloaded_block_size``. A step that crosses
+            a boundary never materializes the state there: its block is not stored.
     """
 
     keys: list[OffloadKey] = field(default_factory=list)
@@ -30,6 +33,7 @@ class GroupState:
     num_freed: int = 0
     next_stored: int = 0
     num_hit_blocks: int = 0
+    exact_states: set[int] = field(default_factory=set)
 
 
 @dataclass

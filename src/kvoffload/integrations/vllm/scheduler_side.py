@@ -193,3 +193,4 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.planner.shutdown()
+        self.tier.close()
