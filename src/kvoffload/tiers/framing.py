@@ -53,13 +53,28 @@ def encode_header(fingerprint: bytes, rank: int, key: bytes, payload: BytesLike)
     return fields + _CHECKSUM.pack(digest.intdigest())
 
 
-def check(header: BytesLike, payload: BytesLike, fingerprint: bytes, rank: int,
-          key: bytes) -> str | None:
-    """Why ``header + payload`` is not the block ``key`` of ``rank``, or None if it is.
+class PayloadCheck:
+    """Checks a payload against a header piece by piece (``update`` as bytes arrive,
+    ``problem`` at the end), so a reader can hash each piece while it is still in cache."""
 
-    ``payload`` must already have the expected length (the caller sized it from the
-    group); the header's length field must agree with it.
-    """
+    def __init__(self, header: BytesLike) -> None:
+        head = memoryview(header)
+        self._digest = xxhash.xxh3_64(head[: _FIELDS.size])
+        (self._expected,) = _CHECKSUM.unpack(head[_FIELDS.size:])
+
+    def update(self, piece: BytesLike) -> None:
+        self._digest.update(piece)
+
+    def problem(self) -> str | None:
+        if self._digest.intdigest() != self._expected:
+            return "checksum mismatch (corrupt block)"
+        return None
+
+
+def check_header(header: BytesLike, payload_bytes: int, fingerprint: bytes, rank: int,
+                 key: bytes) -> str | None:
+    """Why ``header`` does not announce block ``key`` of ``rank`` with ``payload_bytes`` of
+    payload, or None if it does (the checksum is checked by ``PayloadCheck``)."""
     head = memoryview(header)
     if head.nbytes != HEADER_BYTES:
         return f"header of {head.nbytes} bytes, expected {HEADER_BYTES}"
@@ -75,11 +90,21 @@ def check(header: BytesLike, payload: BytesLike, fingerprint: bytes, rank: int,
         return f"block of rank {got_rank}, expected rank {rank}"
     if key_len > MAX_KEY_BYTES or got_key[:key_len] != key:
         return "block stored under another key"
-    if size != memoryview(payload).nbytes:
-        return f"payload of {size} bytes, expected {memoryview(payload).nbytes}"
-    digest = xxhash.xxh3_64(head[: _FIELDS.size])
-    digest.update(payload)
-    (expected,) = _CHECKSUM.unpack(head[_FIELDS.size:])
-    if digest.intdigest() != expected:
-        return "checksum mismatch (corrupt block)"
+    if size != payload_bytes:
+        return f"payload of {size} bytes, expected {payload_bytes}"
     return None
+
+
+def check(header: BytesLike, payload: BytesLike, fingerprint: bytes, rank: int,
+          key: bytes) -> str | None:
+    """Why ``header + payload`` is not the block ``key`` of ``rank``, or None if it is.
+
+    ``payload`` must already have the expected length (the caller sized it from the
+    group); the header's length field must agree with it.
+    """
+    problem = check_header(header, memoryview(payload).nbytes, fingerprint, rank, key)
+    if problem is not None:
+        return problem
+    verify = PayloadCheck(header)
+    verify.update(payload)
+    return verify.problem()

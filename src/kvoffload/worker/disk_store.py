@@ -23,13 +23,21 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvoffload.tiers.framing import HEADER_BYTES, BytesLike, check, encode_header
+from kvoffload.tiers.framing import (
+    HEADER_BYTES,
+    BytesLike,
+    PayloadCheck,
+    check_header,
+    encode_header,
+)
 from kvoffload.tiers.naming import TMP_SUFFIX, block_path, rank_dir
 from kvoffload.worker.block_store import BlockStore
 
 logger = logging.getLogger(__name__)
 
 _WARN_EVERY_S = 30.0
+_PIECE = 256 << 10
+"""Bytes read per ``preadv`` on load: each piece is hashed while still in cache."""
 
 
 class DiskStore(BlockStore):
@@ -123,11 +131,7 @@ class DiskStore(BlockStore):
             if size != HEADER_BYTES + dest.nbytes:
                 problem = f"{size} bytes, expected {HEADER_BYTES + dest.nbytes} (truncated?)"
             else:
-                header = bytearray(HEADER_BYTES)
-                if _read_all(fd, [memoryview(header), dest]):
-                    problem = check(header, dest, self.fingerprint, self.rank, key)
-                else:
-                    problem = "shorter than its size said (truncated while read)"
+                problem = self._read_verified(fd, key, dest)
         except OSError as exc:
             self._warn("disk tier: cannot read %s (%s)", path, exc)
             return False
@@ -140,6 +144,24 @@ class DiskStore(BlockStore):
             return False
         self._count(reads=1, read_bytes=dest.nbytes)
         return True
+
+    def _read_verified(self, fd: int, key: bytes, dest: memoryview) -> str | None:
+        """Read the header, then the payload into ``dest`` in pieces of ``_PIECE`` bytes,
+        hashing each piece right after it lands (still in cache); why the block is not
+        ``key``'s, or None."""
+        header = bytearray(HEADER_BYTES)
+        if not _read_all(fd, [memoryview(header)]):
+            return "shorter than its size said (truncated while read)"
+        problem = check_header(header, dest.nbytes, self.fingerprint, self.rank, key)
+        if problem is not None:
+            return problem
+        verify = PayloadCheck(header)
+        for start in range(0, dest.nbytes, _PIECE):
+            piece = dest[start:start + _PIECE]
+            if not _read_all(fd, [piece], HEADER_BYTES + start):
+                return "shorter than its size said (truncated while read)"
+            verify.update(piece)
+        return verify.problem()
 
     def _ensure_dir(self, directory: str) -> None:
         with self._made_lock:
@@ -185,10 +207,9 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
                 n = 0
 
 
-def _read_all(fd: int, views: list[memoryview]) -> bool:
-    """``preadv`` from offset 0 until every view is full; False if the file ends first."""
+def _read_all(fd: int, views: list[memoryview], offset: int = 0) -> bool:
+    """``preadv`` from ``offset`` until every view is full; False if the file ends first."""
     views = [v for v in views if v.nbytes]
-    offset = 0
     while views:
         n = os.preadv(fd, views, offset)
         if n == 0:
