@@ -6,6 +6,7 @@ import ctypes
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -23,7 +24,7 @@ from worker_kit import (
     store,
 )
 
-from kvoffload.jobs import Direction, GroupTransfer, TransferJob
+from kvoffload.jobs import Direction, GroupTransfer, StepPlan, TransferJob
 from kvoffload.worker import CpuBackend, TransferWorker
 from kvoffload.worker import cpu as cpu_module
 
@@ -50,7 +51,7 @@ def _check_slots(worker: TransferWorker, cache: CacheSet,
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-@pytest.mark.parametrize("factor", [1, 3])
+@pytest.mark.parametrize("factor", [1, 2, 3, 4])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_round_trip_with_runs_cuts_and_scattered_pages(name: str, factor: int,
                                                        backend: str) -> None:
@@ -140,6 +141,102 @@ def test_pages_are_not_merged_across_segments_padding_or_slots() -> None:
     padded = mamba_raw_padded(20, torch.Generator().manual_seed(3), layers=1)
     worker = make_worker([padded], factor=2, num_slots=8, backend=CpuBackend(copy_threads=1))
     assert len(_pieces(worker, store(0, [3, 4, 5, 6], [1, 2]))) == 4
+    worker.shutdown()
+
+
+def test_scattered_pages_longer_than_a_chunk_are_cut_page_by_page() -> None:
+    # No two consecutive block ids: the one-piece-per-page path, still cut at chunk_bytes.
+    cache = kv_fused_block_major(20, torch.Generator().manual_seed(7), layers=1)
+    worker = make_worker([cache], factor=1, num_slots=8,
+                         backend=CpuBackend(copy_threads=1, chunk_bytes=1000))
+    page = worker.layout.groups[0].page_bytes
+    arena = worker.host_pool.arena.data_ptr()
+    engine = worker.layout.groups[0].segments[0].pages.data_ptr()
+    slot_bytes = worker.host_pool.slot_bytes
+    pieces = _pieces(worker, store(0, [9, 3], [1, 2]))
+    expected = []
+    for block, slot in ((9, 1), (3, 2)):
+        for off in range(0, page, 1000):
+            expected.append((arena + slot * slot_bytes + off, engine + block * page + off,
+                             min(1000, page - off)))
+    assert pieces == expected
+    worker.shutdown()
+
+
+def test_consecutive_blocks_into_scattered_slots_stay_separate_copies() -> None:
+    # Consecutive engine blocks (a candidate run) whose slots do not continue each other.
+    cache = kv_fused_block_major(20, torch.Generator().manual_seed(8), layers=1)
+    worker = make_worker([cache], factor=1, num_slots=8, backend=CpuBackend(copy_threads=1))
+    page = worker.layout.groups[0].page_bytes
+    pieces = _pieces(worker, store(0, [3, 4, 5, 9], [6, 1, 2, 3]))
+    assert [n for _, _, n in pieces] == [page, 2 * page, page]  # 3 | 4-5 | 9
+    worker.shutdown()
+
+
+def test_a_pass_copies_every_piece_of_its_jobs_in_source_address_order() -> None:
+    cache = kv_separate(40, torch.Generator().manual_seed(9), layers=2)
+    worker = make_worker([cache], factor=2, num_slots=20,
+                         backend=CpuBackend(copy_threads=1))
+    backend = worker.backend
+    assert isinstance(backend, CpuBackend)
+    rng = random.Random(9)
+    ids = rng.sample(range(1, 40), 24)
+    slots = rng.sample(range(20), 12)
+    jobs = [store(0, ids[4 * k : 4 * k + 4], slots[2 * k : 2 * k + 2]) for k in range(6)]
+    entries = [cpu_module._Entry(job=j, nbytes=0, pieces=backend._pieces(j)) for j in jobs]
+    per_job = sorted(p for e in entries for p in e.pieces)
+    pieces = backend._pass_pieces(entries)
+    assert sorted(pieces) == per_job
+    assert [src for _, src, _ in pieces] == sorted(src for _, src, _ in pieces)
+    worker.shutdown()
+
+
+class _FirstPassGate(CpuBackend):
+    """Holds the first pass of each direction until ``gate`` is set, so that the jobs
+    submitted meanwhile queue up and are copied together in the next pass."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.gate = threading.Event()
+        self.passes: list[int] = []
+
+    def _copy(self, batch: list[cpu_module._Entry]) -> None:
+        self.passes.append(len(batch))
+        self.gate.wait()
+        super()._copy(batch)
+
+
+@pytest.mark.parametrize("factor", [1, 2, 4])
+def test_jobs_copied_together_in_one_pass_round_trip(factor: int) -> None:
+    """Many small jobs of one pass, sorted together: consecutive blocks of different jobs,
+    partial slots, scattered slots, both directions, two copy threads."""
+    rng = random.Random(factor)
+    num_blocks = 40 * factor
+    cache = kv_separate(num_blocks, torch.Generator().manual_seed(factor), layers=2)
+    backend = _FirstPassGate(copy_threads=2, parallel_bytes=0, chunk_bytes=512)
+    worker = make_worker([cache], factor=factor, num_slots=24, backend=backend)
+    before = {b: cache.block(b).clone() for b in range(1, num_blocks)}
+    slots = rng.sample(range(24), 12)
+    src = list(range(1, 1 + 12 * factor))  # consecutive blocks, split over 6 jobs
+    dst = rng.sample(range(1 + 12 * factor, num_blocks), 12 * factor)
+    per_job = 2 * factor
+
+    def jobs(make: Callable[..., TransferJob], blocks: list[int]) -> list[TransferJob]:
+        return [make(0, blocks[k * per_job : (k + 1) * per_job], slots[2 * k : 2 * k + 2])
+                for k in range(6)]
+
+    stores = jobs(store, src)
+    worker.execute(StepPlan(stores=tuple(stores)))
+    backend.gate.set()
+    worker.wait([j.job_id for j in stores])
+    assert worker.poll().finished == tuple(j.job_id for j in stores)
+    loads = jobs(load, dst)
+    assert run_all(worker, loads).finished == tuple(j.job_id for j in loads)
+    assert max(backend.passes) > 1  # some pass held several jobs
+    for a, b in zip(src, dst, strict=True):
+        assert torch.equal(cache.block(b), before[a]), (a, b)
+    for other in set(range(1, num_blocks)) - set(dst):
+        assert torch.equal(cache.block(other), before[other])
     worker.shutdown()
 
 

@@ -50,6 +50,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import count, pairwise, repeat, starmap
 from operator import itemgetter
+from operator import sub as _minus
+from typing import NamedTuple
 
 import torch
 
@@ -69,9 +71,17 @@ logger = logging.getLogger(__name__)
 Piece = tuple[int, int, int]
 """``(destination address, source address, bytes)``: one ``memmove``."""
 
-_Pages = tuple[Sequence[int], Sequence[int], Sequence[int] | None]
-"""Engine block ids, slot byte offsets (``slot * slot_bytes``) and sub-blocks, per page
-(``None``: every page is sub-block 0, ``block_size_factor`` 1)."""
+class _Pages(NamedTuple):
+    """The pages of one group transfer, in order, checked against the registered memory."""
+
+    block_ids: Sequence[int]
+    slot_offsets: Sequence[int]
+    """``slot * slot_bytes`` of every page."""
+    subs: Sequence[int] | None
+    """Sub-block of every page; ``None``: all 0 (``block_size_factor`` 1)."""
+    consecutive: bool
+    """Some engine block id is its predecessor's plus one (pages may merge)."""
+
 
 _memmove = ctypes.memmove  # releases the GIL while it copies
 _source = itemgetter(1)
@@ -363,7 +373,7 @@ class CpuBackend(TransferBackend):
         block_ids = transfer.block_ids
         slots = transfer.slots
         if not block_ids:
-            return (), [], None
+            return _Pages((), [], None, consecutive=False)
         skip = transfer.first_block_index % factor
         needed = -(-(skip + len(block_ids)) // factor)
         if len(slots) != needed:
@@ -376,23 +386,26 @@ class CpuBackend(TransferBackend):
         if min(slots) < 0 or max(slots) >= self._num_slots:
             raise IndexError(f"group {transfer.group}: slot outside [0, {self._num_slots})")
         slot_bytes = self._slot_bytes
+        consecutive = 1 in map(_minus, block_ids[1:], block_ids)
         if factor == 1:
-            return block_ids, [s * slot_bytes for s in slots], None
+            return _Pages(block_ids, [s * slot_bytes for s in slots], None, consecutive)
         positions = range(skip, skip + len(block_ids))
-        return (block_ids, [slots[p // factor] * slot_bytes for p in positions],
-                [p % factor for p in positions])
+        return _Pages(block_ids, [slots[p // factor] * slot_bytes for p in positions],
+                      [p % factor for p in positions], consecutive)
 
 
 def _segment_pieces(out: list[Piece], seg: _Segment, pages: _Pages, *, store: bool,
                     chunk: int) -> None:
     """Append one segment's copies to ``out``, merging pages contiguous on both sides.
 
-    Addresses are built by list comprehensions and the pages that start a new copy found
-    by one more; when no page continues its predecessor (scattered blocks, the common
-    case) the pieces are zipped straight from the address lists.
+    Addresses are built by list comprehensions. An engine page can only continue its
+    predecessor when rows are dense and the block ids are consecutive; without such a
+    pair (scattered blocks, the common case) the pieces are zipped straight from the
+    address lists, otherwise the pages that start a new copy are found by one more
+    comprehension.
     """
     engine, stride, page, host = seg.engine, seg.stride, seg.page, seg.host
-    block_ids, slot_offsets, subs = pages
+    block_ids, slot_offsets, subs, consecutive = pages
     if not block_ids:
         return
     engine_at = [engine + block_id * stride for block_id in block_ids]
@@ -402,6 +415,13 @@ def _segment_pieces(out: list[Piece], seg: _Segment, pages: _Pages, *, store: bo
         host_at = [host + offset + sub * page
                    for offset, sub in zip(slot_offsets, subs, strict=True)]
     dst, src = (host_at, engine_at) if store else (engine_at, host_at)
+    if not (consecutive and stride == page):
+        if page <= chunk:
+            out.extend(zip(dst, src, repeat(page)))
+        else:
+            for to, frm in zip(dst, src, strict=True):
+                _emit(out, to, frm, page, chunk)
+        return
     starts = [0]
     starts += [i for i, e, prev_e, h, prev_h in zip(count(1), engine_at[1:], engine_at,
                                                      host_at[1:], host_at)
