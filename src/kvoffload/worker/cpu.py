@@ -6,34 +6,33 @@ submission order, so completion is in order per direction and ``submit`` never b
 How bytes move. At ``bind`` every page segment is reduced to four integers: the address of
 its engine block 0, its row stride, its page size, and the arena address of its sub-block 0
 in slot 0. A job then becomes a list of ``(destination, source, bytes)`` pieces, one per
-segment per page, computed with integer arithmetic: no tensor views (creating one costs
-about a microsecond, as long as copying 8 KiB), no per-page cache of views (millions of
-slots). Pages that continue the previous one on both sides (consecutive engine blocks in
-dense rows going to consecutive sub-blocks of a slot, or to consecutive slots when one
-segment fills the slot) are merged into one piece, and pieces longer than ``chunk_bytes``
-are cut so that copy threads can share them. Pieces are copied by ``ctypes.memmove``, which
-releases the GIL while it copies, so ``copy_threads`` threads (the direction thread and
-helpers) copy in parallel and use every core the way one large contiguous ``copy_`` does.
-The direction thread plans every job of a pass, then all threads take pieces from one
-shared iterator (``_SharedPass``), so no thread waits for a slower one. While planning,
-every page is checked against the bounds of the registered tensors and of the arena (block
-ids, slots), and each pass checks that the tensors' storage is still where it was at
-``bind``; a job failing either check fails without touching memory.
+segment per page, computed with integer arithmetic in list comprehensions: no tensor views
+(creating one costs about a microsecond, as long as copying 8 KiB), no per-page cache of
+views (millions of slots). Pages that continue the previous one on both sides (consecutive
+engine blocks in dense rows going to consecutive sub-blocks of a slot, or to consecutive
+slots when one segment fills the slot) are merged into one piece; a job without two
+consecutive engine blocks skips that scan. Pieces longer than ``chunk_bytes`` are cut so
+that copy threads can share them. Planning happens in ``submit``, on the caller's thread,
+and checks every page against the bounds of the registered tensors and of the arena (block
+ids, slots); a job failing it is reported failed without touching memory.
 
 A direction thread copies the jobs already queued behind the one it takes in the same pass
 (up to ``batch_bytes``). Jobs of one direction that are in flight together never write the
 same destination (slots and engine blocks stay owned by a job until it completes), so
-copying them in one pass, in any order, keeps their results; a failing pass is redone job
-by job so the failure is reported for the job that caused it.
+copying them in one pass, in any order, keeps their results; the pieces of a pass are
+copied in ascending source address order, which reads memory front to back instead of in
+the scattered order of block ids. Pieces are copied by ``ctypes.memmove``, which releases
+the GIL while it copies, so ``copy_threads`` threads (the direction thread and helpers)
+copy in parallel, all taking pieces from one shared iterator (``_SharedPass``), so no
+thread waits for a slower one. Each pass first checks that the tensors' storage is still
+where it was at ``bind``; a failing pass is redone job by job so the failure is reported
+for the job that caused it.
 
-Measured (``benchmarks/transfer_bandwidth.py``, worker / contiguous copy of the same bytes,
-2-core VM shared with other work, median of three runs): 16 KiB pages 0.27 -> 0.54, 64 KiB
-0.52 -> 0.73, 256 KiB 0.65 -> 0.80, 1 MiB 0.65 -> 0.88, 4 MiB 0.69 -> 0.89, against the
-previous design (tensor views per page copied by ``torch._foreach_copy_``: about 3 us of
-GIL-held Python per page to build views, plus about 0.65 us of torch per-tensor overhead).
-What is left at 64 KiB: scattered pages copy about 10% slower than one contiguous range even
-with bare ``memmove`` (no Python); planning about 0.15 us per page plus about 0.35 us per
-``memmove`` call; and the worker's per-job validation on the calling thread.
+Where the time goes at 64 KiB pages (2-core VM): about 0.45 us of planning and 0.15 us of
+the worker's validation per page, on the caller's thread; about 0.3 us per ``memmove``
+call; and scattered pages copy 10-20% slower than one contiguous range even with bare
+``memmove`` and no Python at all (measured in thread CPU time; sorting the pass by source
+address recovers a few percent of it).
 """
 
 from __future__ import annotations
@@ -333,7 +332,8 @@ class CpuBackend(TransferBackend):
 
         Jobs of one pass never write each other's destinations, so any order keeps their
         results; reading memory in address order, rather than in the scattered order of
-        block ids, copies 64 KiB pages 15-25% faster (prefetchers and TLB follow along).
+        block ids, costs a few percent less CPU time per page. The pieces lists of the
+        batch's entries are consumed (a single entry's list is sorted in place).
         """
         if len(batch) == 1:
             pieces = batch[0].pieces
