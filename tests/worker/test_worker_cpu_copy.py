@@ -173,7 +173,10 @@ def test_consecutive_blocks_into_scattered_slots_stay_separate_copies() -> None:
     worker.shutdown()
 
 
-def test_a_pass_copies_every_piece_of_its_jobs_in_source_address_order() -> None:
+@pytest.mark.parametrize("sorted_from", [0, 1 << 40])
+def test_a_pass_copies_every_piece_of_its_jobs_in_source_address_order_if_large(
+        sorted_from: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_module, "_SORTED_PIECE_BYTES", sorted_from)
     cache = kv_separate(40, torch.Generator().manual_seed(9), layers=2)
     worker = make_worker([cache], factor=2, num_slots=20,
                          backend=CpuBackend(copy_threads=1))
@@ -183,11 +186,16 @@ def test_a_pass_copies_every_piece_of_its_jobs_in_source_address_order() -> None
     ids = rng.sample(range(1, 40), 24)
     slots = rng.sample(range(20), 12)
     jobs = [store(0, ids[4 * k : 4 * k + 4], slots[2 * k : 2 * k + 2]) for k in range(6)]
-    entries = [cpu_module._Entry(job=j, nbytes=0, pieces=backend._pieces(j)) for j in jobs]
-    per_job = sorted(p for e in entries for p in e.pieces)
+    page = worker.layout.groups[0].page_bytes
+    entries = [cpu_module._Entry(job=j, nbytes=4 * page, pieces=backend._pieces(j))
+               for j in jobs]
+    in_job_order = [p for e in entries for p in e.pieces]
     pieces = backend._pass_pieces(entries)
-    assert sorted(pieces) == per_job
-    assert [src for _, src, _ in pieces] == sorted(src for _, src, _ in pieces)
+    if sorted_from:  # small pieces: kept in job order
+        assert pieces == in_job_order
+    else:
+        assert sorted(pieces) == sorted(in_job_order)
+        assert [src for _, src, _ in pieces] == sorted(src for _, src, _ in pieces)
     worker.shutdown()
 
 
@@ -207,9 +215,11 @@ class _FirstPassGate(CpuBackend):
 
 
 @pytest.mark.parametrize("factor", [1, 2, 4])
-def test_jobs_copied_together_in_one_pass_round_trip(factor: int) -> None:
+def test_jobs_copied_together_in_one_pass_round_trip(factor: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Many small jobs of one pass, sorted together: consecutive blocks of different jobs,
     partial slots, scattered slots, both directions, two copy threads."""
+    monkeypatch.setattr(cpu_module, "_SORTED_PIECE_BYTES", 0)  # sort even small pages
     rng = random.Random(factor)
     num_blocks = 40 * factor
     cache = kv_separate(num_blocks, torch.Generator().manual_seed(factor), layers=2)
