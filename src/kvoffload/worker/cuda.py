@@ -168,14 +168,23 @@ def _stage_segment(stage: torch.Tensor, glayout: GroupLayout, segment: int,
 
 
 def _slot_parts(copy: GroupCopy) -> list[_SlotPart]:
-    """The slots a group transfer touches, in order, with their sub-block ranges."""
+    """The slots a group transfer touches, in order, with their sub-block ranges.
+
+    Consecutive pages naming the same slot form one part (a slot's sub-blocks are
+    consecutive positions of the transfer); one ``_SlotPart`` is built per part.
+    """
     parts: list[_SlotPart] = []
-    for _, slot, sub in copy.pairs:
-        if parts and parts[-1].slot == slot:
-            last = parts[-1]
-            parts[-1] = _SlotPart(slot, last.position, last.first, sub + 1)
-        else:
-            parts.append(_SlotPart(slot, len(parts), sub, sub + 1))
+    slot: int | None = None
+    first = end = 0
+    for _, page_slot, sub in copy.pairs:
+        if page_slot == slot:
+            end = sub + 1
+            continue
+        if slot is not None:
+            parts.append(_SlotPart(slot, len(parts), first, end))
+        slot, first, end = page_slot, sub, sub + 1
+    if slot is not None:
+        parts.append(_SlotPart(slot, len(parts), first, end))
     return parts
 
 
