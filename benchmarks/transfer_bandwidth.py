@@ -81,6 +81,8 @@ class Row:
     store_ratio_q: tuple[float, float]
     """First and third quartile of the per-repetition store ratios."""
     load_ratio_q: tuple[float, float]
+    arena_pinned: bool
+    """Whether the host arena (both copies' host side) is page-locked."""
 
     def as_json(self) -> dict[str, object]:
         return asdict(self)
@@ -137,6 +139,7 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device) -
     # ``share`` bytes to (from) consecutive arena bytes.
     share = num * args.factor * page
     arena_flat = worker.host_pool.arena.view(-1)  # host bytes
+    pinned = worker.host_pool.pinned
     pairs = [(arena_flat[i * share : (i + 1) * share], t.view(-1)[:share])
              for i, t in enumerate(cache)]
 
@@ -201,7 +204,7 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device) -
                load_gbps=gbps(load_t), load_ref_gbps=gbps(base_load_t),
                store_ratio=ratio(store_t, base_store_t), load_ratio=ratio(load_t, base_load_t),
                store_ratio_q=quartiles(store_t, base_store_t),
-               load_ratio_q=quartiles(load_t, base_load_t))
+               load_ratio_q=quartiles(load_t, base_load_t), arena_pinned=pinned)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                           "rows": [r.as_json() for r in rows]}, indent=1))
         return 0
     copies = f" copy threads={copy_threads}" if args.device == "cpu" else ""
+    arena = "pinned host arena" if rows and rows[0].arena_pinned else "host arena"
+    print(f"ratio = worker throughput / one contiguous copy_ of the same bytes between the "
+          f"{args.device} engine cache and the {arena}")
     print(f"device={args.device} segments/block={args.segments} factor={args.factor} "
           f"torch threads={torch.get_num_threads()}{copies} "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} gap={args.gap_ms:g}ms "

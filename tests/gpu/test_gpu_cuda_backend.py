@@ -38,7 +38,8 @@ def test_cuda_round_trip(name: str, factor: int) -> None:
     assert isinstance(worker.backend, CudaBackend)
     assert worker.host_pool.pinned and worker.host_pool.arena.is_pinned()
     before = {b: cache.block(b).clone() for b in range(1, 40)}
-    n = 3 * factor - 1  # partial first slot
+    # Three slots from logical index 1: the first one partly (factor 1 has no partial slot).
+    n = 3 * factor - 1 if factor > 1 else 3
     src, dst = list(range(1, 1 + n)), list(range(39, 39 - n, -1))
     s = store(0, src, [4, 5, 1], first_block_index=1)
     assert run_all(worker, [s]).finished == (s.job_id,)

@@ -6,10 +6,13 @@ import ctypes
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from worker_kit import (
     LAYOUTS,
     CacheSet,
@@ -23,7 +26,7 @@ from worker_kit import (
     store,
 )
 
-from kvoffload.jobs import Direction, GroupTransfer, TransferJob
+from kvoffload.jobs import Direction, GroupTransfer, StepPlan, TransferJob
 from kvoffload.worker import CpuBackend, TransferWorker
 from kvoffload.worker import cpu as cpu_module
 
@@ -50,7 +53,7 @@ def _check_slots(worker: TransferWorker, cache: CacheSet,
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-@pytest.mark.parametrize("factor", [1, 3])
+@pytest.mark.parametrize("factor", [1, 2, 3, 4])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_round_trip_with_runs_cuts_and_scattered_pages(name: str, factor: int,
                                                        backend: str) -> None:
@@ -140,6 +143,112 @@ def test_pages_are_not_merged_across_segments_padding_or_slots() -> None:
     padded = mamba_raw_padded(20, torch.Generator().manual_seed(3), layers=1)
     worker = make_worker([padded], factor=2, num_slots=8, backend=CpuBackend(copy_threads=1))
     assert len(_pieces(worker, store(0, [3, 4, 5, 6], [1, 2]))) == 4
+    worker.shutdown()
+
+
+def test_scattered_pages_longer_than_a_chunk_are_cut_page_by_page() -> None:
+    # No two consecutive block ids: the one-piece-per-page path, still cut at chunk_bytes.
+    cache = kv_fused_block_major(20, torch.Generator().manual_seed(7), layers=1)
+    worker = make_worker([cache], factor=1, num_slots=8,
+                         backend=CpuBackend(copy_threads=1, chunk_bytes=1000))
+    page = worker.layout.groups[0].page_bytes
+    arena = worker.host_pool.arena.data_ptr()
+    engine = worker.layout.groups[0].segments[0].pages.data_ptr()
+    slot_bytes = worker.host_pool.slot_bytes
+    pieces = _pieces(worker, store(0, [9, 3], [1, 2]))
+    expected = []
+    for block, slot in ((9, 1), (3, 2)):
+        for off in range(0, page, 1000):
+            expected.append((arena + slot * slot_bytes + off, engine + block * page + off,
+                             min(1000, page - off)))
+    assert pieces == expected
+    worker.shutdown()
+
+
+def test_consecutive_blocks_into_scattered_slots_stay_separate_copies() -> None:
+    # Consecutive engine blocks (a candidate run) whose slots do not continue each other.
+    cache = kv_fused_block_major(20, torch.Generator().manual_seed(8), layers=1)
+    worker = make_worker([cache], factor=1, num_slots=8, backend=CpuBackend(copy_threads=1))
+    page = worker.layout.groups[0].page_bytes
+    pieces = _pieces(worker, store(0, [3, 4, 5, 9], [6, 1, 2, 3]))
+    assert [n for _, _, n in pieces] == [page, 2 * page, page]  # 3 | 4-5 | 9
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("sorted_from", [0, 1 << 40])
+def test_a_pass_copies_every_piece_of_its_jobs_in_source_address_order_if_large(
+        sorted_from: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_module, "_SORTED_PIECE_BYTES", sorted_from)
+    cache = kv_separate(40, torch.Generator().manual_seed(9), layers=2)
+    worker = make_worker([cache], factor=2, num_slots=20,
+                         backend=CpuBackend(copy_threads=1))
+    backend = worker.backend
+    assert isinstance(backend, CpuBackend)
+    rng = random.Random(9)
+    ids = rng.sample(range(1, 40), 24)
+    slots = rng.sample(range(20), 12)
+    jobs = [store(0, ids[4 * k : 4 * k + 4], slots[2 * k : 2 * k + 2]) for k in range(6)]
+    page = worker.layout.groups[0].page_bytes
+    entries = [cpu_module._Entry(job=j, nbytes=4 * page, pieces=backend._pieces(j))
+               for j in jobs]
+    in_job_order = [p for e in entries for p in e.pieces]
+    pieces = backend._pass_pieces(entries)
+    if sorted_from:  # small pieces: kept in job order
+        assert pieces == in_job_order
+    else:
+        assert sorted(pieces) == sorted(in_job_order)
+        assert [src for _, src, _ in pieces] == sorted(src for _, src, _ in pieces)
+    worker.shutdown()
+
+
+class _FirstPassGate(CpuBackend):
+    """Holds the first pass of each direction until ``gate`` is set, so that the jobs
+    submitted meanwhile queue up and are copied together in the next pass."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.gate = threading.Event()
+        self.passes: list[int] = []
+
+    def _copy(self, batch: list[cpu_module._Entry]) -> None:
+        self.passes.append(len(batch))
+        self.gate.wait()
+        super()._copy(batch)
+
+
+@pytest.mark.parametrize("factor", [1, 2, 4])
+def test_jobs_copied_together_in_one_pass_round_trip(factor: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many small jobs of one pass, sorted together: consecutive blocks of different jobs,
+    partial slots, scattered slots, both directions, two copy threads."""
+    monkeypatch.setattr(cpu_module, "_SORTED_PIECE_BYTES", 0)  # sort even small pages
+    rng = random.Random(factor)
+    num_blocks = 40 * factor
+    cache = kv_separate(num_blocks, torch.Generator().manual_seed(factor), layers=2)
+    backend = _FirstPassGate(copy_threads=2, parallel_bytes=0, chunk_bytes=512)
+    worker = make_worker([cache], factor=factor, num_slots=24, backend=backend)
+    before = {b: cache.block(b).clone() for b in range(1, num_blocks)}
+    slots = rng.sample(range(24), 12)
+    src = list(range(1, 1 + 12 * factor))  # consecutive blocks, split over 6 jobs
+    dst = rng.sample(range(1 + 12 * factor, num_blocks), 12 * factor)
+    per_job = 2 * factor
+
+    def jobs(make: Callable[..., TransferJob], blocks: list[int]) -> list[TransferJob]:
+        return [make(0, blocks[k * per_job : (k + 1) * per_job], slots[2 * k : 2 * k + 2])
+                for k in range(6)]
+
+    stores = jobs(store, src)
+    worker.execute(StepPlan(stores=tuple(stores)))
+    backend.gate.set()
+    worker.wait([j.job_id for j in stores])
+    assert worker.poll().finished == tuple(j.job_id for j in stores)
+    loads = jobs(load, dst)
+    assert run_all(worker, loads).finished == tuple(j.job_id for j in loads)
+    assert max(backend.passes) > 1  # some pass held several jobs
+    for a, b in zip(src, dst, strict=True):
+        assert torch.equal(cache.block(b), before[a]), (a, b)
+    for other in set(range(1, num_blocks)) - set(dst):
+        assert torch.equal(cache.block(other), before[other])
     worker.shutdown()
 
 
@@ -262,3 +371,66 @@ def test_bad_arguments() -> None:
         CpuBackend(copy_threads=0)
     with pytest.raises(ValueError, match="chunk_bytes"):
         CpuBackend(chunk_bytes=0)
+
+
+def _reference_pieces(worker: TransferWorker, job: TransferJob,
+                      chunk: int) -> list[tuple[int, int, int]]:
+    """The copies of ``job`` worked out page by page from the slot layout: one piece per
+    segment per page, merged while both sides continue, then cut at ``chunk`` bytes."""
+    layout, pool = worker.layout, worker.host_pool
+    arena = pool.arena.data_ptr()
+    out: list[tuple[int, int, int]] = []
+    for transfer in job.groups:
+        glayout = layout.groups[transfer.group]
+        for index, seg in enumerate(glayout.segments):
+            runs: list[list[int]] = []  # [dst, src, bytes]
+            for block_id, slot, sub in transfer.pairs(layout.factor):
+                engine = seg.pages.data_ptr() + block_id * seg.row_stride
+                host = arena + slot * pool.slot_bytes + glayout.host_offset(index, sub)
+                dst, src = (host, engine) if job.direction is Direction.STORE \
+                    else (engine, host)
+                if runs and runs[-1][0] + runs[-1][2] == dst and \
+                        runs[-1][1] + runs[-1][2] == src:
+                    runs[-1][2] += seg.page_bytes
+                else:
+                    runs.append([dst, src, seg.page_bytes])
+            for dst, src, n in runs:
+                out.extend((dst + off, src + off, min(chunk, n - off))
+                           for off in range(0, n, chunk))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), factor=st.integers(1, 4), layout=st.sampled_from(sorted(LAYOUTS)),
+       direction=st.sampled_from([Direction.STORE, Direction.LOAD]),
+       chunk=st.sampled_from([100, 1000, 1 << 18]))
+def test_planned_pieces_match_the_page_by_page_reference(
+        data: st.DataObject, factor: int, layout: str, direction: Direction,
+        chunk: int) -> None:
+    """Runs of consecutive blocks (merged or not), scattered blocks, partial first and
+    last slots, consecutive and scattered slots, padded rows, K/V planes, Mamba states,
+    pages longer than a chunk: the planner's pieces are exactly the reference's."""
+    num_blocks, num_slots = 30, 8
+    cache = LAYOUTS[layout](num_blocks, torch.Generator().manual_seed(factor))
+    worker = make_worker([cache], factor=factor, num_slots=num_slots,
+                         backend=CpuBackend(copy_threads=1, chunk_bytes=chunk))
+    try:
+        skip = data.draw(st.integers(0, factor - 1), "skip")
+        n = data.draw(st.integers(1, 3 * factor - skip), "blocks")
+        need = -(-(skip + n) // factor)
+        if data.draw(st.booleans(), "consecutive blocks"):
+            start = data.draw(st.integers(1, num_blocks - n), "first block")
+            ids = list(range(start, start + n))
+        else:
+            ids = data.draw(st.permutations(range(1, num_blocks)), "ids")[:n]
+        if data.draw(st.booleans(), "consecutive slots"):
+            first = data.draw(st.integers(0, num_slots - need), "first slot")
+            slots = list(range(first, first + need))
+        else:
+            slots = data.draw(st.permutations(range(num_slots)), "slots")[:need]
+        first_index = skip + factor * data.draw(st.integers(0, 3), "offloaded block")
+        make = store if direction is Direction.STORE else load
+        job = make(0, ids, slots, first_block_index=first_index)
+        assert _pieces(worker, job) == _reference_pieces(worker, job, chunk)
+    finally:
+        worker.shutdown()

@@ -8,6 +8,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from worker_kit import (
     CacheSet,
     kv_separate,
@@ -327,4 +329,60 @@ def test_a_failure_inside_a_batch_fails_only_its_own_job(kind: str) -> None:
     for i, job in enumerate(jobs):
         if job.job_id != bad:
             assert torch.equal(worker.host_pool.slot_view(i, 0), cache.block(1 + i))
+    worker.shutdown()
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), factor=st.integers(1, 4),
+       direction=st.sampled_from([Direction.STORE, Direction.LOAD]))
+def test_the_fast_validation_agrees_with_the_exact_one(data: st.DataObject, factor: int,
+                                                       direction: Direction) -> None:
+    """Jobs near the edges (null, out-of-range and repeated blocks or slots, wrong slot
+    counts, a slot split over two transfers, unknown groups): ``_check`` accepts exactly
+    the jobs the page-by-page check accepts, and names the same problem."""
+    worker = _validation_worker(factor)
+    groups = worker.layout.groups
+    transfers = []
+    for _ in range(data.draw(st.integers(1, 3), "transfers")):
+        group = data.draw(st.integers(0, 2), "group")  # 2 is not registered
+        num_blocks = groups[group].num_blocks if group in groups else 16
+        first = data.draw(st.integers(0, 2 * factor), "first block index")
+        n = data.draw(st.integers(0, 2 * factor + 1), "blocks")
+        ids = data.draw(st.lists(st.integers(-1, num_blocks), min_size=n, max_size=n), "ids")
+        need = -(-(first % factor + n) // factor)
+        count = data.draw(st.sampled_from([need, need, need, max(0, need - 1), need + 1]))
+        slots = data.draw(st.lists(st.integers(-1, 8), min_size=count, max_size=count),
+                          "slots")
+        transfers.append(GroupTransfer(group, tuple(ids), first, tuple(slots)))
+    job = TransferJob(next_job_id(), direction, "r", tuple(transfers))
+    assert worker._check(job, direction) == worker._find_problem(job)
+
+
+_VALIDATION_WORKERS: dict[int, TransferWorker] = {}
+
+
+def _validation_worker(factor: int) -> TransferWorker:
+    """One registered worker per factor (validation never copies), shared by examples."""
+    if factor not in _VALIDATION_WORKERS:
+        caches = [_cache(), mamba_states(12, torch.Generator().manual_seed(9), layers=1)]
+        worker = make_worker(caches, factor=factor, num_slots=8)
+        worker.shutdown()
+        _VALIDATION_WORKERS[factor] = worker
+    return _VALIDATION_WORKERS[factor]
+
+
+def test_a_slot_shared_by_two_partial_transfers_of_one_group_is_accepted() -> None:
+    """Sub-blocks 0-1 and 2-3 of slot 5 named by two transfers of one store: the fast check
+    does not clear it (slot 5 named twice), the exact one accepts it, and it round-trips."""
+    cache = _cache(num_blocks=16)
+    worker = make_worker([cache], factor=4, num_slots=8)
+    job = TransferJob(next_job_id(), Direction.STORE, "r", (
+        GroupTransfer(0, (3, 4), 0, (5,)), GroupTransfer(0, (7, 8), 2, (5,))))
+    assert not worker._plainly_valid(job)
+    assert worker._check(job, Direction.STORE) is None
+    assert run_all(worker, [job]).finished == (job.job_id,)
+    back = load(0, [10, 11, 12, 13], [5])
+    assert run_all(worker, [back]).finished == (back.job_id,)
+    for a, b in zip((3, 4, 7, 8), (10, 11, 12, 13), strict=True):
+        assert torch.equal(cache.block(a), cache.block(b))
     worker.shutdown()

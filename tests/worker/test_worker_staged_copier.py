@@ -29,7 +29,7 @@ def _setup(caches: list[CacheSet], factor: int, slots: int) -> tuple[StagedCopie
     return StagedCopier(layout, pool), pool
 
 
-@pytest.mark.parametrize("factor", [1, 3])
+@pytest.mark.parametrize("factor", [1, 2, 3, 4])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_staged_round_trip_with_merged_and_partial_slots(name: str, factor: int) -> None:
     cache = LAYOUTS[name](30, torch.Generator().manual_seed(factor))

@@ -27,7 +27,6 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from kvoffload.jobs import Direction, JobId, TransferJob, TransferStats
 from kvoffload.worker.host_pool import HostPool
@@ -86,16 +85,6 @@ class TransferBackend(ABC):
         """Finish in-flight work and release resources; idempotent."""
 
 
-class Run(NamedTuple):
-    """``length`` engine blocks ``block_id, block_id+1, ...`` <-> sub-blocks
-    ``sub_block, sub_block+1, ...`` of one slot: one contiguous page range per segment."""
-
-    block_id: int
-    slot: int
-    sub_block: int
-    length: int
-
-
 @dataclass(frozen=True)
 class GroupCopy:
     """One ``GroupTransfer`` resolved against its group's layout."""
@@ -103,37 +92,19 @@ class GroupCopy:
     layout: GroupLayout
     pairs: tuple[tuple[int, int, int], ...]
     """``(engine block id, slot, sub-block)`` for every engine block, in order."""
-    runs: tuple[Run, ...]
 
     @property
     def nbytes(self) -> int:
         return len(self.pairs) * self.layout.page_bytes
 
 
-def coalesce(pairs: Iterable[tuple[int, int, int]]) -> list[Run]:
-    """Merge consecutive pairs whose engine blocks and sub-blocks both advance by one."""
-    runs: list[Run] = []
-    cur: Run | None = None
-    for block_id, slot, sub in pairs:
-        if (cur is not None and slot == cur.slot and block_id == cur.block_id + cur.length
-                and sub == cur.sub_block + cur.length):
-            cur = Run(cur.block_id, cur.slot, cur.sub_block, cur.length + 1)
-            continue
-        if cur is not None:
-            runs.append(cur)
-        cur = Run(block_id, slot, sub, 1)
-    if cur is not None:
-        runs.append(cur)
-    return runs
-
-
 def plan_job(job: TransferJob, layout: CacheLayout) -> list[GroupCopy]:
-    """Resolve every group of a (validated) job into page pairs and contiguous runs."""
+    """Resolve every group of a (validated) job into its page pairs."""
     out = []
     for transfer in job.groups:
         group = layout.groups[transfer.group]
         pairs = tuple(transfer.pairs(layout.factor))
-        out.append(GroupCopy(layout=group, pairs=pairs, runs=tuple(coalesce(pairs))))
+        out.append(GroupCopy(layout=group, pairs=pairs))
     return out
 
 

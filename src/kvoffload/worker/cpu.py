@@ -6,34 +6,38 @@ submission order, so completion is in order per direction and ``submit`` never b
 How bytes move. At ``bind`` every page segment is reduced to four integers: the address of
 its engine block 0, its row stride, its page size, and the arena address of its sub-block 0
 in slot 0. A job then becomes a list of ``(destination, source, bytes)`` pieces, one per
-segment per page, computed with integer arithmetic: no tensor views (creating one costs
-about a microsecond, as long as copying 8 KiB), no per-page cache of views (millions of
-slots). Pages that continue the previous one on both sides (consecutive engine blocks in
-dense rows going to consecutive sub-blocks of a slot, or to consecutive slots when one
-segment fills the slot) are merged into one piece, and pieces longer than ``chunk_bytes``
-are cut so that copy threads can share them. Pieces are copied by ``ctypes.memmove``, which
-releases the GIL while it copies, so ``copy_threads`` threads (the direction thread and
-helpers) copy in parallel and use every core the way one large contiguous ``copy_`` does.
-The direction thread plans every job of a pass, then all threads take pieces from one
-shared iterator (``_SharedPass``), so no thread waits for a slower one. While planning,
-every page is checked against the bounds of the registered tensors and of the arena (block
-ids, slots), and each pass checks that the tensors' storage is still where it was at
-``bind``; a job failing either check fails without touching memory.
+segment per page, computed with integer arithmetic in list comprehensions: no tensor views
+(creating one costs about a microsecond, as long as copying 8 KiB), no per-page cache of
+views (millions of slots). Pages that continue the previous one on both sides (consecutive
+engine blocks in dense rows going to consecutive sub-blocks of a slot, or to consecutive
+slots when one segment fills the slot) are merged into one piece; a job without two
+consecutive engine blocks skips that scan. Pieces longer than ``chunk_bytes`` are cut so
+that copy threads can share them. Planning happens in ``submit``, on the caller's thread,
+and checks every page against the bounds of the registered tensors and of the arena (block
+ids, slots); a job failing it is reported failed without touching memory.
 
 A direction thread copies the jobs already queued behind the one it takes in the same pass
 (up to ``batch_bytes``). Jobs of one direction that are in flight together never write the
 same destination (slots and engine blocks stay owned by a job until it completes), so
-copying them in one pass, in any order, keeps their results; a failing pass is redone job
+copying them in one pass, in any order, keeps their results; the pieces of a pass of
+large pages are copied in ascending source address order, which reads memory front to
+back instead of in the scattered order of block ids. Pieces are copied by
+``ctypes.memmove``, which releases the GIL while it copies, so ``copy_threads`` threads
+(the direction thread and helpers) copy in parallel, all taking pieces from one shared
+iterator (``_SharedPass``), so no thread waits for a slower one. Each pass first checks
+that the tensors' storage is still where it was at ``bind``; a failing pass is redone job
 by job so the failure is reported for the job that caused it.
 
-Measured (``benchmarks/transfer_bandwidth.py``, worker / contiguous copy of the same bytes,
-2-core VM shared with other work, median of three runs): 16 KiB pages 0.27 -> 0.54, 64 KiB
-0.52 -> 0.73, 256 KiB 0.65 -> 0.80, 1 MiB 0.65 -> 0.88, 4 MiB 0.69 -> 0.89, against the
-previous design (tensor views per page copied by ``torch._foreach_copy_``: about 3 us of
-GIL-held Python per page to build views, plus about 0.65 us of torch per-tensor overhead).
-What is left at 64 KiB: scattered pages copy about 10% slower than one contiguous range even
-with bare ``memmove`` (no Python); planning about 0.15 us per page plus about 0.35 us per
-``memmove`` call; and the worker's per-job validation on the calling thread.
+Where the time goes, at 64 KiB pages (64 MiB in 64 jobs of 16 scattered pages, one copy
+thread, thread CPU time on a 2-core VM): the caller's ``submit`` about 0.9 ms (0.15 us of
+the worker's validation and 0.45 us of planning per page, the rest per job), the copy
+thread about 12.9 ms; one contiguous ``memmove`` of the same bytes takes about 10.5 ms and
+torch's single-thread ``copy_`` about 10.9 ms, and the same scattered pages copied by bare
+``memmove`` calls in address order, with no other Python, already take about 12.3 ms
+(0.3 us of it per call): scattered pages cost 10-20% more than one contiguous range
+whatever drives the copies. Torch index ops (``index_select`` into
+a staging buffer then ``index_copy_``/``index_put_``) were measured slower than
+``memmove`` for these pages: their scatter kernels copy element by element.
 """
 
 from __future__ import annotations
@@ -47,8 +51,11 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from itertools import starmap
+from dataclasses import dataclass, field
+from itertools import count, pairwise, repeat, starmap
+from operator import itemgetter
+from operator import sub as _minus
+from typing import NamedTuple
 
 import torch
 
@@ -68,10 +75,23 @@ logger = logging.getLogger(__name__)
 Piece = tuple[int, int, int]
 """``(destination address, source address, bytes)``: one ``memmove``."""
 
-_Pages = tuple[Sequence[int], Sequence[int], Sequence[int]]
-"""Engine block ids, slot byte offsets (``slot * slot_bytes``) and sub-blocks, per page."""
+class _Pages(NamedTuple):
+    """The pages of one group transfer, in order, checked against the registered memory."""
+
+    block_ids: Sequence[int]
+    slot_offsets: Sequence[int]
+    """``slot * slot_bytes`` of every page."""
+    subs: Sequence[int] | None
+    """Sub-block of every page; ``None``: all 0 (``block_size_factor`` 1)."""
+    consecutive: bool
+    """Some engine block id is its predecessor's plus one (pages may merge)."""
+
 
 _memmove = ctypes.memmove  # releases the GIL while it copies
+_source = itemgetter(1)
+"""Sort key of a ``Piece``: its source address."""
+_SORTED_PIECE_BYTES = 32 << 10
+"""Passes whose pieces average at least this many bytes are copied in address order."""
 
 
 @dataclass
@@ -83,6 +103,8 @@ class _Entry:
     ok: bool = False
     inject: bool = False
     seconds: float = 0.0
+    pieces: list[Piece] = field(default_factory=list)
+    """The job's copies, planned at submit; released once the job is done."""
 
 
 @dataclass(frozen=True)
@@ -189,12 +211,22 @@ class CpuBackend(TransferBackend):
         page_bytes = self._page_bytes
         entry = _Entry(job=job, nbytes=sum(len(t.block_ids) * page_bytes[t.group]
                                            for t in job.groups))
+        # Planned here, on the caller's thread, which would otherwise soon wait: the copy
+        # threads then go from one pass to the next without a planning pause (planning
+        # holds the GIL, so it cannot overlap their copies anyway).
+        try:
+            entry.pieces = self._pieces(job)
+        except Exception:
+            logger.warning("%s job %s cannot be copied; reporting it failed",
+                           job.direction.value, job.job_id, exc_info=True)
+            entry.done = True
         with self._lock:
             if job.job_id in self._in_flight:
                 raise RuntimeError(f"job {job.job_id} is already in flight")
             self._in_flight[job.job_id] = entry
             self._fifo[job.direction].append(entry)
-        self._queues[job.direction].put(entry)
+        if not entry.done:
+            self._queues[job.direction].put(entry)
 
     def poll(self) -> tuple[list[JobId], list[JobId]]:
         finished: list[JobId] = []
@@ -283,23 +315,41 @@ class CpuBackend(TransferBackend):
                 for entry in batch:
                     entry.seconds = seconds * (entry.nbytes or 1) / total
                     entry.done = True
+                    entry.pieces = []
                 self._done.notify_all()
 
     def _copy(self, batch: list[_Entry]) -> None:
         """Copy every job of ``batch``; raise if any copy fails (or a fault is injected)."""
         self._check_storage({t.group for e in batch for t in e.job.groups})
         if any(e.inject for e in batch):
-            pieces = [p for entry in batch for p in self._pieces(entry.job)]
+            pieces = [p for entry in batch for p in entry.pieces]
             # Fail midway, like a real fault: half the pages are already written.
             _drain(iter(pieces[: len(pieces) // 2]))
             ids = [e.job.job_id for e in batch if e.inject]
             raise InjectedFaultError(f"injected fault in {batch[0].job.direction.value} "
                                      f"job(s) {ids}")
-        pieces = [p for entry in batch for p in self._pieces(entry.job)]
+        pieces = self._pass_pieces(batch)
         helpers = 0
         if self._helpers is not None and sum(e.nbytes for e in batch) >= self.parallel_bytes:
             helpers = min(self.copy_threads, len(pieces)) - 1
         _SharedPass(pieces).run(self._helpers, helpers)
+
+    def _pass_pieces(self, batch: list[_Entry]) -> list[Piece]:
+        """Every copy of the pass; in ascending source address order when pieces are large.
+
+        Jobs of one pass never write each other's destinations, so any order keeps their
+        results. Reading memory in address order, rather than in the scattered order of
+        block ids, saves a few percent of copy time when pieces average
+        ``_SORTED_PIECE_BYTES`` or more; below that, sorting (about 0.1 us per piece)
+        costs more than it saves. A single entry's list is sorted in place.
+        """
+        if len(batch) == 1:
+            pieces = batch[0].pieces
+        else:
+            pieces = [p for entry in batch for p in entry.pieces]
+        if sum(e.nbytes for e in batch) >= _SORTED_PIECE_BYTES * len(pieces):
+            pieces.sort(key=_source)
+        return pieces
 
     def _check_storage(self, groups: Iterable[int]) -> None:
         """Raise if the storage of the arena or of a tensor of ``groups`` moved since
@@ -332,7 +382,7 @@ class CpuBackend(TransferBackend):
         block_ids = transfer.block_ids
         slots = transfer.slots
         if not block_ids:
-            return (), [], []
+            return _Pages((), [], None, consecutive=False)
         skip = transfer.first_block_index % factor
         needed = -(-(skip + len(block_ids)) // factor)
         if len(slots) != needed:
@@ -345,34 +395,56 @@ class CpuBackend(TransferBackend):
         if min(slots) < 0 or max(slots) >= self._num_slots:
             raise IndexError(f"group {transfer.group}: slot outside [0, {self._num_slots})")
         slot_bytes = self._slot_bytes
+        consecutive = 1 in map(_minus, block_ids[1:], block_ids)
         if factor == 1:
-            return block_ids, [s * slot_bytes for s in slots], [0] * len(block_ids)
+            return _Pages(block_ids, [s * slot_bytes for s in slots], None, consecutive)
         positions = range(skip, skip + len(block_ids))
-        return (block_ids, [slots[p // factor] * slot_bytes for p in positions],
-                [p % factor for p in positions])
+        return _Pages(block_ids, [slots[p // factor] * slot_bytes for p in positions],
+                      [p % factor for p in positions], consecutive)
 
 
 def _segment_pieces(out: list[Piece], seg: _Segment, pages: _Pages, *, store: bool,
                     chunk: int) -> None:
-    """Append one segment's copies to ``out``, merging pages contiguous on both sides."""
+    """Append one segment's copies to ``out``, merging pages contiguous on both sides.
+
+    Addresses are built by list comprehensions. An engine page can only continue its
+    predecessor when rows are dense and the block ids are consecutive; without such a
+    pair (scattered blocks, the common case) the pieces are zipped straight from the
+    address lists, otherwise the pages that start a new copy are found by one more
+    comprehension.
+    """
     engine, stride, page, host = seg.engine, seg.stride, seg.page, seg.host
-    block_ids, slot_offsets, subs = pages
-    e0 = h0 = n = 0
-    for block_id, slot_offset, sub in zip(block_ids, slot_offsets, subs, strict=True):
-        e = engine + block_id * stride
-        h = host + slot_offset + sub * page
-        if n and e == e0 + n and h == h0 + n:
-            n += page
-            continue
-        if n:
-            _emit(out, h0, e0, n, chunk=chunk, store=store)
-        e0, h0, n = e, h, page
-    if n:
-        _emit(out, h0, e0, n, chunk=chunk, store=store)
+    block_ids, slot_offsets, subs, consecutive = pages
+    if not block_ids:
+        return
+    engine_at = [engine + block_id * stride for block_id in block_ids]
+    if subs is None:
+        host_at = [host + offset for offset in slot_offsets]
+    else:
+        host_at = [host + offset + sub * page
+                   for offset, sub in zip(slot_offsets, subs, strict=True)]
+    dst, src = (host_at, engine_at) if store else (engine_at, host_at)
+    if not (consecutive and stride == page):
+        if page <= chunk:
+            out.extend(zip(dst, src, repeat(page)))
+        else:
+            for to, frm in zip(dst, src, strict=True):
+                _emit(out, to, frm, page, chunk)
+        return
+    starts = [0]
+    starts += [i for i, e, prev_e, h, prev_h in zip(count(1), engine_at[1:], engine_at,
+                                                     host_at[1:], host_at)
+               if e != prev_e + page or h != prev_h + page]
+    if len(starts) == len(block_ids) and page <= chunk:
+        out.extend(zip(dst, src, repeat(page)))
+        return
+    starts.append(len(block_ids))
+    for first, end in pairwise(starts):
+        _emit(out, dst[first], src[first], (end - first) * page, chunk)
 
 
-def _emit(out: list[Piece], host: int, engine: int, n: int, *, chunk: int, store: bool) -> None:
-    dst, src = (host, engine) if store else (engine, host)
+def _emit(out: list[Piece], dst: int, src: int, n: int, chunk: int) -> None:
+    """Append the copy of ``n`` bytes ``src -> dst``, cut into pieces of at most ``chunk``."""
     if n <= chunk:
         out.append((dst, src, n))
         return

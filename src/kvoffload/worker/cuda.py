@@ -10,7 +10,10 @@ One CUDA stream per direction. For every job, on its direction's stream:
 3. a start event is recorded, the copies are enqueued, an end event is recorded.
 
 ``poll`` pops jobs from the front of each direction's queue while their end event has
-completed (``Event.query``), so it never blocks; ``wait`` synchronizes on end events.
+completed (``Event.query``), so it never blocks; ``wait`` synchronizes on end events. A job
+whose copies fail to enqueue midway still records its end event, and is reported failed
+(and waited for) only once what it did enqueue has run: the engine may reuse its blocks as
+soon as it learns of the failure, and a copy still queued must not write into them then.
 
 How bytes move (``StagedCopier``). Engine pages of one job are scattered over the cache,
 host pages are scattered over slots; per-page DMA would cost one ``cudaMemcpyAsync`` per
@@ -165,14 +168,23 @@ def _stage_segment(stage: torch.Tensor, glayout: GroupLayout, segment: int,
 
 
 def _slot_parts(copy: GroupCopy) -> list[_SlotPart]:
-    """The slots a group transfer touches, in order, with their sub-block ranges."""
+    """The slots a group transfer touches, in order, with their sub-block ranges.
+
+    Consecutive pages naming the same slot form one part (a slot's sub-blocks are
+    consecutive positions of the transfer); one ``_SlotPart`` is built per part.
+    """
     parts: list[_SlotPart] = []
-    for _, slot, sub in copy.pairs:
-        if parts and parts[-1].slot == slot:
-            last = parts[-1]
-            parts[-1] = _SlotPart(slot, last.position, last.first, sub + 1)
-        else:
-            parts.append(_SlotPart(slot, len(parts), sub, sub + 1))
+    slot: int | None = None
+    first = end = 0
+    for _, page_slot, sub in copy.pairs:
+        if page_slot == slot:
+            end = sub + 1
+            continue
+        if slot is not None:
+            parts.append(_SlotPart(slot, len(parts), first, end))
+        slot, first, end = page_slot, sub, sub + 1
+    if slot is not None:
+        parts.append(_SlotPart(slot, len(parts), first, end))
     return parts
 
 
@@ -251,15 +263,19 @@ class CudaBackend(TransferBackend):
             stream.wait_event(previous)
         with stream:
             start.record(stream)
-            entry.keep = self._copier.copy(entry.job)
-            end.record(stream)
-        entry.start, entry.end = start, end
-        self._last_end[direction] = end
+            entry.start, entry.end = start, end
+            self._last_end[direction] = end
+            try:
+                entry.keep = self._copier.copy(entry.job)
+            finally:
+                # Also when ``copy`` raised midway: the job is over only once what it
+                # enqueued has run.
+                end.record(stream)
 
     def _done(self, entry: _Entry) -> bool:
-        if entry.failed:
-            return True
-        assert entry.end is not None
+        """Whether ``entry`` is over: its end event completed, or it never enqueued work."""
+        if entry.end is None:
+            return entry.failed
         try:
             return entry.end.query()
         except RuntimeError:
@@ -290,7 +306,7 @@ class CudaBackend(TransferBackend):
         with self._lock:
             entries = [self._in_flight[j] for j in job_ids if j in self._in_flight]
         for entry in entries:
-            if entry.end is not None and not entry.failed:
+            if entry.end is not None:  # failed jobs too: their enqueued copies may still run
                 entry.end.synchronize()
 
     def take_stats(self) -> TransferStats:

@@ -237,11 +237,63 @@ class TransferWorker:
         self.backend.submit(job)
 
     def _check(self, job: TransferJob, expected: Direction) -> str | None:
-        """Why ``job`` cannot run here, or ``None`` when it can."""
-        layout = self.layout
-        num_slots = self.host_pool.num_slots
+        """Why ``job`` cannot run here, or ``None`` when it can.
+
+        Most jobs pass ``_plainly_valid``, which decides with a handful of C-level scans
+        per transfer (min, max, set sizes). A job it does not clear goes through
+        ``_find_problem``, the exact page-by-page check, which also names the fault.
+        """
         if job.direction is not expected:
             return f"a {job.direction.value} job listed among the {expected.value}s"
+        if self._plainly_valid(job):
+            return None
+        return self._find_problem(job)
+
+    def _plainly_valid(self, job: TransferJob) -> bool:
+        """True only if ``_find_problem(job)`` would find nothing.
+
+        Sufficient, not necessary: every group registered, every engine block in
+        ``[1, num_blocks)``, every slot in ``[0, num_slots)``, slot counts matching
+        ``block_size_factor``, and no destination named twice, tested the cheap way (a
+        store names every slot once over the whole job; a load names every engine block of
+        a group once). Jobs that repeat a slot legitimately (sub-blocks of one slot split
+        across transfers) are left to the exact check.
+        """
+        layout = self.layout
+        groups = layout.groups
+        factor = layout.factor
+        num_slots = self.host_pool.num_slots
+        store = job.direction is Direction.STORE
+        slots_named = 0
+        distinct_slots: set[int] = set()
+        blocks_of_group: dict[int, set[int]] = {}
+        for transfer in job.groups:
+            group = groups.get(transfer.group)
+            block_ids, slots = transfer.block_ids, transfer.slots
+            if group is None or not block_ids:
+                return False
+            if min(block_ids) <= NULL_BLOCK_ID or max(block_ids) >= group.num_blocks:
+                return False
+            skip = transfer.first_block_index % factor
+            if len(slots) != -(-(skip + len(block_ids)) // factor):
+                return False
+            if min(slots) < 0 or max(slots) >= num_slots:
+                return False
+            if store:
+                slots_named += len(slots)
+                distinct_slots.update(slots)
+            else:
+                seen = blocks_of_group.setdefault(transfer.group, set())
+                before = len(seen)
+                seen.update(block_ids)
+                if len(seen) != before + len(block_ids):
+                    return False
+        return not store or len(distinct_slots) == slots_named
+
+    def _find_problem(self, job: TransferJob) -> str | None:
+        """The first thing wrong with ``job`` (checked page by page), or ``None``."""
+        layout = self.layout
+        num_slots = self.host_pool.num_slots
         slot_owner: dict[int, int] = {}
         destinations: set[tuple[int, int, int]] = set()
         for transfer in job.groups:
