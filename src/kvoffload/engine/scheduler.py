@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from kvoffload.config import OffloadConfig
+from kvoffload.config import GroupKind, OffloadConfig
 from kvoffload.engine.block_pool import Allocation, HybridBlockPool
 from kvoffload.engine.executors import AccountingExecutor, TransferExecutor
 from kvoffload.engine.metrics import EngineMetrics, Sample
@@ -169,6 +169,9 @@ class ReferenceEngine:
         else:
             hash_block_size = math.gcd(*(g.block_size for g in specs))
         self.layout = layout
+        self._state_block = max((s.block_size for s in layout.specs
+                                 if s.kind is GroupKind.MAMBA), default=0)
+        """Mamba block size (0 without Mamba): prefill chunks end on its multiples."""
         self.config = config
         self.specs = specs
         self.timing = timing or TimingModel()
@@ -300,7 +303,7 @@ class ReferenceEngine:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             start = req.num_computed
-            count = min(req.num_tokens - start, budget, self.config.max_num_batched_tokens)
+            count = self._chunk(req, start, budget)
             alloc = self.pool.allocate(req.request_id, start + count, start)
             while alloc is None:
                 victim = self.running[-1]
@@ -321,6 +324,29 @@ class ReferenceEngine:
             budget -= count
             i += 1
         return budget
+
+    def _chunk(self, req: EngineRequest, start: int, budget: int) -> int:
+        """Tokens to schedule for ``req`` from ``start``: what is left, within the budget.
+
+        With a Mamba group, prefill chunks follow vLLM's ``align`` mode: a recurrent state
+        exists only where a step ends, and only states at block ends can be cached and
+        offloaded, so a chunk that does not finish the prefill ends on a block boundary
+        when it can, and no chunk runs past the last block boundary before the request's
+        last token (the state there is the one a later turn hits).
+        """
+        left = req.num_tokens - start
+        count = min(left, budget, self.config.max_num_batched_tokens)
+        m = self._state_block
+        prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
+        if not m or start >= prefill_end:
+            return count
+        end = start + count
+        if end < prefill_end and end // m * m > start:
+            end = end // m * m
+        last_cacheable = (req.num_tokens - 1) // m * m
+        if start < last_cacheable < end:
+            end = last_cacheable
+        return end - start
 
     def _preempt(self, req: EngineRequest) -> None:
         self.running.remove(req)
@@ -397,7 +423,7 @@ class ReferenceEngine:
             req.pending_hits = (local, external)
             self.loading[rid] = req
             return _Admission.LOADING, 0
-        count = min(req.num_tokens - local, budget, self.config.max_num_batched_tokens)
+        count = self._chunk(req, local, budget)
         alloc = self.pool.allocate(rid, local + count, local, hit=hit)
         if alloc is None:
             return _Admission.NO_ROOM, 0
