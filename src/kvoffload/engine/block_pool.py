@@ -421,6 +421,15 @@ class HybridBlockPool:
         for table in req.tables:
             self._release(reversed(table))
 
+    def rename(self, request_id: str, new_id: str) -> None:
+        """Hand every block of ``request_id`` to the new owner ``new_id`` (which must not
+        exist). The engine parks the blocks of a load it gave up on this way: they stay
+        allocated, so nobody reuses them, until the late transfer is over."""
+        if new_id in self._requests:
+            raise ValueError(f"request {new_id!r} already holds blocks")
+        self._requests[new_id] = self._require(request_id)
+        del self._requests[request_id]
+
     # ------------------------------------------------------------ introspection
 
     def _require(self, request_id: str) -> _Tables:

@@ -28,6 +28,11 @@ the planner through its public contract exactly as an engine adapter would:
    mode); a failed or corrupt load frees the request and re-admits it to recompute
    (accepting no external tokens from then on). A load that reaches the last
    token (full-attention-only models) leaves that token to be recomputed.
+7. With ``EngineConfig.load_deadline_s``, a request whose load has not reported by then
+   gives up (``Planner.abandon_load``): it recomputes into fresh blocks, accepting no
+   external tokens, while the blocks the load still writes stay parked (allocated to no
+   request) until ``released_loads`` names the job. A transfer cannot be cancelled, so
+   handing those blocks out earlier would let the late copy corrupt them.
 
 Time is modelled (``timing``): a step lasts as long as its FLOPs or decode iterations
 take on the modelled accelerator, a transfer as long as its bytes take on the link.
@@ -43,7 +48,7 @@ from typing import TYPE_CHECKING
 
 from kvoffload.config import OffloadConfig
 from kvoffload.engine.block_pool import Allocation, HybridBlockPool
-from kvoffload.engine.executors import AccountingExecutor, TransferExecutor
+from kvoffload.engine.executors import AccountingExecutor, HoldsReports, TransferExecutor
 from kvoffload.engine.metrics import EngineMetrics, Sample
 from kvoffload.engine.model_presets import ModelLayout
 from kvoffload.engine.requests import EngineRequest, Status
@@ -88,6 +93,8 @@ class EngineConfig:
         sample_interval_s: modelled seconds between two ``Sample`` values.
         check_integrity: check the pool's and the planner's bookkeeping every step (slow;
             for tests).
+        load_deadline_s: modelled seconds a request waits for its load before it gives
+            up and recomputes (module docstring, point 7); None waits for ever.
     """
 
     num_blocks: int
@@ -96,8 +103,12 @@ class EngineConfig:
     decode_tokens_per_step: int = 1
     sample_interval_s: float = 1.0
     check_integrity: bool = False
+    load_deadline_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.load_deadline_s is not None and not self.load_deadline_s > 0:
+            raise ConfigError("load_deadline_s", f"must be positive, got {self.load_deadline_s}",
+                              "Give seconds, or None to wait for every load.")
         for name in ("max_num_batched_tokens", "max_num_seqs", "decode_tokens_per_step"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}",
@@ -214,6 +225,12 @@ class ReferenceEngine:
         self._reports: list[tuple[JobId, int, bool]] = []
         self._tier_reports: list[tuple[TierJobId, int, bool]] = []
         self._next_sample = 0.0
+        self._holder = self.executor if isinstance(self.executor, HoldsReports) else None
+        self._parked: dict[JobId, str] = {}
+        """Abandoned load -> the pool owner holding its request's blocks until it reports."""
+        self._offload_since: dict[str, float] = {}
+        """When each request went onto the offload path (deferred, or loading)."""
+        self._load_started: dict[str, float] = {}
 
     # ------------------------------------------------------------------ requests
 
@@ -227,19 +244,37 @@ class ReferenceEngine:
         self.waiting.append(request)
 
     def has_pending_transfers(self) -> bool:
-        return (bool(self._jobs or self._tier_reports or len(self.tier_transfers))
+        return (bool(self._jobs or self._tier_reports or len(self.tier_transfers)
+                     or self._parked)
+                or (self._holder is not None and self._holder.next_release() is not None)
                 or (self.planner is not None and self.planner.has_pending_work()))
 
     def next_transfer_completion(self) -> float | None:
         times = [t for t in (self.transfers.next_completion(),
-                             self.tier_transfers.next_completion()) if t is not None]
+                             self.tier_transfers.next_completion(),
+                             self._holder.next_release() if self._holder else None,
+                             self._next_deadline()) if t is not None]
         return min(times, default=None)
+
+    def _next_deadline(self) -> float | None:
+        deadline = self.config.load_deadline_s
+        if deadline is None or not self._load_started:
+            return None
+        return min(self._load_started.values()) + deadline
+
+    def reset_cache(self) -> None:
+        """Drop everything offloaded (``Planner.reset_cache``): loads in flight fail
+        (their requests recompute) and late reports of earlier jobs are ignored."""
+        if self.planner is not None:
+            self.planner.reset_cache()
+            self.metrics.cache_resets += 1
 
     # ---------------------------------------------------------------------- step
 
     def step(self) -> bool:
         """Run one engine step at ``self.clock``; False when it had nothing to do."""
         budget = self.config.max_num_batched_tokens * self.config.decode_tokens_per_step
+        self._give_up_late_loads()
         entries: list[_Entry] = []
         preempted: list[str] = []
         budget = self._schedule_running(entries, preempted, budget)
@@ -258,7 +293,7 @@ class ReferenceEngine:
             # flush makes the worker run it before that pass (a planner bug: counted, and
             # in bytes mode the verification shows what it stored).
             self.metrics.same_step_flushes += len(stores.intersection(plan.flush))
-            done = max(self.transfers.done_at(j) for j in plan.flush)
+            done = max(self._done_at(j) for j in plan.flush)
             if done > start:
                 self.metrics.flush_stall_s += done - start
                 start = done
@@ -372,6 +407,7 @@ class ReferenceEngine:
         if self.planner is not None:
             match = self.planner.get_num_new_matched_tokens(req, local)
             if match.num_tokens is None:
+                self._offload_since.setdefault(rid, self.clock)
                 return _Admission.DEFERRED, 0
             external = 0 if req.refuse_external else match.num_tokens
         if external > 0:
@@ -390,6 +426,8 @@ class ReferenceEngine:
             req.num_computed = local
             req.pending_hits = (local, external)
             self.loading[rid] = req
+            self._offload_since.setdefault(rid, self.clock)
+            self._load_started[rid] = self.clock
             return _Admission.LOADING, 0
         count = min(req.num_tokens - local, budget, self.config.max_num_batched_tokens)
         alloc = self.pool.allocate(rid, local + count, local, hit=hit)
@@ -402,6 +440,7 @@ class ReferenceEngine:
         req.status = Status.RUNNING
         req.num_computed = local
         req.send_full_table = True
+        self._off_offload_path(rid)
         self._started(req, local, 0, 0)
         self.running.append(req)
         entries.append(self._entry(req, local, count, alloc))
@@ -525,8 +564,10 @@ class ReferenceEngine:
         return bool(due or tier_due or outcome.finished_loads)
 
     def _account(self, job_id: JobId, failed: bool) -> None:
-        job = self._jobs.pop(job_id)
+        job = self._jobs.pop(job_id, None)
         self.transfers.forget(job_id)
+        if job is None:
+            return  # a second report of the job: the planner counts (or rejects) it
         for g, n in job.blocks:
             traffic = self.metrics.traffic[g]
             if failed:
@@ -539,11 +580,17 @@ class ReferenceEngine:
                 traffic.loaded_bytes += n * self._real_block_bytes[g]
 
     def _loads_done(self, outcome: ReportOutcome) -> None:
+        for job_id in outcome.released_loads:
+            owner = self._parked.pop(job_id, None)
+            if owner is not None:
+                self.pool.free(owner)
         failed = {f.request_id for f in outcome.failed_loads}
         for rid in outcome.finished_loads:
             req = self.loading.pop(rid, None)
             if req is None:
                 continue
+            self._load_started.pop(rid, None)
+            self._off_offload_path(rid)
             job = self._load_jobs.pop(rid, None)
             if rid in failed:
                 # Recompute from the engine's own prefix: the re-admission accepts no
@@ -568,6 +615,53 @@ class ReferenceEngine:
             req.status = Status.RUNNING
             req.send_full_table = True
             self.running.append(req)
+
+    def _done_at(self, job_id: JobId) -> float:
+        """When ``job_id`` reports: its modelled transfer, or later if its report is held."""
+        done = self.transfers.done_at(job_id)
+        if self._holder is not None:
+            done = max(done, self._holder.held_until(job_id))
+        return done
+
+    def _off_offload_path(self, rid: str) -> None:
+        since = self._offload_since.pop(rid, None)
+        if since is not None:
+            self.metrics.max_offload_wait_s = max(self.metrics.max_offload_wait_s,
+                                                  self.clock - since)
+
+    def _give_up_late_loads(self) -> None:
+        """Abandon loads older than the deadline (module docstring, point 7)."""
+        deadline = self.config.load_deadline_s
+        if deadline is None or self.planner is None:
+            return
+        late = [rid for rid, t in self._load_started.items() if self.clock - t >= deadline]
+        for rid in late:
+            del self._load_started[rid]
+            req = self.loading.pop(rid)
+            self._load_jobs.pop(rid, None)
+            self._off_offload_path(rid)
+            job_id = self.planner.abandon_load(req)
+            req.refuse_external = True
+            req.record.failed_loads += 1
+            self.metrics.abandoned_loads += 1
+            if job_id is None:
+                self._requeue(req)
+                continue
+            owner = f"{rid}\x00parked-load-{job_id}"
+            self.pool.rename(rid, owner)
+            self._parked[job_id] = owner
+            parked = sum(len(t) for o in self._parked.values()
+                         for t in self.pool.block_table(o))
+            self.metrics.parked_blocks_peak = max(self.metrics.parked_blocks_peak, parked)
+            req.status = Status.WAITING
+            req.num_computed = 0
+            req.send_full_table = True
+            self.waiting.appendleft(req)
+
+    @property
+    def num_parked_loads(self) -> int:
+        """Abandoned loads whose blocks are still parked (their job has not reported)."""
+        return len(self._parked)
 
     def _loaded_by_tier(self) -> dict[tuple[str, int], int]:
         """Blocks the cascade has handed to loads so far, by (tier they came from, group)."""

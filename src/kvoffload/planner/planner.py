@@ -17,6 +17,9 @@ The planner decides every transfer and never moves a byte. Its promises:
   groups are fenced as soon as their store is created, the rest when the request finishes;
   a fenced block allocated again puts its jobs into the next plan's ``flush``;
 * a failed transfer frees its slots and, for a load, tells the engine to recompute;
+* a load the engine gives up on (``abandon_load``: it waited past its deadline) keeps its
+  keys pinned and its engine blocks fenced until it reports; the engine must not reuse
+  those blocks until ``ReportOutcome.released_loads`` names the job;
 * a deferred lookup ("ask again later") is answered within ``max_deferred_steps`` steps.
 """
 
@@ -74,6 +77,8 @@ class Planner:
         self._loads: list[TransferJob] = []
         self._early_finished: list[str] = []
         self._early_failed: list[LoadFailure] = []
+        self._abandoned: set[JobId] = set()
+        self._early_released: list[JobId] = []
         self._admission = make_admission(config.eviction_policy, config.hash_block_size,
                                          self._alignment, self._tier_has_room)
         self._full_views = [g for g in self._order if g.window_blocks is None]
@@ -551,7 +556,8 @@ class Planner:
         """
         finished = self._early_finished
         failures = self._early_failed
-        self._early_finished, self._early_failed = [], []
+        released = self._early_released
+        self._early_finished, self._early_failed, self._early_released = [], [], []
         failed_stores = 0
         for report in reports:
             if not 0 <= report.rank < self.config.num_workers:
@@ -562,8 +568,9 @@ class Planner:
                     js = self._count_report(job_id, report.rank, failed)
                     if js is None:
                         continue
-                    self._finish_job(js)
-                    if js.direction is Direction.LOAD:
+                    if self._finish_job(js):
+                        released.append(js.job_id)
+                    elif js.direction is Direction.LOAD:
                         finished.append(js.request_id)
                         if js.failed:
                             failures.append(LoadFailure(js.request_id, js.num_local_tokens))
@@ -572,7 +579,8 @@ class Planner:
         self.tier.update_from_tier_reports(reports)
         self.stats.failed_loads += len(failures)
         self.stats.failed_stores += failed_stores
-        return ReportOutcome(tuple(finished), tuple(failures), failed_stores)
+        return ReportOutcome(tuple(finished), tuple(failures), failed_stores,
+                             tuple(released))
 
     def _count_report(self, job_id: JobId, rank: int, failed: bool) -> JobState | None:
         """Record one rank's report; return the job once every rank has reported it."""
@@ -580,7 +588,8 @@ class Planner:
                                  stale_below=self._stale_below, all_ranks=self._all_ranks,
                                  counters=self.stats)
 
-    def _finish_job(self, js: JobState) -> None:
+    def _finish_job(self, js: JobState) -> bool:
+        """Retire a job every rank reported; True if it was an abandoned load."""
         del self._jobs[js.job_id]
         self._fence.remove(js.job_id, js.windowed_block_ids)
         if js.fenced_other:
@@ -589,10 +598,48 @@ class Planner:
             self.tier.complete_store(js.keys, success=not js.failed)
         else:
             self.tier.complete_load(js.keys)
+        if js.job_id in self._abandoned:
+            self._abandoned.discard(js.job_id)
+            return True
         st = self._requests[js.request_id]
         st.jobs.discard(js.job_id)
         if st.finished and not st.jobs:
             del self._requests[js.request_id]
+        return False
+
+    def abandon_load(self, request: RequestInfo) -> JobId | None:
+        """The engine gives up waiting for the request's load; return the load's job id.
+
+        A transfer in flight cannot be cancelled: the job keeps its keys pinned and its
+        engine blocks fenced until every worker reports it, and then appears in
+        ``ReportOutcome.released_loads`` (never in ``finished_loads``). Until then the
+        engine must not hand those blocks to anyone (a late copy would overwrite them);
+        the request itself is free to recompute into other blocks, and must not accept
+        external tokens again (``update_state_after_alloc`` with 0). Returns None when
+        the request has no load in flight.
+        """
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return None
+        loads = [j for j in st.jobs if self._jobs[j].direction is Direction.LOAD]
+        if not loads:
+            return None
+        job_id = loads[0]
+        js = self._jobs[job_id]
+        st.jobs.discard(job_id)
+        self._abandoned.add(job_id)
+        self.stats.abandoned_loads += 1
+        if not js.fenced_other:
+            self._fence.add(job_id, js.other_block_ids)
+            js.fenced_other = True
+        pending = [job for job in self._loads if job.job_id == job_id]
+        if pending:  # never handed to the workers: nothing can write its blocks
+            self._loads.remove(pending[0])
+            self._finish_job(js)
+            self._early_released.append(job_id)
+        if st.finished and not st.jobs:
+            del self._requests[request.request_id]
+        return job_id
 
     # ------------------------------------------------------------ lifecycle
 
@@ -650,7 +697,9 @@ class Planner:
         """Drop everything offloaded. In-flight jobs are flushed in the next plan,
         their late reports ignored; loads in flight are reported failed (recompute)."""
         for js in self._jobs.values():
-            if js.direction is Direction.LOAD:
+            if js.job_id in self._abandoned:
+                self._early_released.append(js.job_id)
+            elif js.direction is Direction.LOAD:
                 self._early_finished.append(js.request_id)
                 self._early_failed.append(LoadFailure(js.request_id, js.num_local_tokens))
         self._flush |= set(self._jobs)
@@ -658,6 +707,7 @@ class Planner:
         self.tier.reset()
         self._stale_below = self._next_job
         self._jobs.clear()
+        self._abandoned.clear()
         self._fence.clear()
         for rid in [r for r, st in self._requests.items() if st.finished]:
             del self._requests[rid]
@@ -691,7 +741,14 @@ class Planner:
 
     def check_integrity(self) -> None:
         """Raise ``InvariantError`` if the planner's bookkeeping is inconsistent."""
+        stray_abandoned = self._abandoned - self._jobs.keys()
+        if stray_abandoned:
+            raise InvariantError(f"abandoned loads {sorted(stray_abandoned)} not in flight")
         for job_id, js in self._jobs.items():
+            if job_id in self._abandoned:
+                if not js.fenced_other:
+                    raise InvariantError(f"abandoned load {job_id} not fenced")
+                continue
             st = self._requests.get(js.request_id)
             if st is None or job_id not in st.jobs:
                 raise InvariantError(f"job {job_id} has no live request holding it")
