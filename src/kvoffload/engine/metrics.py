@@ -65,6 +65,8 @@ class EngineMetrics:
         cache_resets: ``ReferenceEngine.reset_cache`` calls.
         max_offload_wait_s: the longest a request waited on the offload path (deferred
             lookups and its load, until it ran, recomputed or gave up), modelled seconds.
+        deferral_give_ups: lookups deferred past the load deadline, run without offload.
+        max_step_s: the longest step, flush stalls included (modelled seconds).
     """
 
     num_groups: int
@@ -95,6 +97,8 @@ class EngineMetrics:
     parked_blocks_peak: int = 0
     cache_resets: int = 0
     max_offload_wait_s: float = 0.0
+    deferral_give_ups: int = 0
+    max_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.traffic:

@@ -32,7 +32,9 @@ the planner through its public contract exactly as an engine adapter would:
    gives up (``Planner.abandon_load``): it recomputes into fresh blocks, accepting no
    external tokens, while the blocks the load still writes stay parked (allocated to no
    request) until ``released_loads`` names the job. A transfer cannot be cancelled, so
-   handing those blocks out earlier would let the late copy corrupt them.
+   handing those blocks out earlier would let the late copy corrupt them. A request
+   whose lookup is deferred ("ask again later") past the deadline runs with the engine's
+   own prefix hit only.
 
 Time is modelled (``timing``): a step lasts as long as its FLOPs or decode iterations
 take on the modelled accelerator, a transfer as long as its bytes take on the link.
@@ -231,6 +233,8 @@ class ReferenceEngine:
         self._offload_since: dict[str, float] = {}
         """When each request went onto the offload path (deferred, or loading)."""
         self._load_started: dict[str, float] = {}
+        if self.planner is not None:
+            self.pool.avoid = self._used_by_overdue_job
 
     # ------------------------------------------------------------------ requests
 
@@ -307,6 +311,7 @@ class ReferenceEngine:
             self._submitted(job, start)
         flops, iterations = self._forward(entries)
         end = start + (self.timing.step_seconds(flops, iterations) if entries else 0.0)
+        self.metrics.max_step_s = max(self.metrics.max_step_s, end - self.clock)
         self._after_forward(entries, end)
         self.executor.end_step()
         for job in plan.stores:
@@ -406,10 +411,15 @@ class ReferenceEngine:
         external = 0
         if self.planner is not None:
             match = self.planner.get_num_new_matched_tokens(req, local)
+            deadline = self.config.load_deadline_s
             if match.num_tokens is None:
-                self._offload_since.setdefault(rid, self.clock)
-                return _Admission.DEFERRED, 0
-            external = 0 if req.refuse_external else match.num_tokens
+                since = self._offload_since.setdefault(rid, self.clock)
+                if deadline is None or self.clock - since < deadline:
+                    return _Admission.DEFERRED, 0
+                # Deferred past the deadline: run now with the engine's own hit only.
+                self.metrics.deferral_give_ups += 1
+            external = 0 if req.refuse_external or match.num_tokens is None \
+                else match.num_tokens
         if external > 0:
             end = local + external
             if self.pool.allocate(rid, end, end, hit=hit) is None:
@@ -622,6 +632,14 @@ class ReferenceEngine:
         if self._holder is not None:
             done = max(done, self._holder.held_until(job_id))
         return done
+
+    def _used_by_overdue_job(self, block: int) -> bool:
+        """Whether a job that should have reported by now still uses ``block``: reusing
+        it would make the next plan flush that job, stalling the step behind it."""
+        assert self.planner is not None
+        clock = self.clock
+        return any(self.transfers.done_at(j) < clock
+                   for j in self.planner.jobs_fencing((block,)))
 
     def _off_offload_path(self, rid: str) -> None:
         since = self._offload_since.pop(rid, None)

@@ -34,6 +34,7 @@ from dataclasses import replace
 from kvoffload.engine.executors import TransferExecutor
 from kvoffload.faults.plan import FaultKind, FaultLog, FaultPlan
 from kvoffload.jobs import (
+    Direction,
     JobId,
     StepPlan,
     TierJobId,
@@ -98,8 +99,8 @@ class FaultyExecutor:
         due = [job for at, job in self._withheld.values() if at <= now or job.job_id in flush]
         for job in due:
             del self._withheld[job.job_id]
-        late_stores = tuple(j for j in due if j.direction.value == "store")
-        late_loads = tuple(j for j in due if j.direction.value == "load")
+        late_stores = tuple(j for j in due if j.direction is Direction.STORE)
+        late_loads = tuple(j for j in due if j.direction is Direction.LOAD)
         self.inner.begin_step(replace(
             plan,
             # Late stores run first of all (before the forward pass), like flushed ones.

@@ -735,6 +735,10 @@ class Planner:
     def num_jobs(self) -> int:
         return len(self._jobs)
 
+    def jobs_fencing(self, block_ids: Sequence[int]) -> set[JobId]:
+        """The in-flight jobs that still use any of ``block_ids``."""
+        return self._fence.jobs_using(block_ids)
+
     @property
     def fence_size(self) -> int:
         return len(self._fence)
