@@ -211,7 +211,7 @@ class _Watch:
         self.next_check = interval
 
     def __call__(self) -> None:
-        engine, report = self.engine, self.report
+        engine = self.engine
         if self.faulty.reset_requested:
             engine.reset_cache()
             self.faulty.note_reset()
