@@ -258,7 +258,9 @@ class ReferenceEngine:
                              self.tier_transfers.next_completion(),
                              self._holder.next_release() if self._holder else None,
                              self._next_deadline()) if t is not None]
-        return min(times, default=None)
+        # A job held past its modelled completion leaves a time in the past: look beyond.
+        future = [t for t in times if t > self.clock]
+        return min(future, default=min(times, default=None))
 
     def _next_deadline(self) -> float | None:
         deadline = self.config.load_deadline_s
@@ -338,7 +340,8 @@ class ReferenceEngine:
             alloc = self.pool.allocate(req.request_id, start + count, start)
             while alloc is None:
                 victim = self.running[-1]
-                if victim is req and len(self.running) == 1 and not self.loading:
+                if (victim is req and len(self.running) == 1 and not self.loading
+                        and not self._parked):
                     raise ConfigError(
                         "engine capacity",
                         f"request {req.request_id} alone needs more than the engine's "
@@ -391,7 +394,7 @@ class ReferenceEngine:
             if outcome is _Admission.DEFERRED:
                 kept.append(req)
             elif outcome is _Admission.NO_ROOM:
-                if not self.running and not self.loading:
+                if not self.running and not self.loading and not self._parked:
                     raise ConfigError(
                         "engine capacity",
                         f"request {req.request_id} ({req.num_tokens} tokens) does not fit "

@@ -17,6 +17,8 @@ With ``mirror_ranks > 1`` the wrapped executor is a single rank and its reports 
 every rank (as if each rank moved its own shard identically); ``partial`` faults need it,
 or a wrapped executor that reports several ranks.
 
+``choose`` (tests) picks the fault of each job instead of the plan's schedule.
+
 Time comes from ``clock`` (the engine's modelled clock; set it after building the engine).
 ``held_until`` and ``next_release`` let the engine wait for withheld jobs
 (``engine.executors.HoldsReports``). ``reset_requested`` asks the driver to reset the cache
@@ -43,6 +45,9 @@ from kvoffload.jobs import (
     WorkerReport,
 )
 
+Chooser = Callable[[TransferJob], FaultKind | None]
+"""Picks a job's fault (or None) instead of the plan's random schedule."""
+
 Garble = Callable[[TransferJob], None]
 """Writes garbage where a failed job was to write (engine blocks of a load, slots of a
 store)."""
@@ -54,13 +59,14 @@ class FaultyExecutor:
     """See the module docstring."""
 
     def __init__(self, inner: TransferExecutor, plan: FaultPlan, *, mirror_ranks: int = 1,
-                 garble: Garble | None = None) -> None:
+                 garble: Garble | None = None, choose: Chooser | None = None) -> None:
         if mirror_ranks < 1:
             raise ValueError(f"mirror_ranks must be >= 1, got {mirror_ranks}")
         self.inner = inner
         self.plan = plan
         self.mirror_ranks = mirror_ranks
         self.garble = garble
+        self.choose = choose
         self.clock: Callable[[], float] = lambda: 0.0
         self.log = FaultLog()
         self.reset_requested = False
@@ -80,7 +86,7 @@ class FaultyExecutor:
         now = self.clock()
         withheld: set[JobId] = set()
         for job in (*plan.loads, *plan.stores):
-            kind = self._decide(now)
+            kind = self.choose(job) if self.choose is not None else self._decide(now)
             self.log.jobs += 1
             if kind is None:
                 continue
@@ -101,12 +107,16 @@ class FaultyExecutor:
             del self._withheld[job.job_id]
         late_stores = tuple(j for j in due if j.direction is Direction.STORE)
         late_loads = tuple(j for j in due if j.direction is Direction.LOAD)
+        if late_loads:
+            # The stuck copies land now; the plan below waits for them (its flush) before
+            # anything else of the step, as a flush waits for a stuck transfer.
+            self.inner.begin_step(StepPlan(loads=late_loads))
+            self.inner.end_step()
+        late = {j.job_id for j in due}
         self.inner.begin_step(replace(
-            plan,
-            # Late stores run first of all (before the forward pass), like flushed ones.
-            flush=tuple(sorted(flush | {j.job_id for j in late_stores})),
+            plan, flush=tuple(sorted(flush | late)),
             stores=late_stores + tuple(j for j in plan.stores if j.job_id not in withheld),
-            loads=late_loads + tuple(j for j in plan.loads if j.job_id not in withheld)))
+            loads=tuple(j for j in plan.loads if j.job_id not in withheld)))
 
     def _decide(self, now: float) -> FaultKind | None:
         allowed = set(FaultKind)
