@@ -83,6 +83,8 @@ class Planner:
                                          self._alignment, self._tier_has_room)
         self._full_views = [g for g in self._order if g.window_blocks is None]
         self._key_suffix = [make_offload_key(BlockHash(b""), g.index) for g in self._groups]
+        self._step_end_states = (not config.mamba_states_every_block
+                                 and any(g.kind is GroupKind.MAMBA for g in self._groups))
 
     # ------------------------------------------------------------------ lookup
 
@@ -108,6 +110,7 @@ class Planner:
         for gs in st.groups:
             gs.block_ids = []
             gs.num_freed = 0
+        st.state_ends.clear()
         self._refresh_keys(st)
         st.num_local_tokens = num_computed_tokens
         end, deferred = self._lookup(st, num_computed_tokens)
@@ -335,6 +338,7 @@ class Planner:
             if st is None:
                 continue
             self._flush |= st.jobs
+            st.state_ends.clear()
             for gs in st.groups:
                 gs.block_ids = []
                 gs.num_freed = 0
@@ -374,6 +378,7 @@ class Planner:
             raise InvariantError(f"request {request.request_id!r} scheduled while its load "
                                  "is in flight; wait for finished_loads")
         if sched.resumed:
+            st.state_ends.clear()
             for gs in st.groups:
                 gs.block_ids = []
                 gs.num_freed = 0
@@ -388,6 +393,9 @@ class Planner:
                 gs.num_freed = max(gs.num_freed, n)
         offloadable = min(sched.num_computed_tokens + sched.num_scheduled_tokens,
                           request.num_tokens)
+        if self._step_end_states and offloadable % self._alignment == 0 and offloadable:
+            # A Mamba state exists only where a step ends (module docstring of state.py).
+            st.state_ends.add(offloadable)
         return self._plan_store(st, offloadable)
 
     def _plan_store(self, st: RequestState, offloadable: int) -> TransferJob | None:
@@ -419,7 +427,7 @@ class Planner:
             blocks = (range(first, limit) if g.window_blocks is None
                       else self._useful_blocks(g, first, limit))
             for k in blocks:
-                positions = self._store_positions(g, gs, k)
+                positions = self._store_positions(g, gs, k, st.state_ends)
                 if positions and (g.window_blocks is None or self._admission.admit(
                         g, k, request.block_hashes, request.num_prompt_tokens)):
                     entries.append((k, positions))
@@ -487,11 +495,14 @@ class Planner:
             tuple(slot_of[gs.keys[k]] for k, _ in run),
         ) for run in runs]
 
-    def _store_positions(self, g: ResolvedGroup, gs: GroupState, k: int) -> list[int] | None:
+    def _store_positions(self, g: ResolvedGroup, gs: GroupState, k: int,
+                         state_ends: set[int]) -> list[int] | None:
         """Engine positions to store for offloaded block ``k``, or None to skip it.
 
         Skipped: blocks that are null or freed, Mamba states that are not at a hit
-        alignment point, window blocks that no aligned hit's window can use, and partial
+        alignment point or (``mamba_states_every_block`` off) that no step of the request
+        produced (``state_ends``: a step ending mid-block leaves the block holding another
+        state), window blocks that no aligned hit's window can use, and partial
         window blocks whose missing part a hit's window would need.
         """
         f = g.factor
@@ -502,7 +513,8 @@ class Planner:
         if g.kind is GroupKind.MAMBA:
             last = hi - 1  # the state after the block's last token
             if (((k + 1) * obs) % self._alignment or last < gs.num_freed
-                    or ids[last] == NULL_BLOCK_ID):
+                    or ids[last] == NULL_BLOCK_ID
+                    or (self._step_end_states and (k + 1) * obs not in state_ends)):
                 return None
             return [last]
         if g.kind is GroupKind.SLIDING_WINDOW:
@@ -539,10 +551,14 @@ class Planner:
         return [k for seg in range(start - start % step, stop, step)
                 for k in range(max(start, seg + step - width), min(seg + step, stop))]
 
-    @staticmethod
-    def _advance(st: RequestState, limits: list[int]) -> None:
+    def _advance(self, st: RequestState, limits: list[int]) -> None:
         for gs, limit in zip(st.groups, limits, strict=True):
             gs.next_stored = max(gs.next_stored, limit)
+        if st.state_ends:
+            done = min(gs.next_stored * g.offloaded_block_size
+                       for g, gs in zip(self._groups, st.groups, strict=True)
+                       if g.kind is GroupKind.MAMBA)
+            st.state_ends = {end for end in st.state_ends if end > done}
 
     # ------------------------------------------------------------- completion
 

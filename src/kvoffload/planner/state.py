@@ -45,6 +45,12 @@ class RequestState:
     """What the planner keeps for one live request.
 
     Invariant: ``jobs`` holds either exactly one load job or any number of store jobs.
+
+    ``state_ends``: token counts, multiples of the hit alignment, at which one of the
+    request's steps ended since its block table last restarted. A Mamba block holds the
+    state after its last token only if a step ended exactly there; a step ending mid-block
+    leaves the block with the step's input (or a partial) state, which must never be
+    stored as the boundary state.
     """
 
     request: RequestInfo
@@ -55,6 +61,7 @@ class RequestState:
     looked_up: bool = False
     deferred_steps: int = 0
     finished: bool = False
+    state_ends: set[int] = field(default_factory=set)
 
 
 @dataclass
