@@ -469,7 +469,10 @@ class ReferenceEngine:
         for e in entries:
             flops += preset.prefill_flops(e.start + e.count, e.start)
             if e.request.num_emitted:
-                iterations = max(iterations, e.count)
+                # Decode iterations: the new tokens only. Recomputing the prefix after a
+                # preemption or a failed load is prefill (its FLOPs count above).
+                new = e.start + e.count - max(e.start, e.request.high_water)
+                iterations = max(iterations, new)
         if self.checks is not None:
             self.checks.forward([(e.request, e.start, e.count) for e in entries])
         return flops, iterations
