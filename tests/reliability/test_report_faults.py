@@ -42,7 +42,7 @@ def test_a_report_for_a_job_never_issued_is_an_error() -> None:
 
 
 def test_reports_from_before_a_reset_are_ignored_and_the_load_fails() -> None:
-    h, req, job, _ = loading()
+    h, _, job, _ = loading()
     h.planner.reset_cache()
     outcome = h.report(job)  # the late report arrives after the reset
     assert outcome.finished_loads == ("r",)
@@ -53,7 +53,7 @@ def test_reports_from_before_a_reset_are_ignored_and_the_load_fails() -> None:
 
 
 def test_a_job_completes_only_when_every_rank_reported_and_fails_if_one_failed() -> None:
-    h, req, job, _ = loading(workers=2)
+    h, _, job, _ = loading(workers=2)
     assert h.report(job, rank=0).finished_loads == ()
     assert h.tier.usage().pinned_slots > 0  # still pinned: rank 1 has not reported
     outcome = h.report(rank=1, failed=[job])
