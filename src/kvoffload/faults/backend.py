@@ -11,11 +11,13 @@ It wraps a real backend and, per the ``FaultPlan`` (kinds ``fail``, ``hang``,
 * ``duplicate``: the job is reported again by the next ``poll`` (a backend bug the worker
   must detect: ``TransferWorker.backend_errors``);
 * ``reorder``: the job's report is held back one ``poll``, behind later jobs.
+
+``choose`` (tests) picks each job's fault instead of the plan's schedule.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvoffload.faults.plan import FaultKind, FaultLog, FaultPlan
 from kvoffload.jobs import Direction, JobId, TransferJob, TransferStats
@@ -29,8 +31,10 @@ BACKEND_KINDS = (FaultKind.FAIL, FaultKind.HANG, FaultKind.DUPLICATE, FaultKind.
 class FaultyBackend(TransferBackend):
     """See the module docstring."""
 
-    def __init__(self, inner: TransferBackend, plan: FaultPlan) -> None:
+    def __init__(self, inner: TransferBackend, plan: FaultPlan, *,
+                 choose: Callable[[TransferJob], FaultKind | None] | None = None) -> None:
         self.inner = inner
+        self.choose = choose
         self.plan = plan
         self.log = FaultLog()
         self._schedule = plan.schedule()
@@ -52,7 +56,8 @@ class FaultyBackend(TransferBackend):
         self._layout, self._pool = layout, pool
 
     def submit(self, job: TransferJob) -> None:
-        kind = self._schedule.decide(allowed=BACKEND_KINDS)
+        kind = (self.choose(job) if self.choose is not None
+                else self._schedule.decide(allowed=BACKEND_KINDS))
         self.log.jobs += 1
         if kind is None:
             self.inner.submit(job)
