@@ -63,8 +63,10 @@ class EngineMetrics:
         abandoned_loads: loads given up after ``EngineConfig.load_deadline_s``; their
             blocks stayed parked (``parked_blocks_peak`` at most) until the job reported.
         cache_resets: ``ReferenceEngine.reset_cache`` calls.
-        max_offload_wait_s: the longest a request waited on the offload path (deferred
-            lookups and its load, until it ran, recomputed or gave up), modelled seconds.
+        max_offload_wait_s: the longest a request waited on the offload path, modelled
+            seconds: for its load (until it reported or was given up), or in a run of
+            deferred lookups (until one answered; a step in which the engine did not ask
+            the request, busy with others, ends the run).
         deferral_give_ups: lookups deferred past the load deadline, run without offload.
         max_step_s: the longest step, flush stalls included (modelled seconds).
     """

@@ -389,6 +389,9 @@ class ReferenceEngine:
             if blocked or budget <= 0 or full:
                 blocked = True
                 kept.append(req)
+                # Not asked this step: it waits for the engine, not for the offload path
+                # (a later deferral starts a new wait, with a new deadline).
+                self._off_offload_path(req.request_id)
                 continue
             outcome, count = self._admit(req, entries, budget)
             if outcome is _Admission.DEFERRED:
@@ -421,6 +424,7 @@ class ReferenceEngine:
                     return _Admission.DEFERRED, 0
                 # Deferred past the deadline: run now with the engine's own hit only.
                 self.metrics.deferral_give_ups += 1
+            self._off_offload_path(rid)  # the lookup answered: its wait is over
             external = 0 if req.refuse_external or match.num_tokens is None \
                 else match.num_tokens
         if external > 0:
@@ -439,7 +443,7 @@ class ReferenceEngine:
             req.num_computed = local
             req.pending_hits = (local, external)
             self.loading[rid] = req
-            self._offload_since.setdefault(rid, self.clock)
+            self._offload_since[rid] = self.clock  # the load's own wait starts
             self._load_started[rid] = self.clock
             return _Admission.LOADING, 0
         count = min(req.num_tokens - local, budget, self.config.max_num_batched_tokens)
