@@ -200,5 +200,10 @@ class FaultyExecutor:
             times.append(self._held[0][0])
         return min(times, default=None)
 
+    @property
+    def num_held(self) -> int:
+        """Jobs withheld from the workers plus reports held back, now."""
+        return len(self._withheld) + len(self._held)
+
     def shutdown(self) -> None:
         self.inner.shutdown()

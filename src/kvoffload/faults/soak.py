@@ -226,7 +226,7 @@ class _Watch:
         assert planner is not None and host is not None
         report.pinned.see(host.usage().pinned_slots)
         report.fenced.see(planner.fence_size)
-        report.pending.see(planner.num_jobs + (1 if self.faulty.next_release() else 0))
+        report.pending.see(planner.num_jobs + self.faulty.num_held)
         report.parked.see(engine.num_parked_loads)
 
     def check(self) -> None:
