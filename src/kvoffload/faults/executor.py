@@ -95,12 +95,15 @@ class FaultyExecutor:
             if kind is FaultKind.FAIL:
                 self._failing[job.job_id] = job
             elif kind in (FaultKind.HANG, FaultKind.LATE):
+                # A late job lands when the reset's flush waits for it (no extra
+                # modelled delay); without a reset it behaves as a hang.
                 release = now + self.plan.hang_s
                 self._withheld[job.job_id] = (release, job)
-                self._until[job.job_id] = release
                 withheld.add(job.job_id)
                 if kind is FaultKind.LATE:
                     self.reset_requested = True
+                else:
+                    self._until[job.job_id] = release
         flush = set(plan.flush)
         due = [job for at, job in self._withheld.values() if at <= now or job.job_id in flush]
         for job in due:
