@@ -24,10 +24,13 @@ def loading(workers: int = 1) -> tuple[Harness, object, JobId, tuple[int, ...]]:
     return h, req, load.job_id, (1, 2, 3, 4)
 
 
-def test_a_duplicate_report_is_counted_and_changes_nothing() -> None:
+def test_a_duplicate_report_is_counted_logged_and_changes_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
     h, _, job, _ = loading()
     assert h.report(job).finished_loads == ("r",)
-    again = h.report(job)
+    with caplog.at_level("WARNING"):
+        again = h.report(job)
+    assert "duplicate job reports" in caplog.text
     assert again.finished_loads == () and again.failed_loads == ()
     assert h.planner.stats.duplicate_reports == 1
     h.planner.check_integrity()

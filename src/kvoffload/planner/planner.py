@@ -25,6 +25,7 @@ The planner decides every transfer and never moves a byte. Its promises:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import cast
 
@@ -55,6 +56,8 @@ from kvoffload.planner.fence import Fence
 from kvoffload.planner.lookup import BlockReadable, GroupView, combined_hit_end, lookup_order
 from kvoffload.planner.state import GroupState, JobState, PlannedLoad, RequestState
 from kvoffload.tiers.base import LookupResult, Tier, TierEvent
+
+logger = logging.getLogger(__name__)
 
 
 class Planner:
@@ -575,6 +578,7 @@ class Planner:
         released = self._early_released
         self._early_finished, self._early_failed, self._early_released = [], [], []
         failed_stores = 0
+        duplicates = self.stats.duplicate_reports
         for report in reports:
             if not 0 <= report.rank < self.config.num_workers:
                 raise InvariantError(f"report from rank {report.rank}; num_workers is "
@@ -592,6 +596,10 @@ class Planner:
                             failures.append(LoadFailure(js.request_id, js.num_local_tokens))
                     elif js.failed:
                         failed_stores += 1
+        if self.stats.duplicate_reports > duplicates:
+            # Only a faulty worker reports a job twice: ignored, but never silently.
+            logger.warning("ignored %d duplicate job reports (a worker reported a job it "
+                           "had reported already)", self.stats.duplicate_reports - duplicates)
         self.tier.update_from_tier_reports(reports)
         self.stats.failed_loads += len(failures)
         self.stats.failed_stores += failed_stores
