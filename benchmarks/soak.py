@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -105,6 +106,8 @@ def main() -> int:
     if not args.trace.is_file():
         print(f"no trace at {args.trace}; set KVOFFLOAD_TRACE", file=sys.stderr)
         return 2
+    # Faults are injected on purpose: their warnings would drown the figures.
+    logging.getLogger("kvoffload").setLevel(logging.ERROR)
     plan = FaultPlan.parse(args.faults, seed=args.seed)
     plan = FaultPlan(plan.rate, plan.kinds, seed=plan.seed, hang_s=args.hang)
     sim = SimulationConfig(

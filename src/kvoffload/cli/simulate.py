@@ -133,6 +133,10 @@ def run_soak_command(args: argparse.Namespace, config: SimulationConfig,
     from kvoffload.faults.plan import FaultPlan
     from kvoffload.faults.soak import SoakConfig, run_soak
 
+    import logging
+
+    # Faults are injected on purpose: their warnings would drown the figures.
+    logging.getLogger("kvoffload").setLevel(logging.ERROR)
     parsed = FaultPlan.parse(args.faults, seed=args.fault_seed)
     if not (args.load_deadline > 0 and args.hang > 0):
         raise ConfigError("--load-deadline/--hang", "must be positive seconds",
