@@ -127,13 +127,12 @@ def run(args: argparse.Namespace) -> int:
 def run_soak_command(args: argparse.Namespace, config: SimulationConfig,
                      workload: Iterable[WorkloadRequest]) -> int:
     """``--faults``: a soak run (``kvoffload.faults.soak``); prints its figures."""
+    import logging
     from dataclasses import replace
 
     from kvoffload.errors import ConfigError
     from kvoffload.faults.plan import FaultPlan
     from kvoffload.faults.soak import SoakConfig, run_soak
-
-    import logging
 
     # Faults are injected on purpose: their warnings would drown the figures.
     logging.getLogger("kvoffload").setLevel(logging.ERROR)
