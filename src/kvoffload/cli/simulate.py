@@ -134,15 +134,20 @@ def run_soak_command(args: argparse.Namespace, config: SimulationConfig,
     from kvoffload.faults.plan import FaultPlan
     from kvoffload.faults.soak import SoakConfig, run_soak
 
-    # Faults are injected on purpose: their warnings would drown the figures.
-    logging.getLogger("kvoffload").setLevel(logging.ERROR)
     parsed = FaultPlan.parse(args.faults, seed=args.fault_seed)
     if not (args.load_deadline > 0 and args.hang > 0):
         raise ConfigError("--load-deadline/--hang", "must be positive seconds",
                           "Give e.g. --load-deadline 5 --hang 30.")
     plan = replace(parsed, hang_s=args.hang)
-    report = run_soak(SoakConfig(replace(config, baseline=False), plan,
-                                 load_deadline_s=args.load_deadline), workload)
+    # Faults are injected on purpose: their warnings would drown the figures.
+    log = logging.getLogger("kvoffload")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        report = run_soak(SoakConfig(replace(config, baseline=False), plan,
+                                     load_deadline_s=args.load_deadline), workload)
+    finally:
+        log.setLevel(level)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
