@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvoffload.engine.executors import AccountingExecutor, TransferExecutor
 from kvoffload.engine.replay import replay
@@ -30,6 +30,11 @@ from kvoffload.engine.workloads.request import WorkloadRequest
 from kvoffload.faults.executor import FaultyExecutor, Garble
 from kvoffload.faults.plan import FaultPlan
 from kvoffload.jobs import Direction, TransferJob
+
+if TYPE_CHECKING:  # bytes mode only: torch
+    import torch
+
+    from kvoffload.engine.device import DeviceCaches
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,7 @@ class Garbler:
     """Writes garbage where a failed job was to write (``faults.executor.Garble``):
     the engine blocks of a load, the host slots of a store (bytes mode)."""
 
-    def __init__(self, device: Any, arena: Any) -> None:
+    def __init__(self, device: DeviceCaches, arena: torch.Tensor) -> None:
         self.device = device
         self.arena = arena
 
