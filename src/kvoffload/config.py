@@ -131,6 +131,11 @@ class OffloadConfig:
         eviction_policy: name of a registered eviction policy ("lru", "arc", ...).
         max_deferred_steps: a request told "ask again later" this many times in a row gets
             a 0-token answer instead (no request waits forever).
+        mamba_states_every_block: Mamba groups only. False (the default; vLLM's "align"
+            cache mode): a block holds the state after its last token only if one of the
+            request's steps ended exactly there, so that is the only state the planner
+            stores. True: the engine checkpoints the state at every block boundary it
+            computes, so every real Mamba block of the table holds its boundary state.
     """
 
     groups: tuple[GroupSpec, ...]
@@ -140,6 +145,7 @@ class OffloadConfig:
     num_workers: int = 1
     eviction_policy: str = "lru"
     max_deferred_steps: int = 64
+    mamba_states_every_block: bool = False
     resolved: tuple[ResolvedGroup, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

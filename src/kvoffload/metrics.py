@@ -20,6 +20,7 @@ class PlannerStats:
     failed_stores: int = 0
     stale_reports: int = 0
     duplicate_reports: int = 0
+    abandoned_loads: int = 0
     blocks_loaded: dict[int, int] = field(default_factory=dict)
     blocks_stored: dict[int, int] = field(default_factory=dict)
 

@@ -41,11 +41,13 @@ def mamba(block_size: int = 4, alignment: int | None = None, name: str = "mamba"
 
 def make_config(*groups: GroupSpec, hash_block_size: int = 4, factor: int = 1,
                 slots: int = 1000, workers: int = 1, max_deferred: int = 3,
-                policy: str = "lru") -> OffloadConfig:
+                policy: str = "lru", every_block: bool = False) -> OffloadConfig:
+    # By default a Mamba state exists only where a step ends (vLLM's align mode);
+    # ``every_block`` models an engine that checkpoints it at every block boundary.
     return OffloadConfig(groups=groups, hash_block_size=hash_block_size,
                          block_size_factor=factor, num_workers=workers,
                          host_capacity_bytes=slots, eviction_policy=policy,
-                         max_deferred_steps=max_deferred)
+                         max_deferred_steps=max_deferred, mamba_states_every_block=every_block)
 
 
 def three_groups(**kwargs: int) -> OffloadConfig:

@@ -46,6 +46,8 @@ def layouts(draw: st.DrawFn) -> OffloadConfig:
         host_capacity_bytes=draw(st.integers(2, 64)),
         eviction_policy=draw(st.sampled_from(["lru", "arc", "hybrid"])),
         max_deferred_steps=draw(st.integers(1, 8)),
+        # Mamba states only where a step ends (vLLM's align mode), or at every block end.
+        mamba_states_every_block=draw(st.booleans()),
     )
 
 

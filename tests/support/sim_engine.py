@@ -239,16 +239,23 @@ class SimEngine:
                     self._release(table[pos])
                     table[pos] = NULL_BLOCK_ID
 
+    def _state_at_step_end(self, group: int) -> bool:
+        """Whether ``group`` is a Mamba group whose state exists only where a step ends
+        (vLLM's align mode); with ``mamba_states_every_block`` every block end has one."""
+        return (self.groups[group].kind is GroupKind.MAMBA
+                and not self.config.mamba_states_every_block)
+
     def _write(self, req: SimRequest, start: int, end: int) -> None:
         """The forward pass: write KV for tokens ``[start, end)``.
 
-        A Mamba group gets one state, the one at ``end``, in the block holding ``end``: the
-        blocks whose ends the step crossed never see the state at their end.
+        A Mamba group (unless ``mamba_states_every_block``) gets one state, the one at
+        ``end``, in the block holding ``end``: the blocks whose ends the step crossed never
+        see the state at their end.
         """
         for gi, table in enumerate(req.tables):
             bs = self.groups[gi].spec.block_size
             first = start // bs
-            if self.groups[gi].kind is GroupKind.MAMBA:
+            if self._state_at_step_end(gi):
                 first = max(first, -(-end // bs) - 1)
             for pos in range(first, -(-end // bs)):
                 block = table[pos]
@@ -274,7 +281,7 @@ class SimEngine:
         for gi, table in enumerate(req.tables):
             bs = self.groups[gi].spec.block_size
             positions = range(min(len(table), -(-c // bs)))
-            if self.groups[gi].kind is GroupKind.MAMBA:
+            if self._state_at_step_end(gi):
                 positions = positions[-1:]  # the one state the step reads: the one at c
             for pos in positions:
                 block = table[pos]
@@ -438,7 +445,7 @@ class SimEngine:
         for gi, table in enumerate(req.tables):
             bs = self.groups[gi].spec.block_size
             positions = range(min(len(table), c // bs))
-            if self.groups[gi].kind is GroupKind.MAMBA:
+            if self._state_at_step_end(gi):
                 positions = positions[-1:]  # a load brings the one state at the hit
             for pos in positions:
                 block = table[pos]

@@ -131,8 +131,10 @@ def hybrid_config(*, host_slots: int, num_workers: int = 2,
     groups = (GroupSpec(GroupKind.FULL_ATTENTION, 4, name="fa"),
               GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8, name="swa"),
               GroupSpec(GroupKind.MAMBA, 4, name="mamba"))
+    # The simulated engine writes every block's boundary state, Mamba included.
     base = OffloadConfig(groups=groups, hash_block_size=4, host_capacity_bytes=host_slots,
-                         num_workers=num_workers, max_deferred_steps=max_deferred_steps)
+                         num_workers=num_workers, max_deferred_steps=max_deferred_steps,
+                         mamba_states_every_block=True)
     return with_pages(base, host_slots)
 
 

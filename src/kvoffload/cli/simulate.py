@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import textwrap
+from collections.abc import Iterable
 
 from kvoffload.cli.common import (
     add_engine_options,
@@ -18,7 +19,8 @@ from kvoffload.cli.common import (
     workload_spec,
 )
 from kvoffload.cli.report import simulation_dict, simulation_text
-from kvoffload.engine.simulation import Mode, simulate
+from kvoffload.engine.simulation import Mode, SimulationConfig, simulate
+from kvoffload.engine.workloads.request import WorkloadRequest
 
 EPILOG = textwrap.dedent("""\
     examples:
@@ -31,6 +33,8 @@ EPILOG = textwrap.dedent("""\
       kvoffload simulate --trace ../shared/traces/mooncake_conversation_trace.jsonl \\
           --limit 500 --mode accounting --plot run.png
       kvoffload simulate --json | jq .offload.host_hit_rate
+      kvoffload simulate --faults 0.02                     # soak: faults, checks, figures
+      kvoffload simulate --faults 0.05,fail,hang --load-deadline 2 --workload agentic
 
     What it does: the reference engine (a hybrid prefix-caching block pool, chunked prefill,
     decode, preemption) runs the workload twice: with kvoffload's planner, host tier and
@@ -38,6 +42,13 @@ EPILOG = textwrap.dedent("""\
     checks every loaded byte; accounting mode moves nothing and is much faster. Every figure
     uses the model's real page sizes. TTFT is modelled from prefill FLOPs at --flops and
     loaded bytes at --bandwidth.
+
+    With --faults RATE[,KIND...] the run is a soak instead: that share of transfer jobs
+    fail, hang past the load deadline, report twice, report after a cache reset, report
+    out of order, or report on one of two ranks only (kinds: fail, hang, duplicate, late,
+    reorder, partial; default all). Every loaded byte is verified (bytes mode), the
+    bookkeeping is checked every modelled minute, and the soak figures are printed; the
+    exit status is 1 unless the run is clean (docs/reliability.md).
     """)
 
 
@@ -68,6 +79,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                              "e.g. redis://127.0.0.1:6379/0")
     parser.add_argument("--check", action="store_true",
                         help="check the pool's and planner's bookkeeping every step (slow)")
+    faults = parser.add_argument_group("faults (soak)")
+    faults.add_argument("--faults", metavar="RATE[,KIND...]", default=None,
+                        help="inject faults into that share of transfer jobs and print the "
+                             "soak figures instead of the comparison")
+    faults.add_argument("--fault-seed", type=int, default=0, metavar="N",
+                        help="seed of the fault schedule (default 0)")
+    faults.add_argument("--load-deadline", type=float, default=5.0, metavar="S",
+                        help="modelled seconds a request waits for a load before it "
+                             "recomputes (default 5)")
+    faults.add_argument("--hang", type=float, default=30.0, metavar="S",
+                        help="modelled seconds a hung transfer is late (default 30)")
     add_workload_options(parser, default_limit=None)
     add_engine_options(parser)
     add_output_options(parser)
@@ -89,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
 
         config = replace(config, baseline=False)
     workload = spec.load()
+    if args.faults is not None:
+        return run_soak_command(args, config, workload)
     show = not (args.quiet or args.json)
     with progress_bar(show) as start:
         total = spec.count() if show else 0
@@ -107,3 +131,34 @@ def run(args: argparse.Namespace) -> int:
         if args.plot is not None:
             print(f"  plot written to {args.plot}")
     return 0 if result.offload.wrong_bytes == 0 else 1
+
+
+def run_soak_command(args: argparse.Namespace, config: SimulationConfig,
+                     workload: Iterable[WorkloadRequest]) -> int:
+    """``--faults``: a soak run (``kvoffload.faults.soak``); prints its figures."""
+    import logging
+    from dataclasses import replace
+
+    from kvoffload.errors import ConfigError
+    from kvoffload.faults.plan import FaultPlan
+    from kvoffload.faults.soak import SoakConfig, run_soak
+
+    parsed = FaultPlan.parse(args.faults, seed=args.fault_seed)
+    if not (args.load_deadline > 0 and args.hang > 0):
+        raise ConfigError("--load-deadline/--hang", "must be positive seconds",
+                          "Give e.g. --load-deadline 5 --hang 30.")
+    plan = replace(parsed, hang_s=args.hang)
+    # Faults are injected on purpose: their warnings would drown the figures.
+    log = logging.getLogger("kvoffload")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        report = run_soak(SoakConfig(replace(config, baseline=False), plan,
+                                     load_deadline_s=args.load_deadline), workload)
+    finally:
+        log.setLevel(level)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.text())
+    return 0 if report.ok else 1

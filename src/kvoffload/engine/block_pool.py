@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvoffload.config import GroupKind, GroupSpec
@@ -45,6 +45,9 @@ from kvoffload.engine.group_policies import GroupPolicy, cdiv, lookup_order, mak
 from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.jobs import NULL_BLOCK_ID
 from kvoffload.keys import BlockHash
+
+MAX_AVOID_SCAN = 256
+"""Free blocks the allocator passes over per allocation at most (``HybridBlockPool.avoid``)."""
 
 _CacheKey = tuple[int, BlockHash]
 
@@ -141,6 +144,10 @@ class HybridBlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._requests: dict[str, _Tables] = {}
         self._evictions = 0
+        self.avoid: Callable[[int], bool] | None = None
+        """Free blocks to hand out last (say, still used by a stuck transfer): the
+        allocator passes over up to ``MAX_AVOID_SCAN`` of them at the free queue's front
+        and takes them only when nothing else is free there."""
 
     # ------------------------------------------------------------------ lookups
 
@@ -316,8 +323,16 @@ class HybridBlockPool:
         """Take ``count`` blocks from the free queue's front, evicting their cached contents."""
         free, keys, cached, ref = self._free, self._key, self._cached, self._ref
         out = []
+        avoid = self.avoid
+        passed: list[int] = []
         for _ in range(count):
-            block, _ = free.popitem(last=False)
+            if not free:  # only passed-over blocks are left
+                block = passed.pop(0)
+            else:
+                block, _ = free.popitem(last=False)
+            while avoid is not None and len(passed) < MAX_AVOID_SCAN and free and avoid(block):
+                passed.append(block)
+                block, _ = free.popitem(last=False)
             key = keys[block]
             if key is not None:
                 del cached[key]
@@ -325,6 +340,9 @@ class HybridBlockPool:
                 self._evictions += 1
             ref[block] = 1
             out.append(block)
+        for block in reversed(passed):  # back to the front, in their order
+            free[block] = None
+            free.move_to_end(block, last=False)
         return out
 
     def _release(self, blocks: Iterable[int]) -> None:
@@ -420,6 +438,15 @@ class HybridBlockPool:
             raise KeyError(f"unknown request {request_id!r}")
         for table in req.tables:
             self._release(reversed(table))
+
+    def rename(self, request_id: str, new_id: str) -> None:
+        """Hand every block of ``request_id`` to the new owner ``new_id`` (which must not
+        exist). The engine parks the blocks of a load it gave up on this way: they stay
+        allocated, so nobody reuses them, until the late transfer is over."""
+        if new_id in self._requests:
+            raise ValueError(f"request {new_id!r} already holds blocks")
+        self._requests[new_id] = self._require(request_id)
+        del self._requests[request_id]
 
     # ------------------------------------------------------------ introspection
 

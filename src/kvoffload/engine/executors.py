@@ -19,7 +19,7 @@ tensors, with every loaded byte verified).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvoffload.jobs import (
     JobId,
@@ -45,6 +45,21 @@ class TransferExecutor(Protocol):
 
     def shutdown(self) -> None:
         """Release threads and memory; no call follows."""
+
+
+@runtime_checkable
+class HoldsReports(Protocol):
+    """An executor that may hold reports back in modelled time (``kvoffload.faults``).
+
+    The engine asks it when a held job reports (a flush of that job waits until then),
+    and keeps running while anything is held, so a run never ends with a job in flight.
+    """
+
+    def held_until(self, job_id: JobId) -> float:
+        """Modelled time at which ``job_id``'s last held report is released; 0 if none."""
+
+    def next_release(self) -> float | None:
+        """The earliest release time of a held report, or None when nothing is held."""
 
 
 JobFilter = Callable[[TransferJob], bool]

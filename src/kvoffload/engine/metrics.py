@@ -60,6 +60,15 @@ class EngineMetrics:
             ``GroupTransfer`` implies (``first_block_index + i``; bytes mode checks it).
         peak_host_bytes_by_group: the most each group held at any sample.
         moved_*: bytes and measured seconds of the real worker (bytes mode only).
+        abandoned_loads: loads given up after ``EngineConfig.load_deadline_s``; their
+            blocks stayed parked (``parked_blocks_peak`` at most) until the job reported.
+        cache_resets: ``ReferenceEngine.reset_cache`` calls.
+        max_offload_wait_s: the longest a request waited on the offload path, modelled
+            seconds: for its load (until it reported or was given up), or in a run of
+            deferred lookups (until one answered; a step in which the engine did not ask
+            the request, busy with others, ends the run).
+        deferral_give_ups: lookups deferred past the load deadline, run without offload.
+        max_step_s: the longest step, flush stalls included (modelled seconds).
     """
 
     num_groups: int
@@ -86,6 +95,12 @@ class EngineMetrics:
     cum_prompt_tokens: int = 0
     cum_engine_hit_tokens: int = 0
     cum_host_hit_tokens: int = 0
+    abandoned_loads: int = 0
+    parked_blocks_peak: int = 0
+    cache_resets: int = 0
+    max_offload_wait_s: float = 0.0
+    deferral_give_ups: int = 0
+    max_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.traffic:

@@ -106,9 +106,12 @@ class _Feeder:
 
 def replay(engine: ReferenceEngine, workload: Iterable[WorkloadRequest], *,
            arrival: Arrival = Arrival.TRACE, max_queued: int = 256,
-           progress: Progress | None = None) -> EngineMetrics:
+           progress: Progress | None = None,
+           after_step: Callable[[], None] | None = None) -> EngineMetrics:
     """Run ``workload`` through ``engine`` until every request finished and every transfer
     was reported; return the engine's metrics (see the module docstring).
+
+    ``after_step`` is called after every step (checks and fault drivers of a soak run).
 
     Raises whatever the engine raises (``ConfigError`` for a workload the engine cannot
     hold, ``TraceError`` from a malformed trace as the reader reaches it).
@@ -123,6 +126,8 @@ def replay(engine: ReferenceEngine, workload: Iterable[WorkloadRequest], *,
     while True:
         feeder.pull(engine)
         active = engine.step()
+        if after_step is not None:
+            after_step()
         since_finish += 1
         if since_finish > MAX_STEPS_WITHOUT_FINISH:
             raise InvariantError(

@@ -28,6 +28,13 @@ the planner through its public contract exactly as an engine adapter would:
    mode); a failed or corrupt load frees the request and re-admits it to recompute
    (accepting no external tokens from then on). A load that reaches the last
    token (full-attention-only models) leaves that token to be recomputed.
+7. With ``EngineConfig.load_deadline_s``, a request whose load has not reported by then
+   gives up (``Planner.abandon_load``): it recomputes into fresh blocks, accepting no
+   external tokens, while the blocks the load still writes stay parked (allocated to no
+   request) until ``released_loads`` names the job. A transfer cannot be cancelled, so
+   handing those blocks out earlier would let the late copy corrupt them. A request
+   whose lookup is deferred ("ask again later") past the deadline runs with the engine's
+   own prefix hit only.
 
 Time is modelled (``timing``): a step lasts as long as its FLOPs or decode iterations
 take on the modelled accelerator, a transfer as long as its bytes take on the link.
@@ -43,7 +50,7 @@ from typing import TYPE_CHECKING
 
 from kvoffload.config import GroupKind, OffloadConfig
 from kvoffload.engine.block_pool import Allocation, HybridBlockPool
-from kvoffload.engine.executors import AccountingExecutor, TransferExecutor
+from kvoffload.engine.executors import AccountingExecutor, HoldsReports, TransferExecutor
 from kvoffload.engine.metrics import EngineMetrics, Sample
 from kvoffload.engine.model_presets import ModelLayout
 from kvoffload.engine.requests import EngineRequest, Status
@@ -88,6 +95,8 @@ class EngineConfig:
         sample_interval_s: modelled seconds between two ``Sample`` values.
         check_integrity: check the pool's and the planner's bookkeeping every step (slow;
             for tests).
+        load_deadline_s: modelled seconds a request waits for its load before it gives
+            up and recomputes (module docstring, point 7); None waits for ever.
     """
 
     num_blocks: int
@@ -96,8 +105,12 @@ class EngineConfig:
     decode_tokens_per_step: int = 1
     sample_interval_s: float = 1.0
     check_integrity: bool = False
+    load_deadline_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.load_deadline_s is not None and not self.load_deadline_s > 0:
+            raise ConfigError("load_deadline_s", f"must be positive, got {self.load_deadline_s}",
+                              "Give seconds, or None to wait for every load.")
         for name in ("max_num_batched_tokens", "max_num_seqs", "decode_tokens_per_step"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}",
@@ -217,6 +230,14 @@ class ReferenceEngine:
         self._reports: list[tuple[JobId, int, bool]] = []
         self._tier_reports: list[tuple[TierJobId, int, bool]] = []
         self._next_sample = 0.0
+        self._holder = self.executor if isinstance(self.executor, HoldsReports) else None
+        self._parked: dict[JobId, str] = {}
+        """Abandoned load -> the pool owner holding its request's blocks until it reports."""
+        self._offload_since: dict[str, float] = {}
+        """When each request went onto the offload path (deferred, or loading)."""
+        self._load_started: dict[str, float] = {}
+        if self.planner is not None:
+            self.pool.avoid = self._used_by_overdue_job
 
     # ------------------------------------------------------------------ requests
 
@@ -230,13 +251,32 @@ class ReferenceEngine:
         self.waiting.append(request)
 
     def has_pending_transfers(self) -> bool:
-        return (bool(self._jobs or self._tier_reports or len(self.tier_transfers))
+        return (bool(self._jobs or self._tier_reports or len(self.tier_transfers)
+                     or self._parked)
+                or (self._holder is not None and self._holder.next_release() is not None)
                 or (self.planner is not None and self.planner.has_pending_work()))
 
     def next_transfer_completion(self) -> float | None:
         times = [t for t in (self.transfers.next_completion(),
-                             self.tier_transfers.next_completion()) if t is not None]
-        return min(times, default=None)
+                             self.tier_transfers.next_completion(),
+                             self._holder.next_release() if self._holder else None,
+                             self._next_deadline()) if t is not None]
+        # A job held past its modelled completion leaves a time in the past: look beyond.
+        future = [t for t in times if t > self.clock]
+        return min(future, default=min(times, default=None))
+
+    def _next_deadline(self) -> float | None:
+        deadline = self.config.load_deadline_s
+        if deadline is None or not self._load_started:
+            return None
+        return min(self._load_started.values()) + deadline
+
+    def reset_cache(self) -> None:
+        """Drop everything offloaded (``Planner.reset_cache``): loads in flight fail
+        (their requests recompute) and late reports of earlier jobs are ignored."""
+        if self.planner is not None:
+            self.planner.reset_cache()
+            self.metrics.cache_resets += 1
 
     # ---------------------------------------------------------------------- step
 
@@ -247,6 +287,7 @@ class ReferenceEngine:
             # existence checks, so let them land before the lookups of this step.
             self.tier.wait_idle()
         budget = self.config.max_num_batched_tokens * self.config.decode_tokens_per_step
+        self._give_up_late_loads()
         entries: list[_Entry] = []
         preempted: list[str] = []
         budget = self._schedule_running(entries, preempted, budget)
@@ -265,7 +306,7 @@ class ReferenceEngine:
             # flush makes the worker run it before that pass (a planner bug: counted, and
             # in bytes mode the verification shows what it stored).
             self.metrics.same_step_flushes += len(stores.intersection(plan.flush))
-            done = max(self.transfers.done_at(j) for j in plan.flush)
+            done = max(self._done_at(j) for j in plan.flush)
             if done > start:
                 self.metrics.flush_stall_s += done - start
                 start = done
@@ -281,6 +322,7 @@ class ReferenceEngine:
             self._submitted(job, start)
         flops, iterations = self._forward(entries)
         end = start + (self.timing.step_seconds(flops, iterations) if entries else 0.0)
+        self.metrics.max_step_s = max(self.metrics.max_step_s, end - self.clock)
         self._after_forward(entries, end)
         self.executor.end_step()
         for job in plan.stores:
@@ -307,7 +349,8 @@ class ReferenceEngine:
             alloc = self.pool.allocate(req.request_id, start + count, start)
             while alloc is None:
                 victim = self.running[-1]
-                if victim is req and len(self.running) == 1 and not self.loading:
+                if (victim is req and len(self.running) == 1 and not self.loading
+                        and not self._parked):
                     raise ConfigError(
                         "engine capacity",
                         f"request {req.request_id} alone needs more than the engine's "
@@ -378,12 +421,15 @@ class ReferenceEngine:
             if blocked or budget <= 0 or full:
                 blocked = True
                 kept.append(req)
+                # Not asked this step: it waits for the engine, not for the offload path
+                # (a later deferral starts a new wait, with a new deadline).
+                self._off_offload_path(req.request_id)
                 continue
             outcome, count = self._admit(req, entries, budget)
             if outcome is _Admission.DEFERRED:
                 kept.append(req)
             elif outcome is _Admission.NO_ROOM:
-                if not self.running and not self.loading:
+                if not self.running and not self.loading and not self._parked:
                     raise ConfigError(
                         "engine capacity",
                         f"request {req.request_id} ({req.num_tokens} tokens) does not fit "
@@ -403,9 +449,16 @@ class ReferenceEngine:
         external = 0
         if self.planner is not None:
             match = self.planner.get_num_new_matched_tokens(req, local)
+            deadline = self.config.load_deadline_s
             if match.num_tokens is None:
-                return _Admission.DEFERRED, 0
-            external = 0 if req.refuse_external else match.num_tokens
+                since = self._offload_since.setdefault(rid, self.clock)
+                if deadline is None or self.clock - since < deadline:
+                    return _Admission.DEFERRED, 0
+                # Deferred past the deadline: run now with the engine's own hit only.
+                self.metrics.deferral_give_ups += 1
+            self._off_offload_path(rid)  # the lookup answered: its wait is over
+            external = 0 if req.refuse_external or match.num_tokens is None \
+                else match.num_tokens
         if external > 0:
             end = local + external
             if self.pool.allocate(rid, end, end, hit=hit) is None:
@@ -422,6 +475,8 @@ class ReferenceEngine:
             req.num_computed = local
             req.pending_hits = (local, external)
             self.loading[rid] = req
+            self._offload_since[rid] = self.clock  # the load's own wait starts
+            self._load_started[rid] = self.clock
             return _Admission.LOADING, 0
         count = self._chunk(req, local, budget)
         alloc = self.pool.allocate(rid, local + count, local, hit=hit)
@@ -434,6 +489,7 @@ class ReferenceEngine:
         req.status = Status.RUNNING
         req.num_computed = local
         req.send_full_table = True
+        self._off_offload_path(rid)
         self._started(req, local, 0, 0)
         self.running.append(req)
         entries.append(self._entry(req, local, count, alloc))
@@ -449,7 +505,10 @@ class ReferenceEngine:
         for e in entries:
             flops += preset.prefill_flops(e.start + e.count, e.start)
             if e.request.num_emitted:
-                iterations = max(iterations, e.count)
+                # Decode iterations: the new tokens only. Recomputing the prefix after a
+                # preemption or a failed load is prefill (its FLOPs count above).
+                new = e.start + e.count - max(e.start, e.request.high_water)
+                iterations = max(iterations, new)
         if self.checks is not None:
             self.checks.forward([(e.request, e.start, e.count) for e in entries])
         return flops, iterations
@@ -557,8 +616,10 @@ class ReferenceEngine:
         return bool(due or tier_due or outcome.finished_loads)
 
     def _account(self, job_id: JobId, failed: bool) -> None:
-        job = self._jobs.pop(job_id)
+        job = self._jobs.pop(job_id, None)
         self.transfers.forget(job_id)
+        if job is None:
+            return  # a second report of the job: the planner counts (or rejects) it
         for g, n in job.blocks:
             traffic = self.metrics.traffic[g]
             if failed:
@@ -571,11 +632,17 @@ class ReferenceEngine:
                 traffic.loaded_bytes += n * self._real_block_bytes[g]
 
     def _loads_done(self, outcome: ReportOutcome) -> None:
+        for job_id in outcome.released_loads:
+            owner = self._parked.pop(job_id, None)
+            if owner is not None:
+                self.pool.free(owner)
         failed = {f.request_id for f in outcome.failed_loads}
         for rid in outcome.finished_loads:
             req = self.loading.pop(rid, None)
             if req is None:
                 continue
+            self._load_started.pop(rid, None)
+            self._off_offload_path(rid)
             job = self._load_jobs.pop(rid, None)
             if rid in failed:
                 # Recompute from the engine's own prefix: the re-admission accepts no
@@ -600,6 +667,61 @@ class ReferenceEngine:
             req.status = Status.RUNNING
             req.send_full_table = True
             self.running.append(req)
+
+    def _done_at(self, job_id: JobId) -> float:
+        """When ``job_id`` reports: its modelled transfer, or later if its report is held."""
+        done = self.transfers.done_at(job_id)
+        if self._holder is not None:
+            done = max(done, self._holder.held_until(job_id))
+        return done
+
+    def _used_by_overdue_job(self, block: int) -> bool:
+        """Whether a job that should have reported by now still uses ``block``: reusing
+        it would make the next plan flush that job, stalling the step behind it."""
+        assert self.planner is not None
+        clock = self.clock
+        return any(self.transfers.done_at(j) < clock
+                   for j in self.planner.jobs_fencing((block,)))
+
+    def _off_offload_path(self, rid: str) -> None:
+        since = self._offload_since.pop(rid, None)
+        if since is not None:
+            self.metrics.max_offload_wait_s = max(self.metrics.max_offload_wait_s,
+                                                  self.clock - since)
+
+    def _give_up_late_loads(self) -> None:
+        """Abandon loads older than the deadline (module docstring, point 7)."""
+        deadline = self.config.load_deadline_s
+        if deadline is None or self.planner is None:
+            return
+        late = [rid for rid, t in self._load_started.items() if self.clock - t >= deadline]
+        for rid in late:
+            del self._load_started[rid]
+            req = self.loading.pop(rid)
+            self._load_jobs.pop(rid, None)
+            self._off_offload_path(rid)
+            job_id = self.planner.abandon_load(req)
+            req.refuse_external = True
+            req.record.failed_loads += 1
+            self.metrics.abandoned_loads += 1
+            if job_id is None:
+                self._requeue(req)
+                continue
+            owner = f"{rid}\x00parked-load-{job_id}"
+            self.pool.rename(rid, owner)
+            self._parked[job_id] = owner
+            parked = sum(len(t) for o in self._parked.values()
+                         for t in self.pool.block_table(o))
+            self.metrics.parked_blocks_peak = max(self.metrics.parked_blocks_peak, parked)
+            req.status = Status.WAITING
+            req.num_computed = 0
+            req.send_full_table = True
+            self.waiting.appendleft(req)
+
+    @property
+    def num_parked_loads(self) -> int:
+        """Abandoned loads whose blocks are still parked (their job has not reported)."""
+        return len(self._parked)
 
     def _loaded_by_tier(self) -> dict[tuple[str, int], int]:
         """Blocks the cascade has handed to loads so far, by (tier they came from, group)."""

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvoffload.jobs import JobId
 from kvoffload.keys import BlockHash
 
 
@@ -116,8 +117,11 @@ class ReportOutcome:
             run them (or free them, if they were aborted).
         failed_loads: the subset of ``finished_loads`` that failed.
         failed_stores: number of store jobs that failed (their slots are free again).
+        released_loads: loads the engine gave up on (``Planner.abandon_load``) that are
+            now over; the engine blocks they were writing may be reused from now on.
     """
 
     finished_loads: tuple[str, ...] = ()
     failed_loads: tuple[LoadFailure, ...] = ()
     failed_stores: int = 0
+    released_loads: tuple[JobId, ...] = ()

@@ -17,11 +17,15 @@ The planner decides every transfer and never moves a byte. Its promises:
   groups are fenced as soon as their store is created, the rest when the request finishes;
   a fenced block allocated again puts its jobs into the next plan's ``flush``;
 * a failed transfer frees its slots and, for a load, tells the engine to recompute;
+* a load the engine gives up on (``abandon_load``: it waited past its deadline) keeps its
+  keys pinned and its engine blocks fenced until it reports; the engine must not reuse
+  those blocks until ``ReportOutcome.released_loads`` names the job;
 * a deferred lookup ("ask again later") is answered within ``max_deferred_steps`` steps.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import cast
 
@@ -53,6 +57,8 @@ from kvoffload.planner.lookup import BlockReadable, GroupView, combined_hit_end,
 from kvoffload.planner.state import GroupState, JobState, PlannedLoad, RequestState
 from kvoffload.tiers.base import LookupResult, Tier, TierEvent
 
+logger = logging.getLogger(__name__)
+
 
 class Planner:
     """Engine-neutral scheduler side of kvoffload. See the module docstring."""
@@ -62,7 +68,6 @@ class Planner:
         self.tier = tier
         self.stats = PlannerStats()
         self._groups = config.resolved
-        self._mamba_groups = tuple(g for g in self._groups if g.kind is GroupKind.MAMBA)
         self._order = lookup_order(self._groups)
         self._alignment = config.hit_alignment
         self._all_ranks = (1 << config.num_workers) - 1
@@ -75,10 +80,14 @@ class Planner:
         self._loads: list[TransferJob] = []
         self._early_finished: list[str] = []
         self._early_failed: list[LoadFailure] = []
+        self._abandoned: set[JobId] = set()
+        self._early_released: list[JobId] = []
         self._admission = make_admission(config.eviction_policy, config.hash_block_size,
                                          self._alignment, self._tier_has_room)
         self._full_views = [g for g in self._order if g.window_blocks is None]
         self._key_suffix = [make_offload_key(BlockHash(b""), g.index) for g in self._groups]
+        self._step_end_states = (not config.mamba_states_every_block
+                                 and any(g.kind is GroupKind.MAMBA for g in self._groups))
 
     # ------------------------------------------------------------------ lookup
 
@@ -104,6 +113,7 @@ class Planner:
         for gs in st.groups:
             gs.block_ids = []
             gs.num_freed = 0
+        st.state_ends.clear()
         self._refresh_keys(st)
         st.num_local_tokens = num_computed_tokens
         end, deferred = self._lookup(st, num_computed_tokens)
@@ -331,6 +341,7 @@ class Planner:
             if st is None:
                 continue
             self._flush |= st.jobs
+            st.state_ends.clear()
             for gs in st.groups:
                 gs.block_ids = []
                 gs.num_freed = 0
@@ -370,10 +381,10 @@ class Planner:
             raise InvariantError(f"request {request.request_id!r} scheduled while its load "
                                  "is in flight; wait for finished_loads")
         if sched.resumed:
+            st.state_ends.clear()
             for gs in st.groups:
                 gs.block_ids = []
                 gs.num_freed = 0
-                gs.exact_states = set()  # states of the old blocks, not of the new ones
         self._refresh_keys(st)
         for gs, ids in zip(st.groups, sched.new_block_ids, strict=True):
             if ids:
@@ -383,11 +394,12 @@ class Planner:
         if freed is not None:
             for gs, n in zip(st.groups, freed, strict=True):
                 gs.num_freed = max(gs.num_freed, n)
-        end = sched.num_computed_tokens + sched.num_scheduled_tokens
-        for g in self._mamba_groups:
-            if end and end % g.offloaded_block_size == 0:
-                st.groups[g.index].exact_states.add(end // g.offloaded_block_size - 1)
-        return self._plan_store(st, min(end, request.num_tokens))
+        offloadable = min(sched.num_computed_tokens + sched.num_scheduled_tokens,
+                          request.num_tokens)
+        if self._step_end_states and offloadable % self._alignment == 0 and offloadable:
+            # A Mamba state exists only where a step ends (module docstring of state.py).
+            st.state_ends.add(offloadable)
+        return self._plan_store(st, offloadable)
 
     def _plan_store(self, st: RequestState, offloadable: int) -> TransferJob | None:
         """A store job for the request's newly complete blocks, or None.
@@ -418,7 +430,7 @@ class Planner:
             blocks = (range(first, limit) if g.window_blocks is None
                       else self._useful_blocks(g, first, limit))
             for k in blocks:
-                positions = self._store_positions(g, gs, k)
+                positions = self._store_positions(g, gs, k, st.state_ends)
                 if positions and (g.window_blocks is None or self._admission.admit(
                         g, k, request.block_hashes, request.num_prompt_tokens)):
                     entries.append((k, positions))
@@ -486,11 +498,14 @@ class Planner:
             tuple(slot_of[gs.keys[k]] for k, _ in run),
         ) for run in runs]
 
-    def _store_positions(self, g: ResolvedGroup, gs: GroupState, k: int) -> list[int] | None:
+    def _store_positions(self, g: ResolvedGroup, gs: GroupState, k: int,
+                         state_ends: set[int]) -> list[int] | None:
         """Engine positions to store for offloaded block ``k``, or None to skip it.
 
         Skipped: blocks that are null or freed, Mamba states that are not at a hit
-        alignment point, window blocks that no aligned hit's window can use, and partial
+        alignment point or (``mamba_states_every_block`` off) that no step of the request
+        produced (``state_ends``: a step ending mid-block leaves the block holding another
+        state), window blocks that no aligned hit's window can use, and partial
         window blocks whose missing part a hit's window would need.
         """
         f = g.factor
@@ -501,7 +516,8 @@ class Planner:
         if g.kind is GroupKind.MAMBA:
             last = hi - 1  # the state after the block's last token
             if (((k + 1) * obs) % self._alignment or last < gs.num_freed
-                    or ids[last] == NULL_BLOCK_ID or k not in gs.exact_states):
+                    or ids[last] == NULL_BLOCK_ID
+                    or (self._step_end_states and (k + 1) * obs not in state_ends)):
                 return None
             return [last]
         if g.kind is GroupKind.SLIDING_WINDOW:
@@ -538,12 +554,14 @@ class Planner:
         return [k for seg in range(start - start % step, stop, step)
                 for k in range(max(start, seg + step - width), min(seg + step, stop))]
 
-    @staticmethod
-    def _advance(st: RequestState, limits: list[int]) -> None:
+    def _advance(self, st: RequestState, limits: list[int]) -> None:
         for gs, limit in zip(st.groups, limits, strict=True):
             gs.next_stored = max(gs.next_stored, limit)
-            if gs.exact_states:
-                gs.exact_states = {k for k in gs.exact_states if k >= gs.next_stored}
+        if st.state_ends:
+            done = min(gs.next_stored * g.offloaded_block_size
+                       for g, gs in zip(self._groups, st.groups, strict=True)
+                       if g.kind is GroupKind.MAMBA)
+            st.state_ends = {end for end in st.state_ends if end > done}
 
     # ------------------------------------------------------------- completion
 
@@ -557,8 +575,10 @@ class Planner:
         """
         finished = self._early_finished
         failures = self._early_failed
-        self._early_finished, self._early_failed = [], []
+        released = self._early_released
+        self._early_finished, self._early_failed, self._early_released = [], [], []
         failed_stores = 0
+        duplicates = self.stats.duplicate_reports
         for report in reports:
             if not 0 <= report.rank < self.config.num_workers:
                 raise InvariantError(f"report from rank {report.rank}; num_workers is "
@@ -568,17 +588,23 @@ class Planner:
                     js = self._count_report(job_id, report.rank, failed)
                     if js is None:
                         continue
-                    self._finish_job(js)
-                    if js.direction is Direction.LOAD:
+                    if self._finish_job(js):
+                        released.append(js.job_id)
+                    elif js.direction is Direction.LOAD:
                         finished.append(js.request_id)
                         if js.failed:
                             failures.append(LoadFailure(js.request_id, js.num_local_tokens))
                     elif js.failed:
                         failed_stores += 1
+        if self.stats.duplicate_reports > duplicates:
+            # Only a faulty worker reports a job twice: ignored, but never silently.
+            logger.warning("ignored %d duplicate job reports (a worker reported a job it "
+                           "had reported already)", self.stats.duplicate_reports - duplicates)
         self.tier.update_from_tier_reports(reports)
         self.stats.failed_loads += len(failures)
         self.stats.failed_stores += failed_stores
-        return ReportOutcome(tuple(finished), tuple(failures), failed_stores)
+        return ReportOutcome(tuple(finished), tuple(failures), failed_stores,
+                             tuple(released))
 
     def _count_report(self, job_id: JobId, rank: int, failed: bool) -> JobState | None:
         """Record one rank's report; return the job once every rank has reported it."""
@@ -586,7 +612,8 @@ class Planner:
                                  stale_below=self._stale_below, all_ranks=self._all_ranks,
                                  counters=self.stats)
 
-    def _finish_job(self, js: JobState) -> None:
+    def _finish_job(self, js: JobState) -> bool:
+        """Retire a job every rank reported; True if it was an abandoned load."""
         del self._jobs[js.job_id]
         self._fence.remove(js.job_id, js.windowed_block_ids)
         if js.fenced_other:
@@ -595,10 +622,48 @@ class Planner:
             self.tier.complete_store(js.keys, success=not js.failed)
         else:
             self.tier.complete_load(js.keys)
+        if js.job_id in self._abandoned:
+            self._abandoned.discard(js.job_id)
+            return True
         st = self._requests[js.request_id]
         st.jobs.discard(js.job_id)
         if st.finished and not st.jobs:
             del self._requests[js.request_id]
+        return False
+
+    def abandon_load(self, request: RequestInfo) -> JobId | None:
+        """The engine gives up waiting for the request's load; return the load's job id.
+
+        A transfer in flight cannot be cancelled: the job keeps its keys pinned and its
+        engine blocks fenced until every worker reports it, and then appears in
+        ``ReportOutcome.released_loads`` (never in ``finished_loads``). Until then the
+        engine must not hand those blocks to anyone (a late copy would overwrite them);
+        the request itself is free to recompute into other blocks, and must not accept
+        external tokens again (``update_state_after_alloc`` with 0). Returns None when
+        the request has no load in flight.
+        """
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return None
+        loads = [j for j in st.jobs if self._jobs[j].direction is Direction.LOAD]
+        if not loads:
+            return None
+        job_id = loads[0]
+        js = self._jobs[job_id]
+        st.jobs.discard(job_id)
+        self._abandoned.add(job_id)
+        self.stats.abandoned_loads += 1
+        if not js.fenced_other:
+            self._fence.add(job_id, js.other_block_ids)
+            js.fenced_other = True
+        pending = [job for job in self._loads if job.job_id == job_id]
+        if pending:  # never handed to the workers: nothing can write its blocks
+            self._loads.remove(pending[0])
+            self._finish_job(js)
+            self._early_released.append(job_id)
+        if st.finished and not st.jobs:
+            del self._requests[request.request_id]
+        return job_id
 
     # ------------------------------------------------------------ lifecycle
 
@@ -656,7 +721,9 @@ class Planner:
         """Drop everything offloaded. In-flight jobs are flushed in the next plan,
         their late reports ignored; loads in flight are reported failed (recompute)."""
         for js in self._jobs.values():
-            if js.direction is Direction.LOAD:
+            if js.job_id in self._abandoned:
+                self._early_released.append(js.job_id)
+            elif js.direction is Direction.LOAD:
                 self._early_finished.append(js.request_id)
                 self._early_failed.append(LoadFailure(js.request_id, js.num_local_tokens))
         self._flush |= set(self._jobs)
@@ -664,6 +731,7 @@ class Planner:
         self.tier.reset()
         self._stale_below = self._next_job
         self._jobs.clear()
+        self._abandoned.clear()
         self._fence.clear()
         for rid in [r for r, st in self._requests.items() if st.finished]:
             del self._requests[rid]
@@ -691,13 +759,24 @@ class Planner:
     def num_jobs(self) -> int:
         return len(self._jobs)
 
+    def jobs_fencing(self, block_ids: Sequence[int]) -> set[JobId]:
+        """The in-flight jobs that still use any of ``block_ids``."""
+        return self._fence.jobs_using(block_ids)
+
     @property
     def fence_size(self) -> int:
         return len(self._fence)
 
     def check_integrity(self) -> None:
         """Raise ``InvariantError`` if the planner's bookkeeping is inconsistent."""
+        stray_abandoned = self._abandoned - self._jobs.keys()
+        if stray_abandoned:
+            raise InvariantError(f"abandoned loads {sorted(stray_abandoned)} not in flight")
         for job_id, js in self._jobs.items():
+            if job_id in self._abandoned:
+                if not js.fenced_other:
+                    raise InvariantError(f"abandoned load {job_id} not fenced")
+                continue
             st = self._requests.get(js.request_id)
             if st is None or job_id not in st.jobs:
                 raise InvariantError(f"job {job_id} has no live request holding it")

@@ -23,9 +23,6 @@ class GroupState:
         next_stored: index of the next offloaded block to consider for storing.
         num_hit_blocks: offloaded blocks hit (device + offload) at the first lookup;
             drives which window blocks are kept warm.
-        exact_states: Mamba groups: offloaded blocks ``k`` whose state exists, because a
-            step ended exactly at ``(k + 1) * offloaded_block_size``. A step that crosses
-            a boundary never materializes the state there: its block is not stored.
     """
 
     keys: list[OffloadKey] = field(default_factory=list)
@@ -33,7 +30,6 @@ class GroupState:
     num_freed: int = 0
     next_stored: int = 0
     num_hit_blocks: int = 0
-    exact_states: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -49,6 +45,12 @@ class RequestState:
     """What the planner keeps for one live request.
 
     Invariant: ``jobs`` holds either exactly one load job or any number of store jobs.
+
+    ``state_ends``: token counts, multiples of the hit alignment, at which one of the
+    request's steps ended since its block table last restarted. A Mamba block holds the
+    state after its last token only if a step ended exactly there; a step ending mid-block
+    leaves the block with the step's input (or a partial) state, which must never be
+    stored as the boundary state.
     """
 
     request: RequestInfo
@@ -59,6 +61,7 @@ class RequestState:
     looked_up: bool = False
     deferred_steps: int = 0
     finished: bool = False
+    state_ends: set[int] = field(default_factory=set)
 
 
 @dataclass

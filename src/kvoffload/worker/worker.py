@@ -22,6 +22,10 @@ group, a null or out-of-range engine block, an out-of-range slot, a slot count t
 match ``block_size_factor``, or two writes to the same destination is not started and is
 reported failed by the next ``poll``. Failed jobs leave the slots they named untouched or
 partly written; the host tier frees them and may reuse them at once.
+
+A backend that reports a job it is not running (a second report, or an id never
+submitted) breaks its contract: the worker drops that report, logs an error and counts it
+in ``backend_errors``, so the scheduler still hears of each job exactly once.
 """
 
 from __future__ import annotations
@@ -91,6 +95,8 @@ class TransferWorker:
         self._tiers = tiers
         self._tier_io: TierIO | None = None
         self._tier_rejected: list[TierJobId] = []
+        self.backend_errors = 0
+        """Reports the backend made for jobs not in flight (dropped; see module docstring)."""
 
     # -- registration --------------------------------------------------------------------
 
@@ -178,13 +184,11 @@ class TransferWorker:
 
     def poll(self) -> WorkerReport:
         """Jobs done since the previous poll (each exactly once), and transfer stats."""
-        finished, failed = self.backend.poll()
+        done, broken = self.backend.poll()
+        finished = self._first_reports(done)
+        failed = self._first_reports(broken)
         failed.extend(self._rejected)
         self._rejected = []
-        for job_id in finished:
-            self._in_flight.discard(job_id)
-        for job_id in failed:
-            self._in_flight.discard(job_id)
         tier_finished: list[TierJobId] = []
         tier_failed, self._tier_rejected = self._tier_rejected, []
         unreachable: list[str] = []
@@ -194,6 +198,19 @@ class TransferWorker:
         return WorkerReport(rank=self.rank, finished=tuple(finished), failed=tuple(failed),
                             stats=self.backend.take_stats(), tier_finished=tuple(tier_finished),
                             tier_failed=tuple(tier_failed), tier_unreachable=tuple(unreachable))
+
+    def _first_reports(self, job_ids: list[JobId]) -> list[JobId]:
+        """The reported jobs that were in flight (now no longer); the others are dropped."""
+        out = []
+        for job_id in job_ids:
+            if job_id in self._in_flight:
+                self._in_flight.discard(job_id)
+                out.append(job_id)
+            else:
+                self.backend_errors += 1
+                logger.error("rank %d: the backend reported job %s, which is not in flight; "
+                             "report dropped", self.rank, job_id)
+        return out
 
     def wait(self, jobs: Iterable[JobId]) -> None:
         """Block until the listed jobs are done; unknown or reported ids are ignored.

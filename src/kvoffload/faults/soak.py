@@ -1,0 +1,311 @@
+"""The soak test: a long replay with faults injected, every loaded byte verified, and the
+planner's and tiers' bookkeeping checked at intervals.
+
+``run_soak`` builds the reference engine exactly as ``kvoffload simulate`` does, wraps its
+worker side in a ``FaultyExecutor`` (with ``num_workers`` ranks: the real worker is rank 0
+and its reports stand for every rank), gives it a load deadline, and replays the workload.
+After every step it samples what is held (pinned host keys, fenced engine blocks, jobs in
+flight, parked blocks of abandoned loads) and resets the cache when a ``late`` fault asks
+for it; every ``check_interval_s`` modelled seconds it checks the pool's, planner's and
+tier's integrity and (bytes mode) audits every block the host tier can serve.
+
+The ``SoakReport`` says whether the run is clean (``ok``): every request served, no wrong
+byte, nothing left pinned, fenced or pending at the end, and no request waiting on the
+offload path longer than ``wait_bound_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from kvoffload.engine.executors import AccountingExecutor, TransferExecutor
+from kvoffload.engine.replay import replay
+from kvoffload.engine.scheduler import EngineConfig, ReferenceEngine
+from kvoffload.engine.simulation import Mode, SimulationConfig, lower_tier_config, resolve
+from kvoffload.engine.summary import summarize
+from kvoffload.engine.workloads.request import WorkloadRequest
+from kvoffload.faults.executor import FaultyExecutor, Garble
+from kvoffload.faults.plan import FaultPlan
+from kvoffload.jobs import Direction, TransferJob
+from kvoffload.tiers.factory import make_tier
+
+if TYPE_CHECKING:  # bytes mode only: torch
+    import torch
+
+    from kvoffload.engine.device import DeviceCaches
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    """A soak run.
+
+    Attributes:
+        simulation: engine, model, capacities and mode (bytes mode verifies every byte).
+        faults: the fault schedule.
+        load_deadline_s: modelled seconds a request waits for its load before it gives up
+            and recomputes.
+        num_workers: tensor-parallel ranks the planner waits for.
+        check_interval_s: modelled seconds between integrity checks and host audits.
+    """
+
+    simulation: SimulationConfig
+    faults: FaultPlan
+    load_deadline_s: float = 5.0
+    num_workers: int = 2
+    check_interval_s: float = 60.0
+
+
+
+@dataclass
+class Held:
+    """Peak and final counts of what the system holds."""
+
+    peak: int = 0
+    final: int = 0
+
+    def see(self, n: int) -> None:
+        self.peak = max(self.peak, n)
+        self.final = n
+
+
+@dataclass
+class SoakReport:
+    """The figures of one soak run (see the module docstring)."""
+
+    requests: int
+    requests_served: int
+    modelled_s: float
+    wall_s: float
+    mode: str
+    transfer_jobs: int
+    faults_injected: int
+    faults: dict[str, int]
+    wrong_bytes: int
+    verified_blocks: int
+    audited_host_blocks: int
+    recomputed_requests: int
+    failed_loads: int
+    abandoned_loads: int
+    failed_stores: int
+    cache_resets: int
+    stale_reports: int
+    duplicate_reports: int
+    deferral_timeouts: int
+    integrity_checks: int
+    host_hit_rate: float
+    max_offload_wait_s: float
+    load_deadline_s: float
+    max_step_s: float
+    deferral_give_ups: int
+    pinned: Held = field(default_factory=Held)
+    fenced: Held = field(default_factory=Held)
+    pending: Held = field(default_factory=Held)
+    parked: Held = field(default_factory=Held)
+
+    @property
+    def wait_bound_s(self) -> float:
+        """The bound every offload wait must keep: the load deadline, plus the one step
+        during which it expired (checked at step starts; a step lasts at most
+        ``max_step_s``, flush stalls behind a hung job included)."""
+        return self.load_deadline_s + self.max_step_s
+
+    @property
+    def ok(self) -> bool:
+        return (self.requests_served == self.requests and self.wrong_bytes == 0
+                and self.pinned.final == 0 and self.fenced.final == 0
+                and self.pending.final == 0 and self.parked.final == 0
+                and self.max_offload_wait_s <= self.wait_bound_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ok"] = self.ok
+        out["wait_bound_s"] = self.wait_bound_s
+        return out
+
+    def text(self) -> str:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.faults.items())) or "none"
+        lines = [
+            f"soak: {self.requests_served}/{self.requests} requests served in "
+            f"{self.modelled_s:,.0f} modelled s ({self.wall_s:,.0f} s wall, {self.mode} mode)",
+            f"  transfer jobs            {self.transfer_jobs:,}",
+            f"  faults injected          {self.faults_injected:,} ({kinds})",
+            f"  wrong bytes              {self.wrong_bytes:,} "
+            f"({self.verified_blocks:,} loaded/cached blocks verified, "
+            f"{self.audited_host_blocks:,} host blocks audited)",
+            f"  fell back to recompute   {self.recomputed_requests:,} requests "
+            f"({self.failed_loads:,} failed loads, {self.abandoned_loads:,} given up "
+            "past the deadline)",
+            f"  failed stores            {self.failed_stores:,}",
+            f"  cache resets             {self.cache_resets:,} "
+            f"(stale reports ignored: {self.stale_reports:,})",
+            f"  duplicate reports        {self.duplicate_reports:,} (detected, counted, ignored)",
+            f"  integrity checks         {self.integrity_checks:,} (all passed)",
+            f"  offload hit rate         {self.host_hit_rate:.1%}",
+            f"  longest offload wait     {self.max_offload_wait_s:.2f} s (bound: deadline "
+            f"{self.load_deadline_s:.1f} s + longest step {self.max_step_s:.2f} s; "
+            f"{self.deferral_give_ups:,} lookups deferred past the deadline ran without)",
+            "  held (peak / final)      "
+            f"pinned keys {self.pinned.peak}/{self.pinned.final}, "
+            f"fenced blocks {self.fenced.peak}/{self.fenced.final}, "
+            f"jobs pending {self.pending.peak}/{self.pending.final}, "
+            f"parked blocks {self.parked.peak}/{self.parked.final}",
+            f"  verdict                  {'OK' if self.ok else 'FAILED'}",
+        ]
+        return "\n".join(lines)
+
+
+class Garbler:
+    """Writes garbage where a failed job was to write (``faults.executor.Garble``):
+    the engine blocks of a load, the host slots of a store (bytes mode)."""
+
+    def __init__(self, device: DeviceCaches, arena: torch.Tensor) -> None:
+        self.device = device
+        self.arena = arena
+
+    def __call__(self, job: TransferJob) -> None:
+        for t in job.groups:
+            if job.direction is Direction.LOAD:
+                self.device.tensors[t.group][list(t.block_ids)] = 0xA5
+            else:
+                self.arena[list(t.slots)] = 0x5A
+
+
+def build_soak_engine(config: SoakConfig) -> tuple[ReferenceEngine, FaultyExecutor]:
+    """The engine of ``config.simulation`` with a load deadline and a faulty worker side."""
+    sim = config.simulation
+    layout = sim.layout()
+    caps, offload = resolve(sim, layout)
+    offload = replace(offload, num_workers=config.num_workers)
+    engine_config = EngineConfig(
+        num_blocks=caps.engine_blocks, max_num_batched_tokens=sim.max_num_batched_tokens,
+        max_num_seqs=sim.max_num_seqs, decode_tokens_per_step=sim.decode_tokens_per_step,
+        sample_interval_s=sim.sample_interval_s, check_integrity=sim.check_integrity,
+        load_deadline_s=config.load_deadline_s)
+    tier = tiers = None
+    if (sim.disk_capacity_bytes or sim.remote_capacity_bytes or sim.disk_path
+            or sim.remote_url):
+        tiers = lower_tier_config(sim, offload.slot_bytes / caps.host_slot_bytes)
+        tier = make_tier(offload, tiers, enable_events=False,
+                         accounting=sim.mode is Mode.ACCOUNTING,
+                         remote_capacity_bytes=sim.remote_capacity_bytes or 1)
+    inner: TransferExecutor
+    garble: Garble | None = None
+    device = auditor = None
+    if sim.mode is Mode.BYTES:
+        from kvoffload.engine.device import DeviceCaches, HostAuditor, WorkerExecutor
+
+        device = DeviceCaches(layout.specs, engine_config.num_blocks)
+        worker = WorkerExecutor(offload, device, tiers=tiers)
+        auditor = HostAuditor(worker.worker.host_pool, layout.specs, offload.block_size_factor)
+        garble = Garbler(device, worker.arena)
+        inner, mirror = worker, config.num_workers
+    else:
+        inner, mirror = AccountingExecutor(config.num_workers), 1
+    faulty = FaultyExecutor(inner, config.faults, mirror_ranks=mirror, garble=garble)
+    engine = ReferenceEngine(layout, engine_config, offload=offload, executor=faulty,
+                             device=device, auditor=auditor, timing=sim.timing, tier=tier)
+    faulty.clock = lambda: engine.clock
+    return engine, faulty
+
+
+class _Watch:
+    """The per-step hook: samples held counts, resets on request, checks at intervals."""
+
+    def __init__(self, engine: ReferenceEngine, faulty: FaultyExecutor, report: SoakReport,
+                 interval: float) -> None:
+        self.engine, self.faulty, self.report = engine, faulty, report
+        self.interval = interval
+        self.next_check = interval
+
+    def __call__(self) -> None:
+        engine = self.engine
+        if self.faulty.reset_requested:
+            engine.reset_cache()
+            self.faulty.note_reset()
+        self.sample()
+        if engine.clock >= self.next_check:
+            self.next_check = engine.clock + self.interval
+            self.check()
+
+    def sample(self) -> None:
+        engine, report = self.engine, self.report
+        planner, host = engine.planner, engine.host
+        assert planner is not None and host is not None
+        report.pinned.see(host.usage().pinned_slots)
+        report.fenced.see(planner.fence_size)
+        report.pending.see(planner.num_jobs + self.faulty.num_held)
+        report.parked.see(engine.num_parked_loads)
+
+    def check(self) -> None:
+        self.engine.check_integrity()
+        self.engine.audit_host()
+        self.report.integrity_checks += 1
+
+
+def run_soak(config: SoakConfig, workload: Iterable[WorkloadRequest], *,
+             progress: Callable[[int], None] | None = None) -> SoakReport:
+    """Replay ``workload`` with faults; raise whatever an integrity check raises."""
+    engine, faulty = build_soak_engine(config)
+    report = SoakReport(
+        requests=0, requests_served=0, modelled_s=0.0, wall_s=0.0,
+        mode=config.simulation.mode.value, transfer_jobs=0, faults_injected=0, faults={},
+        wrong_bytes=0, verified_blocks=0, audited_host_blocks=0, recomputed_requests=0,
+        failed_loads=0, abandoned_loads=0, failed_stores=0, cache_resets=0,
+        stale_reports=0, duplicate_reports=0, deferral_timeouts=0, integrity_checks=0,
+        host_hit_rate=0.0, max_offload_wait_s=0.0, load_deadline_s=config.load_deadline_s,
+        max_step_s=0.0, deferral_give_ups=0)
+    counted = _Counted(workload)
+    watch = _Watch(engine, faulty, report, config.check_interval_s)
+    start = time.perf_counter()
+    try:
+        metrics = replay(engine, counted, arrival=config.simulation.arrival,
+                         max_queued=config.simulation.max_queued, progress=progress,
+                         after_step=watch)
+        watch.sample()
+        watch.check()
+    finally:
+        engine.executor.shutdown()
+    summary = summarize(engine, metrics, wall_s=time.perf_counter() - start)
+    planner = engine.planner
+    assert planner is not None
+    stats = planner.stats
+    report.requests = counted.count
+    report.requests_served = len(metrics.records)
+    report.modelled_s = engine.clock
+    report.wall_s = summary.wall_s
+    report.transfer_jobs = faulty.log.jobs
+    report.faults_injected = faulty.log.total
+    report.faults = dict(faulty.log.injected)
+    report.wrong_bytes = metrics.wrong_bytes
+    report.verified_blocks = metrics.verified_blocks
+    report.audited_host_blocks = metrics.audited_host_blocks
+    report.recomputed_requests = sum(1 for r in metrics.records
+                                     if r.failed_loads or r.corrupt_loads)
+    report.failed_loads = stats.failed_loads
+    report.abandoned_loads = metrics.abandoned_loads
+    report.failed_stores = stats.failed_stores
+    report.cache_resets = metrics.cache_resets
+    report.stale_reports = stats.stale_reports
+    report.duplicate_reports = stats.duplicate_reports
+    report.deferral_timeouts = stats.deferral_timeouts
+    report.host_hit_rate = summary.host_hit_rate
+    report.max_offload_wait_s = metrics.max_offload_wait_s
+    report.max_step_s = metrics.max_step_s
+    report.deferral_give_ups = metrics.deferral_give_ups
+    return report
+
+
+class _Counted:
+    """Counts the requests a workload yields (a trace is streamed, not held)."""
+
+    def __init__(self, workload: Iterable[WorkloadRequest]) -> None:
+        self.workload = workload
+        self.count = 0
+
+    def __iter__(self) -> Iterator[WorkloadRequest]:
+        for request in self.workload:
+            self.count += 1
+            yield request
