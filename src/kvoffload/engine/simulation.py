@@ -81,7 +81,9 @@ class SimulationConfig:
             bytes, accounting mode only): a disk tier (write-back: host evictions land
             there) and a shared remote store (write-through), modelled as budgeted
             indexes; None: no such tier.
-        eviction_policy: the host tier's policy (``lru``, ``arc``).
+        eviction_policy: the host tier's policy (``lru``, ``arc``, ``hybrid``, ``value``).
+        host_accounting: ``slot`` (every block takes a slot of the largest group's size)
+            or ``bytes`` (every block is charged its own group's bytes; accounting mode).
         scale_bytes: bytes mode: the smallest moved page, in bytes.
         max_num_batched_tokens / max_num_seqs / decode_tokens_per_step: engine limits.
         arrival: ``trace`` (use arrival times) or ``asap``.
@@ -100,6 +102,7 @@ class SimulationConfig:
     engine_tokens: int = 32768
     host_capacity_bytes: int = 16 * GiB
     eviction_policy: str = "lru"
+    host_accounting: str = "slot"
     disk_capacity_bytes: int | None = None
     remote_capacity_bytes: int | None = None
     scale_bytes: int = 64
@@ -156,7 +159,12 @@ def resolve(config: SimulationConfig, layout: ModelLayout) -> tuple[Capacities, 
     real = OffloadConfig(groups=layout.real_specs, hash_block_size=hash_block_size,
                          host_capacity_bytes=config.host_capacity_bytes,
                          block_size_factor=config.block_size_factor,
-                         eviction_policy=config.eviction_policy)
+                         eviction_policy=config.eviction_policy,
+                         host_accounting=config.host_accounting)
+    if real.charges_bytes and layout.is_scaled:
+        raise ConfigError("host_accounting", "byte accounting is modelled in accounting mode "
+                          "only (bytes mode scales pages unevenly across groups)",
+                          "Add --mode accounting, or use --host-accounting slot.")
     slots = real.num_host_slots
     moved = real
     if layout.is_scaled:

@@ -129,10 +129,18 @@ class HitPointAdmission(AdmissionPolicy):
         return len(self._learned)
 
 
+SELECTIVE_POLICIES = frozenset({"hybrid", "value"})
+"""Eviction policy names that come with hit-point admission."""
+
+VALUE_AWARE_POLICIES = frozenset({"value"})
+"""Eviction policy names that rank keys by ``ValueHint`` (the planner sends them)."""
+
+
 def make_admission(eviction_policy: str, hash_block_size: int, alignment: int,
                    has_room: Callable[[], bool]) -> AdmissionPolicy:
-    """The admission that goes with an eviction policy name ("hybrid" is selective)."""
-    if eviction_policy == "hybrid":
+    """The admission that goes with an eviction policy name ("hybrid" and "value" are
+    selective)."""
+    if eviction_policy in SELECTIVE_POLICIES:
         return HitPointAdmission(hash_block_size, alignment, has_room)
     return StoreEverything()
 
