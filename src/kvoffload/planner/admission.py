@@ -14,7 +14,13 @@ stores window blocks and Mamba states only around *likely hit points*:
   are demoted (evicted first) when the request finishes;
 * points learned from misses: when a lookup found the full-attention prefix longer than
   the hit it could give, because a window or Mamba group lacked blocks there, that point
-  is remembered, and any later request passing through it stores its windows there.
+  is remembered, and any later request passing through it stores its windows there;
+* the last ``granule_points`` multiples of the *sharing granule* at or before the prompt's
+  end. Requests often share prefixes in fixed units (a chat template's turns, a trace's
+  hash blocks): the granule is learned from where full-attention prefixes found in the
+  tier end (the largest power-of-two multiple of the hit alignment that divides at least
+  ``granule_share`` of them), so a later turn that shares this prompt up to its last
+  complete unit finds the window or state it needs there.
 
 While the tier has free room it admits everything: selective admission only matters
 when memory is short, and must not lose hits that storing everything would have had.
@@ -48,6 +54,11 @@ class AdmissionPolicy(ABC):
         """A lookup could have hit at ``point_tokens`` but a window or state was missing."""
         del hashes, point_tokens
 
+    def observe_prefix_end(self, point_tokens: int) -> None:
+        """A lookup found full-attention blocks up to ``point_tokens`` (a place where
+        requests share a prefix)."""
+        del point_tokens
+
     def demote_on_finish(self, group: ResolvedGroup, stored_from: int, stored_to: int,
                          num_prompt_tokens: int, num_tokens: int) -> range:
         """Blocks in ``[stored_from, stored_to)`` to demote when the request finishes."""
@@ -71,17 +82,27 @@ class HitPointAdmission(AdmissionPolicy):
         alignment: every hit is a multiple of this many tokens.
         has_room: whether the tier still has free room (then everything is admitted).
         max_learned: how many learned hit points to remember (least recent forgotten).
+        granule_points: how many multiples of the sharing granule before the prompt's end
+            are hit points (0: none).
+        granule_share: the share of observed prefix ends a granule must divide.
     """
 
     learns = True
+    MAX_GRANULE_SHIFT = 12
 
     def __init__(self, hash_block_size: int, alignment: int, has_room: Callable[[], bool],
-                 max_learned: int = 1 << 16) -> None:
+                 *, max_learned: int = 1 << 16, granule_points: int = 2,
+                 granule_share: float = 0.75) -> None:
         self._hash_bs = hash_block_size
         self._alignment = alignment
         self._has_room = has_room
         self._max_learned = max_learned
         self._learned: OrderedDict[BlockHash, None] = OrderedDict()
+        self._granule_points = granule_points
+        self._granule_share = granule_share
+        self._divides = [0] * (self.MAX_GRANULE_SHIFT + 1)
+        self.granule = alignment
+        """The learned sharing granule in tokens (a power-of-two multiple of alignment)."""
 
     def _points(self, group: ResolvedGroup, block: int) -> range:
         """Aligned hit points (in tokens) whose window or state needs ``block``."""
@@ -92,17 +113,45 @@ class HitPointAdmission(AdmissionPolicy):
         first += -first % self._alignment
         return range(first, last + 1, self._alignment)
 
+    def is_hit_point(self, point: int, hashes: Sequence[BlockHash],
+                     num_prompt_tokens: int) -> bool:
+        """Whether ``point`` (aligned, in tokens) is a likely hit point of this request."""
+        last = num_prompt_tokens - 1
+        if point > last or point == last // self._alignment * self._alignment:
+            return True
+        g = self.granule
+        if point % g == 0 and last // g * g - point < self._granule_points * g:
+            return True
+        index = point // self._hash_bs - 1
+        if 0 <= index < len(hashes) and hashes[index] in self._learned:
+            self._learned.move_to_end(hashes[index])
+            return True
+        return False
+
+    def observe_prefix_end(self, point_tokens: int) -> None:
+        """A lookup found full-attention blocks up to ``point_tokens``: learn the granule."""
+        if point_tokens <= 0 or point_tokens % self._alignment:
+            return
+        units = point_tokens // self._alignment
+        divides = self._divides
+        for shift in range(self.MAX_GRANULE_SHIFT + 1):
+            if units % (1 << shift):
+                break
+            divides[shift] += 1
+        total = divides[0]
+        if total % 16 == 0:
+            shift = 0
+            while (shift < self.MAX_GRANULE_SHIFT
+                   and divides[shift + 1] >= self._granule_share * total):
+                shift += 1
+            self.granule = self._alignment << shift
+
     def admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
               num_prompt_tokens: int) -> bool:
         if self._has_room():
             return True
-        prompt_point = (num_prompt_tokens - 1) // self._alignment * self._alignment
         for point in self._points(group, block):
-            if point == prompt_point or point > num_prompt_tokens - 1:
-                return True
-            index = point // self._hash_bs - 1
-            if 0 <= index < len(hashes) and hashes[index] in self._learned:
-                self._learned.move_to_end(hashes[index])
+            if self.is_hit_point(point, hashes, num_prompt_tokens):
                 return True
         return False
 
