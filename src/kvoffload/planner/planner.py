@@ -120,6 +120,7 @@ class Planner:
         hits = end - num_computed_tokens
         if not st.looked_up:
             st.looked_up = True
+            st.first_hit_tokens = end
             for g, gs in zip(self._groups, st.groups, strict=True):
                 gs.num_hit_blocks = end // g.offloaded_block_size
         self._touch(st)
@@ -457,7 +458,8 @@ class Planner:
             frontier = max(limit * g.offloaded_block_size
                            for g, limit in zip(self._groups, limits, strict=True))
             self.tier.set_values(self._valuer.hints(frontier, valued,
-                                                    [gs.keys for gs in st.groups]))
+                                                    [gs.keys for gs in st.groups],
+                                                    self._reuse(st)))
         job_id = self._new_job_id()
         rid = st.request.request_id
         self._jobs[job_id] = JobState(job_id, rid, Direction.STORE, result.keys_to_store,
@@ -655,7 +657,14 @@ class Planner:
                       else self._useful_blocks(g, 0, stop))
             entries.append([(k, gs.keys[k]) for k in blocks])
         self.tier.set_values(self._valuer.hints(frontier, entries,
-                                                [gs.keys for gs in st.groups]))
+                                                [gs.keys for gs in st.groups],
+                                                self._reuse(st)))
+
+    @staticmethod
+    def _reuse(st: RequestState) -> float:
+        """Share of the request's prompt that was cached when it arrived."""
+        prompt = st.request.num_prompt_tokens
+        return min(1.0, st.first_hit_tokens / prompt) if prompt > 0 else 0.0
 
     def _demote_finished(self, st: RequestState) -> None:
         """Tell the tier which of the request's stored blocks no likely hit can use."""

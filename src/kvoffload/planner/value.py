@@ -6,6 +6,11 @@ before ``t``, and the one Mamba state at ``t``. The value density of that hit po
 
     density(t) = prefill_flops(t, 0) / bytes_needed(t)
 
+A prefix that was itself reached through a hit (a later turn of a conversation, a reused
+document) is likely to be reached again: its saved compute is scaled by ``1 + reuse_bonus
+* reuse``, where ``reuse`` is the share of the request's prompt that was already cached
+when it arrived.
+
 The planner hands the tier one ``ValueHint`` per stored key with the density of the
 request's prefix (one density for all keys of a request, so a value-aware policy still
 orders one prefix by recency and never prefers a deep block over the blocks it depends
@@ -71,9 +76,12 @@ class PrefixValuer:
     Args:
         config: the offload configuration.
         prefill_flops: the model's prefill cost; ``proxy_prefill_flops`` if ``None``.
+        reuse_bonus: how much a prefix reached through a hit is worth more (see above).
     """
 
-    def __init__(self, config: OffloadConfig, prefill_flops: PrefillFlops | None = None) -> None:
+    def __init__(self, config: OffloadConfig, prefill_flops: PrefillFlops | None = None,
+                 reuse_bonus: float = 4.0) -> None:
+        self.reuse_bonus = reuse_bonus
         self._groups = config.resolved
         self._flops = prefill_flops or proxy_prefill_flops(config)
         fulls = [g for g in self._groups if g.kind is GroupKind.FULL_ATTENTION]
@@ -95,8 +103,10 @@ class PrefixValuer:
         return self._flops(t, 0) / nbytes if nbytes > 0 else 0.0
 
     def hints(self, t: int, keys_by_group: Sequence[Sequence[tuple[int, OffloadKey]]],
-              group_keys: Sequence[Sequence[OffloadKey]]) -> list[ValueHint]:
-        """Hints for the given keys, all valued as the prefix ending at ``t``.
+              group_keys: Sequence[Sequence[OffloadKey]], reuse: float = 0.0
+              ) -> list[ValueHint]:
+        """Hints for the given keys, all valued as the prefix ending at ``t`` reached with
+        ``reuse`` of its prompt already cached.
 
         ``keys_by_group[g]`` lists (offloaded block index, key) of group ``g`` to describe;
         ``group_keys[g]`` is the request's whole key list of group ``g`` (to name anchors).
@@ -104,7 +114,7 @@ class PrefixValuer:
         nbytes = self.bytes_needed(t)
         if nbytes <= 0:
             return []
-        saved = self._flops(t, 0)
+        saved = self._flops(t, 0) * (1.0 + self.reuse_bonus * reuse)
         anchor_group = self._anchor_group
         out: list[ValueHint] = []
         for g, entries in zip(self._groups, keys_by_group, strict=True):
