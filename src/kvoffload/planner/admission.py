@@ -190,6 +190,8 @@ def make_admission(eviction_policy: str, hash_block_size: int, alignment: int,
     """The admission that goes with an eviction policy name ("hybrid" and "value" are
     selective)."""
     if eviction_policy in SELECTIVE_POLICIES:
-        return HitPointAdmission(hash_block_size, alignment, has_room)
+        # "value" also keeps windows at the last multiples of the learned sharing granule.
+        return HitPointAdmission(hash_block_size, alignment, has_room,
+                                 granule_points=2 if eviction_policy == "value" else 0)
     return StoreEverything()
 

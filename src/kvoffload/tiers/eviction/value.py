@@ -143,8 +143,9 @@ class ValuePolicy(EvictionPolicy):
                 self._push(key, entry, _DEMOTED)
 
     def set_values(self, values: Sequence[ValueHint]) -> None:
-        """Record densities (a key keeps the highest it was given) and anchors; a key's
-        priority is raised to match a higher density unless it is demoted."""
+        """Record densities (a key keeps the highest it was given) and anchors. A key's
+        first density sets its priority; a higher one later raises it; demoted keys stay
+        demoted."""
         entries = self._entries
         for hint in values:
             entry = entries.get(hint.key)
@@ -152,12 +153,14 @@ class ValuePolicy(EvictionPolicy):
                 continue
             density = hint.saved / hint.nbytes
             if density > entry.density:
-                if entry.density < 0:
+                first = entry.density < 0
+                if first:
                     self._density_sum += density
                     self._density_count += 1
                 entry.density = density
                 if entry.prio != _DEMOTED:
-                    self._push(hint.key, entry, max(entry.prio, self._priority(density)))
+                    prio = self._priority(density)
+                    self._push(hint.key, entry, prio if first else max(entry.prio, prio))
             anchor = hint.anchor
             if anchor is not None and anchor != hint.key and hint.key not in self._anchor_of:
                 if anchor not in entries:
