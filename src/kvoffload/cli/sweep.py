@@ -26,7 +26,7 @@ from kvoffload.cli.common import (
     workload_spec,
 )
 from kvoffload.engine.model_presets import PRESETS
-from kvoffload.engine.simulation import Mode, SimulationConfig, run_one
+from kvoffload.engine.simulation import Mode, SimulationConfig, resolve, run_one
 from kvoffload.engine.summary import RunSummary
 
 EPILOG = textwrap.dedent("""\
@@ -168,7 +168,10 @@ def run_sweep(base: SimulationConfig, spec: WorkloadSpec, *, presets: Sequence[s
                 hit_rate=_mean([r.engine_hit_rate + r.host_hit_rate for r in runs]))
             if references is not None:
                 references[preset] = ref
-            preset_caps = [(max(1, int(f * ref.working_set_bytes)), f) for f in fractions]
+            # A capacity holds at least one block of the largest group.
+            config = replace(base, preset=preset, mode=Mode.ACCOUNTING)
+            floor = resolve(config, config.layout())[0].host_slot_bytes
+            preset_caps = [(max(floor, int(f * ref.working_set_bytes)), f) for f in fractions]
         baselines: list[RunSummary] = []
         workloads = []
         for seed in seeds:
