@@ -21,13 +21,13 @@ from collections.abc import Callable, Sequence
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
+from test_planner_state_machine import EXAMPLES, STEPS, PlannerMachine
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig, ResolvedGroup
 from kvoffload.keys import BlockHash, OffloadKey, key_group, make_offload_key
 from kvoffload.planner.admission import HitPointAdmission
 from kvoffload.tiers.base import PrepareStoreResult
 from support.sim_engine import SimEngine
-from test_planner_state_machine import EXAMPLES, STEPS, PlannerMachine
 
 
 @st.composite
@@ -68,7 +68,7 @@ class AdmissionAudit:
 
     def __init__(self, engine: SimEngine) -> None:
         planner = engine.planner
-        self.admission = planner._admission  # noqa: SLF001 - the audit wraps it
+        self.admission = planner._admission
         assert isinstance(self.admission, HitPointAdmission)
         self.alignment = engine.config.hit_alignment
         self.hash_bs = engine.config.hash_block_size
@@ -76,7 +76,7 @@ class AdmissionAudit:
         self.admitted: set[OffloadKey] = set()
         self.checked = 0
         admit = self.admission.admit
-        self.has_room: Callable[[], bool] = self.admission._has_room  # noqa: SLF001
+        self.has_room: Callable[[], bool] = self.admission._has_room
         self.admission.admit = self._admit  # type: ignore[method-assign]
         self._admit_inner = admit
         store = engine.tier.prepare_store
@@ -89,11 +89,11 @@ class AdmissionAudit:
         if point > last or point == last // self.alignment * self.alignment:
             return True
         granule = self.admission.granule
-        points = self.admission._granule_points  # noqa: SLF001
+        points = self.admission._granule_points
         if point % granule == 0 and last // granule * granule - point < points * granule:
             return True
         index = point // self.hash_bs - 1
-        return 0 <= index < len(hashes) and hashes[index] in self.admission._learned  # noqa: SLF001
+        return 0 <= index < len(hashes) and hashes[index] in self.admission._learned
 
     def _admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
                num_prompt_tokens: int) -> bool:
@@ -127,7 +127,7 @@ class ValuePolicyMachine(PlannerMachine):
     def setup(self, config: OffloadConfig, pool: int, seed: int) -> None:
         super().setup(config, pool, seed)
         self.audit = (AdmissionAudit(self.engine)
-                      if isinstance(self.engine.planner._admission,  # noqa: SLF001
+                      if isinstance(self.engine.planner._admission,
                                     HitPointAdmission) else None)
 
     @invariant()
