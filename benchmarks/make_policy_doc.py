@@ -32,6 +32,7 @@ from kvoffload.cli.sweep import (
     memory_to_reach,
     run_sweep,
 )
+from kvoffload.engine.model_presets import PRESETS as PRESET_SPECS
 from kvoffload.engine.simulation import Mode, SimulationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,18 +52,28 @@ MAX_LOSS_POINTS = 0.5
 """Goal: at no capacity below LRU's host hit rate by more than this many points."""
 
 
+def preset_config(preset: str, trace: bool) -> SimulationConfig:
+    """Attention-only presets: engine blocks of 64 tokens offloaded 4 at a time (256-token
+    host blocks); Mamba hybrids: vLLM's page-matching block size, offloaded as is."""
+    mamba = PRESET_SPECS[preset].mamba is not None
+    return SimulationConfig(
+        preset=preset, mode=Mode.ACCOUNTING, block_size=None if mamba else 64,
+        block_size_factor=1 if mamba else 4, engine_tokens=(1 << 20) if trace else 32768,
+        decode_tokens_per_step=16, baseline=False, host_accounting="bytes")
+
+
 def sweep(workload: str, limit: int | None, presets: tuple[str, ...] = PRESETS,
           fractions: tuple[float, ...] = FRACTIONS) -> dict[str, Any]:
     """One workload's grid (run in a worker process); plain data."""
     trace = TRACE if workload == "mooncake" else None
     spec = WorkloadSpec("agentic", trace, limit, 0)
-    base = SimulationConfig(mode=Mode.ACCOUNTING, engine_tokens=(1 << 20) if trace else 32768,
-                            decode_tokens_per_step=16, baseline=False,
-                            host_accounting="bytes")
     references: dict[str, Reference] = {}
     started = time.perf_counter()
-    points = run_sweep(base, spec, presets=presets, policies=POLICIES, capacities=(),
-                       seeds=(0,), fractions=fractions, references=references)
+    points = []
+    for preset in presets:
+        points += run_sweep(preset_config(preset, trace is not None), spec, presets=(preset,),
+                            policies=POLICIES, capacities=(), seeds=(0,),
+                            fractions=fractions, references=references)
     return {"workload": spec.label, "wall_s": time.perf_counter() - started,
             "references": {k: r.to_dict() for k, r in references.items()},
             "points": [p.to_dict() for p in points]}
@@ -284,18 +295,26 @@ offloading; *TTFT* is the modelled time to first token (prefill FLOPs at 400 TFL
 loaded bytes at 25 GB/s). The same comparison by hand:
 
 ```bash
-kvoffload sweep --preset gpt-oss-20b,gemma3-27b,nemotron-h-8b,llama3-8b \\
+kvoffload sweep --preset gpt-oss-20b,gemma3-27b,llama3-8b \\
+    --block-size 64 --block-size-factor 4 \\
     --trace ../shared/traces/mooncake_conversation_trace.jsonl --limit LIMIT \\
     --policy lru,arc,value --capacity-fraction 0.01,0.02,0.05,0.1,0.2,0.5 \\
     --host-accounting bytes
+kvoffload sweep --preset nemotron-h-8b ...same options without --block-size...
+kvoffload sweep --workload agentic ...same options...
 ```
+
+Attention-only presets run with engine blocks of 64 tokens offloaded four at a time
+(256-token host blocks); Nemotron-H runs at vLLM's page-matching block size. The engine
+holds 1M tokens for the trace and 32k tokens for the agentic workload.
 """
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--limit", type=int, default=300, help="trace requests (default 300)")
+    parser.add_argument("--limit", type=int, default=1000,
+                        help="trace requests (default 1000)")
     parser.add_argument("--agentic-limit", type=int, default=None,
                         help="agentic workload requests (default: all)")
     parser.add_argument("--presets", default=",".join(PRESETS),
