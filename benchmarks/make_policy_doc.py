@@ -42,7 +42,9 @@ DOCS = ROOT / "docs"
 DATA = DOCS / "policy_data.json"
 PRESETS = ("gpt-oss-20b", "gemma3-27b", "nemotron-h-8b", "llama3-8b")
 POLICIES = ("lru", "arc", "value")
-FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
+"""Host capacities as shares of the store-everything working set: 1-50 % for the curves,
+70 and 100 % so the memory to reach 90 % of the unbounded hit rate can be measured."""
 MEMORY_GOALS = {"gpt-oss-20b": 0.7, "gemma3-27b": 0.5, "nemotron-h-8b": 0.5}
 """Goal: the value policy's memory to reach 90 % of the unbounded hit rate, at most this
 share of store-everything LRU's."""
@@ -253,9 +255,11 @@ one at *t*. Storing everything keeps window blocks and states that no hit can us
   turn, where a conversation's next turn hits; those that turn out not to be the end are
   demoted when the request finishes); the last multiples of the *sharing granule* before
   the prompt's end (the unit in which requests have been seen to share prefixes, learned
-  from where full-attention prefixes found in the cache end); and points learned from
-  misses, where a lookup found the full-attention prefix but a window block or state was
-  missing (a branch point), so the next request through them stores there.
+  from where full-attention prefixes found in the cache end; how many multiples grows,
+  up to 8, while lookups keep finding full attention without the window or state they
+  need, and shrinks back when they stop); and points learned from misses, where a lookup
+  found the full-attention prefix but a window block or state was missing (a branch
+  point), so the next request through them stores there.
 * While host memory is not full, everything is admitted: selective admission only
   matters when memory is short, and must not lose hits storing everything would have had.
 
@@ -263,12 +267,13 @@ one at *t*. Storing everything keeps window blocks and states that no hit can us
 prefill compute a hit at its end saves (the model's FLOPs for all its tokens, across all
 layers) divided by the bytes that hit needs (all its full-attention blocks, its last
 window, its state). A prefix that was itself reached through a hit counts more (it is a
-conversation that continues). The tier evicts by Greedy-Dual-Size: a key's priority is
-the current *inflation* plus its value density relative to the mean; every use resets it;
-the inflation rises to each victim's priority, so unused keys fall behind (recency) and
-keys that save much compute per byte last longer (value). All keys of one request share
-its prefix's value, so within a prefix the early blocks (which every deeper hit needs)
-stay longest, as under LRU.
+conversation that continues). A key's eviction priority is, as in Marconi, recency plus a
+weighted value: `clock + weight × n × density / mean density`, where the clock ticks once
+per key inserted or used and `n` keys are one generation of the cache, so a key of twice
+the mean value survives about `2 × weight` generations longer (`weight` is 0.25). All
+keys of one request share its prefix's value and a value never moves a key in time, so
+within a prefix the early blocks (which every deeper hit needs) stay longest, as under
+LRU.
 
 **Consistency of a hit point.** Every window block and Mamba state names the
 full-attention block it cannot serve without (its *anchor*). Evicting an anchor demotes
@@ -287,7 +292,8 @@ until the arena packs groups.)
 `python benchmarks/make_policy_doc.py` regenerates this page. For each workload and
 preset it first runs store-everything LRU with unbounded host memory: its peak host
 memory is the *working set*, its host hit rate the *unbounded hit rate*. Then LRU, ARC
-and `value` run at 1, 2, 5, 10, 20 and 50 % of that working set, in the same
+and `value` run at 1, 2, 5, 10, 20, 30 and 50 % of that working set (and 70 and 100 %,
+so the memory to reach 90 % of the unbounded hit rate can be read), in the same
 `run_sweep` call that `kvoffload sweep --capacity-fraction` uses. *Host hit* is the share
 of prompt tokens loaded from host memory (the engine's own prefix cache is the same for
 every policy and is not counted); *prefill tokens saved* compares with a run without
@@ -298,7 +304,7 @@ loaded bytes at 25 GB/s). The same comparison by hand:
 kvoffload sweep --preset gpt-oss-20b,gemma3-27b,llama3-8b \\
     --block-size 64 --block-size-factor 4 \\
     --trace ../shared/traces/mooncake_conversation_trace.jsonl --limit LIMIT \\
-    --policy lru,arc,value --capacity-fraction 0.01,0.02,0.05,0.1,0.2,0.5 \\
+    --policy lru,arc,value --capacity-fraction 0.01,0.02,0.05,0.1,0.2,0.3,0.5,0.7,1 \\
     --host-accounting bytes
 kvoffload sweep --preset nemotron-h-8b ...same options without --block-size...
 kvoffload sweep --workload agentic ...same options...

@@ -89,7 +89,7 @@ class AdmissionAudit:
         if point > last or point == last // self.alignment * self.alignment:
             return True
         granule = self.admission.granule
-        points = self.admission._granule_points
+        points = self.admission.granule_points
         if point % granule == 0 and last // granule * granule - point < points * granule:
             return True
         index = point // self.hash_bs - 1

@@ -177,7 +177,7 @@ class Planner:
                 self._order):
             full_only = [v for v in views(False) if v.group.window_blocks is None]
             full_end = combined_hit_end(full_only, num_computed, max_end, self._alignment)
-            self._admission.observe_prefix_end(full_end)
+            self._admission.observe_lookup(full_end, end)
             if full_end > end:
                 self._admission.learn_miss(request.block_hashes, full_end)
         if not saw_pending:

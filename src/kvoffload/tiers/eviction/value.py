@@ -2,14 +2,16 @@
 
 Each key carries a *value density*: the prefill compute a hit through it saves divided by
 the bytes that hit needs (``ValueHint``, given by the planner, which knows positions and
-the model). The policy is Greedy-Dual-Size: a key's priority is ``L + weight * d / d_ref``
-where ``L`` is the *inflation* (the priority of the last victim, so it only grows),
-``d`` the key's density and ``d_ref`` a running mean of the densities seen. Insertion and
-every touch reset the priority to that value, so a key that is neither used nor valuable
-falls behind as ``L`` rises (recency), and a key that saves much compute per byte survives
-longer (value). The lowest priority is evicted first; ties go to the least recently
-touched key, so a touch that lists a prefix first-block-first keeps its early blocks
-longest, as under LRU.
+the model). A key's priority blends recency and value, as in Marconi:
+``clock + weight * n * d / d_ref``, where ``clock`` counts insertions and touches (one per
+key), ``n`` is the number of keys held (``n`` ticks of the clock are one *generation* of
+the cache), ``d`` is the key's density and ``d_ref`` a running mean of the densities
+seen. Insertion and every touch reset the priority, so a key that is not used again falls
+behind (recency), and a key that saves much compute per byte survives about ``weight``
+more generations per mean density (value). A value hint changes the value part only,
+never the key's place in time. ``weight = 0`` orders keys exactly as LRU does. The lowest
+priority is evicted first, so a touch that lists a prefix first-block-first keeps its
+early blocks longest, as under LRU.
 
 Hit-point consistency: a window block or Mamba state names the full-attention key it
 depends on (its *anchor*, ``ValueHint.anchor``). When an anchor is evicted (or removed)
@@ -38,18 +40,22 @@ from kvoffload.tiers.eviction.base import (
     register_policy,
 )
 
+DEFAULT_WEIGHT = 0.25
+"""Value against recency (``ValuePolicy.weight``), chosen on the sweeps in docs/policy.md."""
+
 _DEMOTED = float("-inf")
-"""Priority offset of a demoted key: below every live key, whatever the inflation."""
+"""Priority of a demoted key: below every live key."""
 
 
 class _Entry:
-    __slots__ = ("density", "prio", "seq", "state")
+    __slots__ = ("density", "prio", "seq", "stamp", "state")
 
-    def __init__(self, state: BlockState, density: float, prio: float, seq: int) -> None:
+    def __init__(self, state: BlockState, stamp: int) -> None:
         self.state = state
-        self.density = density
-        self.prio = prio
-        self.seq = seq
+        self.density = -1.0  # not valued yet
+        self.prio = 0.0
+        self.seq = 0  # the live heap entry's sequence number
+        self.stamp = stamp  # the clock at the last insertion or touch
 
 
 class ValuePolicy(EvictionPolicy):
@@ -59,20 +65,20 @@ class ValuePolicy(EvictionPolicy):
         capacity: the most keys the tier holds.
         weight: how much value counts against recency: a key of twice the mean density
             survives about ``weight`` more generations of the cache than a mean one.
-            ``0`` is LRU with demotion hints.
+            ``0`` is LRU with demotion hints and anchor consistency.
     """
 
     name = "value"
 
-    def __init__(self, capacity: int, weight: float = 1.0) -> None:
+    def __init__(self, capacity: int, weight: float = DEFAULT_WEIGHT) -> None:
         super().__init__(capacity)
         if weight < 0:
             raise ValueError(f"value weight must be >= 0, got {weight}")
         self.weight = weight
-        self.inflation = 0.0
         self._entries: dict[OffloadKey, _Entry] = {}
         self._heap: list[tuple[float, int, OffloadKey]] = []
         self._seq = 0
+        self._clock = 0
         self._density_sum = 0.0
         self._density_count = 0
         self._dependents: dict[OffloadKey, set[OffloadKey]] = {}
@@ -85,10 +91,9 @@ class ValuePolicy(EvictionPolicy):
         """Mean density of the hints seen so far (1.0 before any)."""
         return self._density_sum / self._density_count if self._density_count else 1.0
 
-    def _priority(self, density: float | None) -> float:
-        if density is None:
-            return self.inflation + self.weight
-        return self.inflation + self.weight * density / self.reference_density
+    def _priority(self, entry: _Entry) -> float:
+        relative = 1.0 if entry.density < 0 else entry.density / self.reference_density
+        return entry.stamp + self.weight * len(self._entries) * relative
 
     def _push(self, key: OffloadKey, entry: _Entry, prio: float) -> None:
         self._seq += 1
@@ -116,9 +121,10 @@ class ValuePolicy(EvictionPolicy):
     def insert(self, key: OffloadKey, state: BlockState) -> None:
         if key in self._entries:
             raise InvariantError(f"value: insert of a key already present ({key.hex()})")
-        entry = _Entry(state, -1.0, 0.0, 0)
+        self._clock += 1
+        entry = _Entry(state, self._clock)
         self._entries[key] = entry
-        self._push(key, entry, self._priority(None))
+        self._push(key, entry, self._priority(entry))
 
     def remove(self, key: OffloadKey) -> BlockState:
         entry = self._entries.pop(key, None)
@@ -132,8 +138,9 @@ class ValuePolicy(EvictionPolicy):
         for key in reversed(keys):
             entry = entries.get(key)
             if entry is not None and entry.prio != _DEMOTED:
-                self._push(key, entry, self._priority(
-                    entry.density if entry.density >= 0 else None))
+                self._clock += 1
+                entry.stamp = self._clock
+                self._push(key, entry, self._priority(entry))
 
     def demote(self, keys: Sequence[OffloadKey]) -> None:
         """Present keys go before every other key (in the order given)."""
@@ -143,9 +150,9 @@ class ValuePolicy(EvictionPolicy):
                 self._push(key, entry, _DEMOTED)
 
     def set_values(self, values: Sequence[ValueHint]) -> None:
-        """Record densities (a key keeps the highest it was given) and anchors. A key's
-        first density sets its priority; a higher one later raises it; demoted keys stay
-        demoted."""
+        """Record densities (a key keeps the highest it was given) and anchors. The value
+        part of a key's priority follows its density; its place in time does not move;
+        demoted keys stay demoted."""
         entries = self._entries
         for hint in values:
             entry = entries.get(hint.key)
@@ -153,14 +160,12 @@ class ValuePolicy(EvictionPolicy):
                 continue
             density = hint.saved / hint.nbytes
             if density > entry.density:
-                first = entry.density < 0
-                if first:
+                if entry.density < 0:
                     self._density_sum += density
                     self._density_count += 1
                 entry.density = density
                 if entry.prio != _DEMOTED:
-                    prio = self._priority(density)
-                    self._push(hint.key, entry, prio if first else max(entry.prio, prio))
+                    self._push(hint.key, entry, self._priority(entry))
             anchor = hint.anchor
             if anchor is not None and anchor != hint.key and hint.key not in self._anchor_of:
                 if anchor not in entries:
@@ -202,7 +207,7 @@ class ValuePolicy(EvictionPolicy):
                     heapq.heappush(heap, item)
                 return None
             item = heapq.heappop(heap)
-            prio, seq, key = item
+            _prio, seq, key = item
             entry = entries.get(key)
             if entry is None or entry.seq != seq:
                 continue  # stale
@@ -218,9 +223,7 @@ class ValuePolicy(EvictionPolicy):
             if item[2] not in chosen:
                 heapq.heappush(heap, item)
         for key, _ in victims:
-            prio = entries.pop(key).prio
-            if prio != _DEMOTED:
-                self.inflation = max(self.inflation, prio)
+            del entries[key]
         for key, _ in victims:
             self._forget(key)
         return victims
@@ -249,14 +252,12 @@ class ValuePolicy(EvictionPolicy):
         self._heap.clear()
         self._dependents.clear()
         self._anchor_of.clear()
-        self.inflation = 0.0
         self._density_sum = 0.0
         self._density_count = 0
 
     def debug_state(self) -> dict[str, object]:
         return {
             "order": [(k, s.ref, s.slot) for k, s in self.items()],
-            "inflation": self.inflation,
             "anchors": sorted(self._anchor_of.items()),
         }
 
