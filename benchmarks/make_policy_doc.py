@@ -270,7 +270,8 @@ window, its state). A prefix that was itself reached through a hit counts more (
 conversation that continues). A key's eviction priority is, as in Marconi, recency plus a
 weighted value: `clock + weight × n × density / mean density`, where the clock ticks once
 per key inserted or used and `n` keys are one generation of the cache, so a key of twice
-the mean value survives about `2 × weight` generations longer (`weight` is 0.25). All
+the mean value survives about `weight` generations longer than a mean one (`weight` is
+0.25). All
 keys of one request share its prefix's value and a value never moves a key in time, so
 within a prefix the early blocks (which every deeper hit needs) stay longest, as under
 LRU.

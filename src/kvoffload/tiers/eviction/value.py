@@ -59,7 +59,7 @@ class _Entry:
 
 
 class ValuePolicy(EvictionPolicy):
-    """Greedy-Dual-Size over value densities with anchor-consistent demotion (module doc).
+    """Recency plus weighted value per byte, with anchor-consistent demotion (module doc).
 
     Args:
         capacity: the most keys the tier holds.
@@ -134,6 +134,7 @@ class ValuePolicy(EvictionPolicy):
         return entry.state
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Present keys become most recent, ``keys[0]`` last; demoted keys stay demoted."""
         entries = self._entries
         for key in reversed(keys):
             entry = entries.get(key)
