@@ -117,6 +117,10 @@ class ResolvedGroup:
         return self.window_blocks is not None
 
 
+HOST_ACCOUNTING = ("slot", "bytes")
+"""Accepted ``OffloadConfig.host_accounting`` values."""
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """Everything the planner and the host tier need to know.
@@ -136,6 +140,12 @@ class OffloadConfig:
             request's steps ended exactly there, so that is the only state the planner
             stores. True: the engine checkpoints the state at every block boundary it
             computes, so every real Mamba block of the table holds its boundary state.
+        host_accounting: how the host budget is charged. ``"slot"`` (default): every
+            offloaded block of any group takes one slot of ``slot_bytes`` (the worker's host
+            arena is laid out that way). ``"bytes"``: every block is charged its own group's
+            ``block_bytes`` against one budget of ``host_capacity_bytes``, so a small
+            full-attention block costs less than a large window block or Mamba state
+            (capacity planning; the tier then holds up to ``num_host_slots`` keys).
     """
 
     groups: tuple[GroupSpec, ...]
@@ -146,6 +156,7 @@ class OffloadConfig:
     eviction_policy: str = "lru"
     max_deferred_steps: int = 64
     mamba_states_every_block: bool = False
+    host_accounting: str = "slot"
     resolved: tuple[ResolvedGroup, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -164,6 +175,9 @@ class OffloadConfig:
         if self.max_deferred_steps <= 0:
             raise ConfigError("max_deferred_steps", f"must be >= 1, got {self.max_deferred_steps}",
                               "Bound how many steps a lookup may be deferred, e.g. 64.")
+        if self.host_accounting not in HOST_ACCOUNTING:
+            raise ConfigError("host_accounting", f"unknown accounting {self.host_accounting!r}",
+                              f"Use one of {list(HOST_ACCOUNTING)}.")
         resolved = tuple(self._resolve(i, g) for i, g in enumerate(self.groups))
         object.__setattr__(self, "resolved", resolved)
         slot = self.slot_bytes
@@ -212,12 +226,26 @@ class OffloadConfig:
 
     @property
     def num_host_slots(self) -> int:
-        """Slots the host tier holds; every offloaded block of any group takes one."""
+        """Slots the host tier holds; every offloaded block of any group takes one.
+
+        Under ``host_accounting="bytes"`` this is the most keys the byte budget can hold
+        (the budget over the smallest non-empty block); the budget itself is enforced by
+        the tier.
+        """
         slot = self.slot_bytes
         if slot == 0:
             # Accounting-only layouts (no page sizes): capacity counts blocks directly.
             return self.host_capacity_bytes
+        if self.host_accounting == "bytes":
+            return self.host_capacity_bytes // min(g.block_bytes for g in self.resolved
+                                                   if g.block_bytes > 0)
         return self.host_capacity_bytes // slot
+
+    @property
+    def charges_bytes(self) -> bool:
+        """Whether the host tier charges each key its group's block bytes (see
+        ``host_accounting``); false for slot accounting and layouts without page sizes."""
+        return self.host_accounting == "bytes" and self.slot_bytes > 0
 
     @property
     def hit_alignment(self) -> int:

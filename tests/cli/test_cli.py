@@ -93,6 +93,47 @@ def test_sweep_runs_the_grid_and_plots(capsys: pytest.CaptureFixture[str],
     assert status == 0 and "speed-up" in out and "gpt-oss-20b" in out
 
 
+def test_sweep_capacity_fractions_of_the_working_set_and_the_90_percent_memory(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run(capsys, "sweep", *SMALL, "--preset", "gemma3-27b",
+                           "--policy", "lru,arc,value", "--capacity-fraction", "0.5,0.05,1",
+                           "--host-accounting", "bytes", "--json")
+    assert status == 0, err
+    data = json.loads(out)
+    assert data["host_accounting"] == "bytes"
+    ref = data["references"]["gemma3-27b"]
+    points = data["points"]
+    assert [(p["policy"], p["capacity_fraction"]) for p in points] == [
+        (policy, f) for policy in ("lru", "arc", "value") for f in (0.05, 0.5, 1.0)]
+    for p in points:
+        assert p["host_capacity_bytes"] >= int(p["capacity_fraction"] * ref["working_set_bytes"])
+        assert p["host_bytes_peak"] <= p["host_capacity_bytes"]
+        assert p["prefill_tokens_saved"] == pytest.approx(
+            p["baseline_prefill_tokens_computed"] - p["prefill_tokens_computed"])
+    # The whole working set holds everything: LRU there is the unbounded run again.
+    full_lru = points[2]
+    assert full_lru["host_hit_rate"] == pytest.approx(ref["host_hit_rate"])
+    status, out, _ = run(capsys, "sweep", *SMALL, "--preset", "gemma3-27b", "--policy",
+                         "lru,value", "--capacity-fraction", "0.1,1", "--host-accounting",
+                         "bytes")
+    assert status == 0
+    assert "of working set" in out and "90 % of the unbounded" in out and "vs lru" in out
+
+
+def test_memory_to_reach_interpolates_in_log_capacity() -> None:
+    from kvoffload.cli.sweep import SweepPoint, memory_to_reach
+
+    def point(capacity: int, hit: float) -> SweepPoint:
+        return SweepPoint("p", "lru", capacity, 0.0, hit, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                          0.0, 1, 0.0)
+
+    curve = [point(1 << 30, 0.1), point(4 << 30, 0.3), point(16 << 30, 0.5)]
+    assert memory_to_reach(curve, 0.05) == 1 << 30
+    assert memory_to_reach(curve, 0.2) == pytest.approx(2 << 30)
+    assert memory_to_reach(curve, 0.5) == pytest.approx(16 << 30)
+    assert memory_to_reach(curve, 0.6) is None
+
+
 def test_presets_lists_per_token_and_per_state_bytes(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = run(capsys, "presets")
     assert status == 0
@@ -115,6 +156,7 @@ def test_presets_lists_per_token_and_per_state_bytes(capsys: pytest.CaptureFixtu
     (["simulate", "--engine-tokens", "64", "--limit", "3"], "Raise the engine capacity"),
     (["simulate", "--trace", "/nonexistent/trace.jsonl"], "no such file"),
     (["sweep", "--seeds", "x"], "--seeds: give integers"),
+    (["sweep", "--capacity-fraction", "2"], "--capacity-fraction: every share"),
 ])
 def test_mistakes_exit_2_with_one_clear_line(capsys: pytest.CaptureFixture[str],
                                              argv: list[str], needle: str) -> None:

@@ -87,6 +87,13 @@ def test_invalid_options_name_the_key_and_the_fix(extra: Any, field: str, hint: 
     assert info.value.fix
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc", "hybrid", "value"])
+def test_every_registered_policy_is_an_option(policy: str) -> None:
+    opts = ConnectorOptions.from_extra_config({"host_memory_bytes": "1GiB",
+                                               "eviction_policy": policy})
+    assert opts.eviction_policy == policy
+
+
 def test_version_pin() -> None:
     assert SUPPORTED_VLLM == ">=0.32.0,<0.33"
     assert parse_version("0.32.0+cpu") == (0, 32, 0)

@@ -84,6 +84,7 @@ OPTION_OF_FIELD = {
     "disk_capacity_bytes": "--disk-capacity / --mode",
     "remote_capacity_bytes": "--remote-capacity",
     "eviction_policy": "--policy",
+    "host_accounting": "--host-accounting",
     "block_size": "--block-size",
     "block_size_factor": "--block-size-factor",
     "scale_bytes": "--scale-bytes",
@@ -131,6 +132,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                             "for models with Mamba layers)")
     group.add_argument("--block-size-factor", type=int, default=1, metavar="N",
                        help="engine blocks per offloaded block (default 1)")
+    group.add_argument("--host-accounting", choices=("slot", "bytes"), default="slot",
+                       help="'slot': every host block takes a slot of the largest group's "
+                            "size; 'bytes': each is charged its own group's bytes under one "
+                            "budget (accounting mode) (default: slot)")
     cap = group.add_mutually_exclusive_group()
     cap.add_argument("--engine-capacity", metavar="SIZE",
                      help="accelerator memory for KV blocks, e.g. 40GiB")
@@ -247,6 +252,7 @@ def simulation_config(args: argparse.Namespace, *, preset: str, policy: str,
         disk_capacity_bytes=disk, remote_capacity_bytes=remote,
         block_size_factor=args.block_size_factor, engine_capacity_bytes=engine_bytes,
         engine_tokens=tokens, host_capacity_bytes=host_capacity, eviction_policy=policy,
+        host_accounting=getattr(args, "host_accounting", "slot"),
         scale_bytes=getattr(args, "scale_bytes", 64),
         disk_path=getattr(args, "disk_path", None),
         remote_url=getattr(args, "remote_url", None),

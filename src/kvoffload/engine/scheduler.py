@@ -202,7 +202,8 @@ class ReferenceEngine:
                 raise TypeError(f"tier {type(self.tier).__name__} is neither a HostTier nor "
                                 "a CascadeTier over one")
             self.host = host
-            self.planner = Planner(offload, self.tier)
+            self.planner = Planner(offload, self.tier,
+                                   prefill_flops=layout.preset.prefill_flops)
         self.executor: TransferExecutor = executor or AccountingExecutor(
             offload.num_workers if offload is not None else 1)
         self.metrics = EngineMetrics(num_groups=len(specs))

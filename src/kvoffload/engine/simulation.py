@@ -86,7 +86,9 @@ class SimulationConfig:
         disk_path: bytes mode: the real disk tier's directory. A second run on the same
             directory finds the blocks the first one stored (a restart).
         remote_url: bytes mode: ``redis://host:port/db`` of a real shared tier.
-        eviction_policy: the host tier's policy (``lru``, ``arc``).
+        eviction_policy: the host tier's policy (``lru``, ``arc``, ``hybrid``, ``value``).
+        host_accounting: ``slot`` (every block takes a slot of the largest group's size)
+            or ``bytes`` (every block is charged its own group's bytes; accounting mode).
         scale_bytes: bytes mode: the smallest moved page, in bytes.
         max_num_batched_tokens / max_num_seqs / decode_tokens_per_step: engine limits.
         arrival: ``trace`` (use arrival times) or ``asap``.
@@ -105,6 +107,7 @@ class SimulationConfig:
     engine_tokens: int = 32768
     host_capacity_bytes: int = 16 * GiB
     eviction_policy: str = "lru"
+    host_accounting: str = "slot"
     disk_capacity_bytes: int | None = None
     remote_capacity_bytes: int | None = None
     disk_path: str | None = None
@@ -163,7 +166,12 @@ def resolve(config: SimulationConfig, layout: ModelLayout) -> tuple[Capacities, 
     real = OffloadConfig(groups=layout.real_specs, hash_block_size=hash_block_size,
                          host_capacity_bytes=config.host_capacity_bytes,
                          block_size_factor=config.block_size_factor,
-                         eviction_policy=config.eviction_policy)
+                         eviction_policy=config.eviction_policy,
+                         host_accounting=config.host_accounting)
+    if real.charges_bytes and layout.is_scaled:
+        raise ConfigError("host_accounting", "byte accounting is modelled in accounting mode "
+                          "only (bytes mode scales pages unevenly across groups)",
+                          "Add --mode accounting, or use --host-accounting slot.")
     slots = real.num_host_slots
     moved = real
     if layout.is_scaled:

@@ -14,7 +14,17 @@ stores window blocks and Mamba states only around *likely hit points*:
   are demoted (evicted first) when the request finishes;
 * points learned from misses: when a lookup found the full-attention prefix longer than
   the hit it could give, because a window or Mamba group lacked blocks there, that point
-  is remembered, and any later request passing through it stores its windows there.
+  is remembered, and any later request passing through it stores its windows there;
+* the last ``granule_points`` multiples of the *sharing granule* at or before the prompt's
+  end. Requests often share prefixes in fixed units (a chat template's turns, a trace's
+  hash blocks): the granule is learned from where full-attention prefixes found in the
+  tier end (the largest power-of-two multiple of the hit alignment that divides at least
+  ``granule_share`` of them), so a later turn that shares this prompt up to its last
+  complete unit finds the window or state it needs there. How many multiples adapts to
+  misses: every ``ADAPT_EVERY`` lookups that found full-attention blocks, if more than
+  ``GROW_SHARE`` of them lacked a window block or state where full attention reached,
+  one more multiple is kept (up to ``max_granule_points``); if fewer than
+  ``SHRINK_SHARE`` did, one fewer (down to the initial count).
 
 While the tier has free room it admits everything: selective admission only matters
 when memory is short, and must not lose hits that storing everything would have had.
@@ -48,6 +58,11 @@ class AdmissionPolicy(ABC):
         """A lookup could have hit at ``point_tokens`` but a window or state was missing."""
         del hashes, point_tokens
 
+    def observe_lookup(self, full_end: int, hit_end: int) -> None:
+        """A lookup found full-attention blocks up to ``full_end`` (a place where requests
+        share a prefix) and could hit up to ``hit_end``."""
+        del full_end, hit_end
+
     def demote_on_finish(self, group: ResolvedGroup, stored_from: int, stored_to: int,
                          num_prompt_tokens: int, num_tokens: int) -> range:
         """Blocks in ``[stored_from, stored_to)`` to demote when the request finishes."""
@@ -71,17 +86,36 @@ class HitPointAdmission(AdmissionPolicy):
         alignment: every hit is a multiple of this many tokens.
         has_room: whether the tier still has free room (then everything is admitted).
         max_learned: how many learned hit points to remember (least recent forgotten).
+        granule_points: how many multiples of the sharing granule before the prompt's end
+            are hit points at first (0: none).
+        max_granule_points: the most that misses can raise it to (default: no raising).
+        granule_share: the share of observed prefix ends a granule must divide.
     """
 
     learns = True
+    MAX_GRANULE_SHIFT = 12
+    ADAPT_EVERY = 32
+    GROW_SHARE = 0.1
+    SHRINK_SHARE = 0.02
 
     def __init__(self, hash_block_size: int, alignment: int, has_room: Callable[[], bool],
-                 max_learned: int = 1 << 16) -> None:
+                 *, max_learned: int = 1 << 16, granule_points: int = 2,
+                 max_granule_points: int | None = None, granule_share: float = 0.75) -> None:
         self._hash_bs = hash_block_size
         self._alignment = alignment
         self._has_room = has_room
         self._max_learned = max_learned
         self._learned: OrderedDict[BlockHash, None] = OrderedDict()
+        self._granule_points = granule_points
+        self._min_granule_points = granule_points
+        self._max_granule_points = (granule_points if max_granule_points is None
+                                    else max(granule_points, max_granule_points))
+        self._lookups = 0
+        self._misses = 0
+        self._granule_share = granule_share
+        self._divides = [0] * (self.MAX_GRANULE_SHIFT + 1)
+        self.granule = alignment
+        """The learned sharing granule in tokens (a power-of-two multiple of alignment)."""
 
     def _points(self, group: ResolvedGroup, block: int) -> range:
         """Aligned hit points (in tokens) whose window or state needs ``block``."""
@@ -92,17 +126,66 @@ class HitPointAdmission(AdmissionPolicy):
         first += -first % self._alignment
         return range(first, last + 1, self._alignment)
 
+    def is_hit_point(self, point: int, hashes: Sequence[BlockHash],
+                     num_prompt_tokens: int) -> bool:
+        """Whether ``point`` (aligned, in tokens) is a likely hit point of this request."""
+        last = num_prompt_tokens - 1
+        if point > last or point == last // self._alignment * self._alignment:
+            return True
+        g = self.granule
+        if point % g == 0 and last // g * g - point < self._granule_points * g:
+            return True
+        index = point // self._hash_bs - 1
+        if 0 <= index < len(hashes) and hashes[index] in self._learned:
+            self._learned.move_to_end(hashes[index])
+            return True
+        return False
+
+    @property
+    def granule_points(self) -> int:
+        """How many granule multiples before the prompt's end are hit points now."""
+        return self._granule_points
+
+    def observe_lookup(self, full_end: int, hit_end: int) -> None:
+        """A lookup found full-attention blocks up to ``full_end`` and could hit up to
+        ``hit_end``: learn the granule, and adapt how many of its multiples are kept."""
+        self.observe_prefix_end(full_end)
+        if full_end <= 0:
+            return
+        self._lookups += 1
+        self._misses += full_end > hit_end
+        if self._lookups >= self.ADAPT_EVERY:
+            share = self._misses / self._lookups
+            if share > self.GROW_SHARE:
+                self._granule_points = min(self._granule_points + 1, self._max_granule_points)
+            elif share < self.SHRINK_SHARE:
+                self._granule_points = max(self._granule_points - 1, self._min_granule_points)
+            self._lookups = self._misses = 0
+
+    def observe_prefix_end(self, point_tokens: int) -> None:
+        """A lookup found full-attention blocks up to ``point_tokens``: learn the granule."""
+        if point_tokens <= 0 or point_tokens % self._alignment:
+            return
+        units = point_tokens // self._alignment
+        divides = self._divides
+        for shift in range(self.MAX_GRANULE_SHIFT + 1):
+            if units % (1 << shift):
+                break
+            divides[shift] += 1
+        total = divides[0]
+        if total % 16 == 0:
+            shift = 0
+            while (shift < self.MAX_GRANULE_SHIFT
+                   and divides[shift + 1] >= self._granule_share * total):
+                shift += 1
+            self.granule = self._alignment << shift
+
     def admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
               num_prompt_tokens: int) -> bool:
         if self._has_room():
             return True
-        prompt_point = (num_prompt_tokens - 1) // self._alignment * self._alignment
         for point in self._points(group, block):
-            if point == prompt_point or point > num_prompt_tokens - 1:
-                return True
-            index = point // self._hash_bs - 1
-            if 0 <= index < len(hashes) and hashes[index] in self._learned:
-                self._learned.move_to_end(hashes[index])
+            if self.is_hit_point(point, hashes, num_prompt_tokens):
                 return True
         return False
 
@@ -129,10 +212,22 @@ class HitPointAdmission(AdmissionPolicy):
         return len(self._learned)
 
 
+SELECTIVE_POLICIES = frozenset({"hybrid", "value"})
+"""Eviction policy names that come with hit-point admission."""
+
+VALUE_AWARE_POLICIES = frozenset({"value"})
+"""Eviction policy names that rank keys by ``ValueHint`` (the planner sends them)."""
+
+
 def make_admission(eviction_policy: str, hash_block_size: int, alignment: int,
                    has_room: Callable[[], bool]) -> AdmissionPolicy:
-    """The admission that goes with an eviction policy name ("hybrid" is selective)."""
-    if eviction_policy == "hybrid":
-        return HitPointAdmission(hash_block_size, alignment, has_room)
+    """The admission that goes with an eviction policy name ("hybrid" and "value" are
+    selective)."""
+    if eviction_policy in SELECTIVE_POLICIES:
+        # "value" also keeps windows at the last multiples of the learned sharing granule.
+        if eviction_policy == "value":
+            return HitPointAdmission(hash_block_size, alignment, has_room,
+                                     granule_points=2, max_granule_points=8)
+        return HitPointAdmission(hash_block_size, alignment, has_room, granule_points=0)
     return StoreEverything()
 

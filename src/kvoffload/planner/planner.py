@@ -43,7 +43,7 @@ from kvoffload.jobs import (
 )
 from kvoffload.keys import BlockHash, OffloadKey, make_offload_key
 from kvoffload.metrics import PlannerStats
-from kvoffload.planner.admission import make_admission
+from kvoffload.planner.admission import VALUE_AWARE_POLICIES, make_admission
 from kvoffload.planner.contract import (
     LoadFailure,
     MatchResult,
@@ -55,6 +55,7 @@ from kvoffload.planner.contract import (
 from kvoffload.planner.fence import Fence
 from kvoffload.planner.lookup import BlockReadable, GroupView, combined_hit_end, lookup_order
 from kvoffload.planner.state import GroupState, JobState, PlannedLoad, RequestState
+from kvoffload.planner.value import PrefillFlops, PrefixValuer
 from kvoffload.tiers.base import LookupResult, Tier, TierEvent
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,10 @@ logger = logging.getLogger(__name__)
 class Planner:
     """Engine-neutral scheduler side of kvoffload. See the module docstring."""
 
-    def __init__(self, config: OffloadConfig, tier: Tier) -> None:
+    def __init__(self, config: OffloadConfig, tier: Tier, *,
+                 prefill_flops: PrefillFlops | None = None) -> None:
+        """``prefill_flops(end, start)``: the model's prefill cost of tokens ``[start,
+        end)``, for value-aware policies (a layout-based estimate if not given)."""
         self.config = config
         self.tier = tier
         self.stats = PlannerStats()
@@ -85,6 +89,8 @@ class Planner:
         self._admission = make_admission(config.eviction_policy, config.hash_block_size,
                                          self._alignment, self._tier_has_room)
         self._full_views = [g for g in self._order if g.window_blocks is None]
+        self._valuer = (PrefixValuer(config, prefill_flops)
+                        if config.eviction_policy in VALUE_AWARE_POLICIES else None)
         self._key_suffix = [make_offload_key(BlockHash(b""), g.index) for g in self._groups]
         self._step_end_states = (not config.mamba_states_every_block
                                  and any(g.kind is GroupKind.MAMBA for g in self._groups))
@@ -125,6 +131,7 @@ class Planner:
         hits = end - num_computed_tokens
         if not st.looked_up:
             st.looked_up = True
+            st.first_hit_tokens = end
             for g, gs in zip(self._groups, st.groups, strict=True):
                 gs.num_hit_blocks = end // g.offloaded_block_size
         self._touch(st)
@@ -181,6 +188,7 @@ class Planner:
                 self._order):
             full_only = [v for v in views(False) if v.group.window_blocks is None]
             full_end = combined_hit_end(full_only, num_computed, max_end, self._alignment)
+            self._admission.observe_lookup(full_end, end)
             if full_end > end:
                 self._admission.learn_miss(request.block_hashes, full_end)
         if not saw_pending:
@@ -450,8 +458,11 @@ class Planner:
         transfers: list[GroupTransfer] = []
         windowed_ids: list[int] = []
         other_ids: list[int] = []
+        valued: list[list[tuple[int, OffloadKey]]] = []
         for g, gs, entries in zip(self._groups, st.groups, candidates, strict=True):
             chosen = [(k, p) for k, p in entries if gs.keys[k] in slot_of]
+            if self._valuer is not None:
+                valued.append([(k, gs.keys[k]) for k, _ in chosen])
             if not chosen:
                 continue
             self.stats.add_blocks(self.stats.blocks_stored, g.index, len(chosen))
@@ -459,6 +470,12 @@ class Planner:
             transfers.extend(group_transfers)
             ids = [b for t in group_transfers for b in t.block_ids]
             (windowed_ids if g.is_windowed else other_ids).extend(ids)
+        if self._valuer is not None:
+            frontier = max(limit * g.offloaded_block_size
+                           for g, limit in zip(self._groups, limits, strict=True))
+            self.tier.set_values(self._valuer.hints(frontier, valued,
+                                                    [gs.keys for gs in st.groups],
+                                                    self._reuse(st)))
         job_id = self._new_job_id()
         rid = st.request.request_id
         self._jobs[job_id] = JobState(job_id, rid, Direction.STORE, result.keys_to_store,
@@ -685,6 +702,7 @@ class Planner:
         # serve the most future hits). Stores insert their keys as most recent already;
         # touching the whole prefix on every store would cost O(context) per block.
         self._touch(st)
+        self._value_finished(st)
         self._demote_finished(st)
         if not st.jobs:
             del self._requests[request.request_id]
@@ -694,6 +712,30 @@ class Planner:
             if not js.fenced_other:
                 self._fence.add(job_id, js.other_block_ids)
                 js.fenced_other = True
+
+    def _value_finished(self, st: RequestState) -> None:
+        """Value every key the request stored or reused as its whole prefix."""
+        if self._valuer is None:
+            return
+        frontier = max(min(gs.next_stored, len(gs.keys)) * g.offloaded_block_size
+                       for g, gs in zip(self._groups, st.groups, strict=True))
+        if frontier <= 0:
+            return
+        entries: list[list[tuple[int, OffloadKey]]] = []
+        for g, gs in zip(self._groups, st.groups, strict=True):
+            stop = min(gs.next_stored, len(gs.keys))
+            blocks = (range(stop) if g.window_blocks is None
+                      else self._useful_blocks(g, 0, stop))
+            entries.append([(k, gs.keys[k]) for k in blocks])
+        self.tier.set_values(self._valuer.hints(frontier, entries,
+                                                [gs.keys for gs in st.groups],
+                                                self._reuse(st)))
+
+    @staticmethod
+    def _reuse(st: RequestState) -> float:
+        """Share of the request's prompt that was cached when it arrived."""
+        prompt = st.request.num_prompt_tokens
+        return min(1.0, st.first_hit_tokens / prompt) if prompt > 0 else 0.0
 
     def _demote_finished(self, st: RequestState) -> None:
         """Tell the tier which of the request's stored blocks no likely hit can use."""
@@ -710,8 +752,7 @@ class Planner:
             self.tier.demote(worthless)
 
     def _tier_has_room(self) -> bool:
-        usage = self.tier.usage()
-        return usage.used_slots < usage.capacity_slots
+        return not self.tier.usage().is_full
 
     def take_events(self) -> list[TierEvent]:
         """Cache events (blocks stored or removed) since the last call, for routers."""

@@ -59,6 +59,8 @@ class RequestState:
     planned: PlannedLoad | None = None
     num_local_tokens: int = 0
     looked_up: bool = False
+    first_hit_tokens: int = 0
+    """Tokens of the prompt already cached (engine or tier) at the first lookup."""
     deferred_steps: int = 0
     finished: bool = False
     state_ends: set[int] = field(default_factory=set)

@@ -30,6 +30,7 @@ from enum import Enum
 from kvoffload.errors import InvariantError
 from kvoffload.jobs import TierWork, WorkerReport
 from kvoffload.keys import OffloadKey
+from kvoffload.tiers.eviction.base import ValueHint
 
 
 class LookupResult(Enum):
@@ -80,6 +81,9 @@ class TierUsage:
         pinned_slots: ready keys with ref count > 0.
         writing_slots: keys being written.
         bytes_by_group: bytes held per group index (real block sizes, not slot sizes).
+        capacity_bytes: the byte budget when the tier charges each block its own bytes
+            (``host_accounting="bytes"``); 0 when slots are the budget.
+        largest_block_bytes: bytes of the largest group's block (byte budgets only).
     """
 
     capacity_slots: int
@@ -87,6 +91,16 @@ class TierUsage:
     pinned_slots: int
     writing_slots: int
     bytes_by_group: dict[int, int]
+    capacity_bytes: int = 0
+    largest_block_bytes: int = 0
+
+    @property
+    def is_full(self) -> bool:
+        """No room for one more block of the largest kind without evicting."""
+        if self.capacity_bytes:
+            held = sum(self.bytes_by_group.values())
+            return held + self.largest_block_bytes > self.capacity_bytes
+        return self.used_slots >= self.capacity_slots
 
 
 class Tier(ABC):
@@ -174,6 +188,9 @@ class Tier(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release threads and connections (lower tiers); the tier is not used after."""
+
+    def set_values(self, values: Sequence[ValueHint]) -> None:  # noqa: B027
+        """Optional hint for value-aware eviction: (key, compute saved, bytes held)."""
 
     def prefetch(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
         """A lookup found ``keys`` PENDING and would hit them once readable: a tier whose

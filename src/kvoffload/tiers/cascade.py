@@ -54,7 +54,7 @@ from kvoffload.tiers.base import (
 )
 from kvoffload.tiers.config import WriteMode
 from kvoffload.tiers.cpu import HostTier
-from kvoffload.tiers.eviction import WRITING
+from kvoffload.tiers.eviction import WRITING, ValueHint
 from kvoffload.tiers.lower import LowerTier, Presence
 
 HOST = "host"
@@ -198,6 +198,10 @@ class CascadeTier(Tier):
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
         self.host.complete_load(keys)
+
+    def set_values(self, values: Sequence[ValueHint]) -> None:
+        """Value hints go to host memory's policy."""
+        self.host.set_values(values)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Recency in host memory and in every lower tier that keeps an order."""

@@ -4,8 +4,12 @@
 and which to evict; the worker moves the bytes into and out of those slots. It runs in the
 scheduler process and is not thread-safe: one caller drives it.
 
-Every offloaded block of every group takes one slot (``OffloadConfig.slot_bytes``, the
-largest block of any group); ``usage().bytes_by_group`` reports the real block bytes.
+Under slot accounting (the default) every offloaded block of every group takes one slot
+(``OffloadConfig.slot_bytes``, the largest block of any group). Under byte accounting
+(``OffloadConfig.host_accounting == "bytes"``) every block is charged its own group's bytes
+against the one budget ``host_capacity_bytes``: pages differ in size across groups, and a
+small full-attention block must not cost as much as a Mamba state. Either way
+``usage().bytes_by_group`` reports the real block bytes.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from kvoffload.tiers.base import (
     TierEvent,
     TierUsage,
 )
-from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy, make_policy
+from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy, ValueHint, make_policy
 from kvoffload.tiers.slots import SlotAllocator
 
 
@@ -90,6 +94,10 @@ class HostTier(Tier):
         self._num_pinned = 0
         self._keys_per_group = [0] * len(self._block_bytes)
         self._events: list[TierEvent] = []
+        self._charges_bytes = config.charges_bytes
+        self._budget = config.host_capacity_bytes
+        self._bytes_writing = 0
+        self._bytes_pinned = 0
 
     # -- inspection -------------------------------------------------------------------
 
@@ -172,9 +180,10 @@ class HostTier(Tier):
                 what = "absent" if state is None else "still being written"
                 raise InvariantError(f"host prepare_load: key {_fmt(key)} is {what}")
             states.append(state)
-        for state in states:
+        for key, state in zip(keys, states, strict=True):
             if state.ref == 0:
                 self._num_pinned += 1
+                self._bytes_pinned += self._block_bytes[key_group(key)]
             state.ref += 1
         self.stats.keys_loaded += len(states)
         return tuple(state.slot for state in states)
@@ -186,7 +195,7 @@ class HostTier(Tier):
         pins (absent, being written, or not pinned that many times).
         """
         counts = Counter(keys)
-        states: list[tuple[BlockState, int]] = []
+        states: list[tuple[OffloadKey, BlockState, int]] = []
         for key, n in counts.items():
             state = self._policy.get(key)
             if state is None or state.ref < n:
@@ -194,11 +203,12 @@ class HostTier(Tier):
                 raise InvariantError(
                     f"host complete_load: key {_fmt(key)} released {n}x but {held} "
                     "(no matching prepare_load)")
-            states.append((state, n))
-        for state, n in states:
+            states.append((key, state, n))
+        for key, state, n in states:
             state.ref -= n
             if state.ref == 0:
                 self._num_pinned -= 1
+                self._bytes_pinned -= self._block_bytes[key_group(key)]
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Mark keys recently used; ``keys[0]`` ends most recent. Absent keys are ignored
@@ -209,6 +219,10 @@ class HostTier(Tier):
 
     def demote(self, keys: Sequence[OffloadKey]) -> None:
         self._policy.demote(keys)
+
+    def set_values(self, values: Sequence[ValueHint]) -> None:
+        """Hand (key, compute saved, bytes) hints to the eviction policy."""
+        self._policy.set_values(values)
 
     def prepare_store(self, keys: Sequence[OffloadKey], *,
                       protected: AbstractSet[OffloadKey] = frozenset(),
@@ -247,10 +261,17 @@ class HostTier(Tier):
         evicted: tuple[OffloadKey, ...] = ()
         evicted_slots: tuple[int, ...] = ()
         need = len(new) - self._slots.num_free
-        if need > 0:
+        block_bytes = self._block_bytes
+        new_bytes = sum(block_bytes[g] for g in groups) if self._charges_bytes else 0
+        need_bytes = self._bytes_used() + new_bytes - self._budget if self._charges_bytes else 0
+        if need > 0 or need_bytes > 0:
             idle = len(policy) - self._num_writing - self._num_pinned
             shield = frozenset(keys) | protected if protected else frozenset(keys)
-            victims = policy.evict(need, shield) if need <= idle else None
+            if self._charges_bytes:
+                victims = (policy.evict_bytes(need_bytes, need, shield, self._key_bytes)
+                           if self._can_free(need_bytes, need, idle, shield) else None)
+            else:
+                victims = policy.evict(need, shield) if need <= idle else None
             if victims is None:
                 self.stats.stores_rejected += 1
                 return None
@@ -267,6 +288,7 @@ class HostTier(Tier):
             policy.insert(key, BlockState(slot))
             self._keys_per_group[group] += 1
         self._num_writing += len(new)
+        self._bytes_writing += sum(block_bytes[g] for g in groups)
         self.stats.keys_reserved += len(new)
         return PrepareStoreResult(keys_to_store=tuple(new), slots=tuple(slots), evicted=evicted,
                                   evicted_slots=evicted_slots)
@@ -285,6 +307,7 @@ class HostTier(Tier):
         for key in keys:
             state = self._policy.get(key)
             if state is not None and state.ref == WRITING:
+                self._bytes_writing -= self._block_bytes[key_group(key)]
                 if success:
                     state.ref = 0
                 else:
@@ -321,6 +344,8 @@ class HostTier(Tier):
         self._slots.reset()
         self._num_writing = 0
         self._num_pinned = 0
+        self._bytes_writing = 0
+        self._bytes_pinned = 0
         self._keys_per_group = [0] * len(self._block_bytes)
 
     def usage(self) -> TierUsage:
@@ -332,6 +357,8 @@ class HostTier(Tier):
             writing_slots=self._num_writing,
             bytes_by_group={g: n * self._block_bytes[g]
                             for g, n in enumerate(self._keys_per_group)},
+            capacity_bytes=self._budget if self._charges_bytes else 0,
+            largest_block_bytes=max(self._block_bytes) if self._charges_bytes else 0,
         )
 
     def check_integrity(self) -> None:
@@ -358,7 +385,39 @@ class HostTier(Tier):
                 f"{self._num_writing} / {self._num_pinned}")
         if per_group != self._keys_per_group:
             raise InvariantError(f"host: keys per group {per_group} != {self._keys_per_group}")
+        writing_bytes = pinned_bytes = 0
+        for key, state in self._policy.items():
+            if state.ref == WRITING:
+                writing_bytes += self._block_bytes[key_group(key)]
+            elif state.ref > 0:
+                pinned_bytes += self._block_bytes[key_group(key)]
+        if (writing_bytes, pinned_bytes) != (self._bytes_writing, self._bytes_pinned):
+            raise InvariantError(
+                f"host: {writing_bytes} writing / {pinned_bytes} pinned bytes, counters say "
+                f"{self._bytes_writing} / {self._bytes_pinned}")
+        if self._charges_bytes and self._bytes_used() > self._budget:
+            raise InvariantError(f"host: {self._bytes_used()} bytes held exceed the budget "
+                                 f"of {self._budget}")
         self._slots.check_integrity(used)
+
+    def _bytes_used(self) -> int:
+        """Block bytes of every present key (ready or being written)."""
+        return sum(n * b for n, b in zip(self._keys_per_group, self._block_bytes, strict=True))
+
+    def _key_bytes(self, key: OffloadKey) -> int:
+        return self._block_bytes[key_group(key)]
+
+    def _can_free(self, need_bytes: int, need_keys: int, idle: int,
+                  shield: AbstractSet[OffloadKey]) -> bool:
+        """Whether idle, unshielded keys hold ``need_bytes`` and number ``need_keys``
+        (checked before evicting anything, so a store evicts all or nothing)."""
+        idle_bytes = self._bytes_used() - self._bytes_writing - self._bytes_pinned
+        for key in shield:
+            state = self._policy.get(key)
+            if state is not None and state.ref == 0:
+                idle -= 1
+                idle_bytes -= self._block_bytes[key_group(key)]
+        return idle >= need_keys and idle_bytes >= need_bytes
 
     def _emit(self, keys: tuple[OffloadKey, ...], *, removed: bool) -> None:
         if self.enable_events and keys:

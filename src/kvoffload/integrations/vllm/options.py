@@ -10,7 +10,10 @@ Keys (all optional except ``host_memory_bytes``):
 ==========================  ==========================================================
 ``host_memory_bytes``       Host memory for offloaded blocks, per rank: an integer or a
                             string with a unit (``"8GiB"``, ``"512MiB"``, ``"2GB"``).
-``eviction_policy``         A registered policy name: ``"lru"`` (default) or ``"arc"``.
+``eviction_policy``         A registered policy name: ``"lru"`` (default), ``"arc"``,
+                            ``"hybrid"`` or ``"value"`` (hybrid-aware: window blocks and
+                            Mamba states only at likely hit points, eviction by compute
+                            saved per byte; see docs/policy.md).
 ``block_size_factor``       Engine blocks per offloaded block (default 1).
 ``tiers``                   Storage tiers, fastest first: ``["host"]`` (default), or
                             host followed by ``"disk"`` and/or ``"remote"`` in lookup

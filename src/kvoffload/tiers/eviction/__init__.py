@@ -1,6 +1,8 @@
 """Eviction policies for fixed-size tiers, looked up by name (``make_policy``).
 
-Importing this package registers the built-in policies: ``"lru"`` and ``"arc"``.
+Importing this package registers the built-in policies: ``"lru"``, ``"arc"``, ``"hybrid"``
+(LRU with hit-point admission) and ``"value"`` (hit-point admission with eviction by
+compute saved per byte, blended with recency).
 """
 
 from kvoffload.tiers.eviction.arc import ARCPolicy
@@ -9,12 +11,14 @@ from kvoffload.tiers.eviction.base import (
     BlockState,
     EvictionPolicy,
     PolicyFactory,
+    ValueHint,
     Victims,
     make_policy,
     register_policy,
     registered_policies,
 )
 from kvoffload.tiers.eviction.lru import LRUPolicy
+from kvoffload.tiers.eviction.value import ValuePolicy
 
 __all__ = [
     "WRITING",
@@ -23,6 +27,8 @@ __all__ = [
     "EvictionPolicy",
     "LRUPolicy",
     "PolicyFactory",
+    "ValueHint",
+    "ValuePolicy",
     "Victims",
     "make_policy",
     "register_policy",

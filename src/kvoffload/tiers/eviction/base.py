@@ -23,7 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.keys import OffloadKey
@@ -57,6 +57,23 @@ class BlockState:
 
     def __repr__(self) -> str:
         return f"BlockState(slot={self.slot}, ref={self.ref})"
+
+
+class ValueHint(NamedTuple):
+    """What a present key is worth, for value-aware eviction (``set_values``).
+
+    Attributes:
+        key: the key.
+        saved: prefill compute (FLOPs) a hit through this key saves, per the planner.
+        nbytes: bytes the hit needs, all groups together (the ratio is the value per byte).
+        anchor: the full-attention key this key is useless without (a window block or a
+            Mamba state of one hit point), or ``None``.
+    """
+
+    key: OffloadKey
+    saved: float
+    nbytes: float
+    anchor: OffloadKey | None = None
 
 
 Victims = list[tuple[OffloadKey, BlockState]]
@@ -116,6 +133,32 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> Victims | None:
         """Remove and return ``n`` idle, unprotected keys; ``None`` (no change) if impossible."""
+
+    def evict_bytes(self, need_bytes: int, need_keys: int, protected: AbstractSet[OffloadKey],
+                    size_of: Callable[[OffloadKey], int]) -> Victims:
+        """Remove idle, unprotected keys, in this policy's order, until they hold at least
+        ``need_bytes`` (by ``size_of``) and number at least ``need_keys``; return them.
+
+        The caller (a tier that charges bytes) checks first that enough such keys exist;
+        if they do not, ``InvariantError`` is raised after a partial eviction. The default
+        takes one victim at a time through ``evict``.
+        """
+        victims: Victims = []
+        freed = 0
+        while freed < need_bytes or len(victims) < need_keys:
+            one = self.evict(1, protected)
+            if not one:
+                raise InvariantError(f"{self.name}: evict_bytes found too few idle keys")
+            victims.extend(one)
+            freed += size_of(one[0][0])
+        return victims
+
+    def set_values(self, values: Sequence[ValueHint]) -> None:
+        """Hint: what present keys are worth (``ValueHint``); absent keys are ignored.
+
+        Value-aware policies rank keys by it; the default ignores it.
+        """
+        del values
 
     @abstractmethod
     def items(self) -> Iterator[tuple[OffloadKey, BlockState]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 
 from kvoffload.errors import InvariantError
@@ -75,6 +75,23 @@ class LRUPolicy(EvictionPolicy):
                     break
         else:
             return None
+        for key, _ in victims:
+            del self._order[key]
+        return victims
+
+    def evict_bytes(self, need_bytes: int, need_keys: int, protected: AbstractSet[OffloadKey],
+                    size_of: Callable[[OffloadKey], int]) -> Victims:
+        """One walk from the least-recent end (see ``EvictionPolicy.evict_bytes``)."""
+        victims: Victims = []
+        freed = 0
+        for key, state in self._order.items():
+            if freed >= need_bytes and len(victims) >= need_keys:
+                break
+            if state.ref == 0 and key not in protected:
+                victims.append((key, state))
+                freed += size_of(key)
+        if freed < need_bytes or len(victims) < need_keys:
+            raise InvariantError("lru: evict_bytes found too few idle keys")
         for key, _ in victims:
             del self._order[key]
         return victims

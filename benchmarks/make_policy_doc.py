@@ -1,0 +1,375 @@
+"""Regenerate docs/policy.md and its plots: the hybrid-aware ``value`` policy against
+store-everything LRU and ARC, on the shared Mooncake trace and the built-in agentic
+workload, host capacity from 1 % to 50 % of each preset's store-everything working set.
+
+    .venv/bin/python benchmarks/make_policy_doc.py                 # run the sweeps, write
+    .venv/bin/python benchmarks/make_policy_doc.py --limit 1000    # more trace requests
+    .venv/bin/python benchmarks/make_policy_doc.py --from-json     # re-render saved data
+
+Every run goes through ``kvoffload.cli.sweep.run_sweep`` (what ``kvoffload sweep`` runs), in
+accounting mode with per-group byte accounting (``--host-accounting bytes``). The raw
+numbers are kept in ``docs/policy_data.json``. The trace is looked up at
+``$KVOFFLOAD_TRACE`` or at ``../shared/traces/`` beside the checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from kvoffload.cli.common import WorkloadSpec, format_bytes, format_seconds
+from kvoffload.cli.sweep import (
+    Reference,
+    SweepPoint,
+    format_rows,
+    goal_table,
+    memory_to_reach,
+    run_sweep,
+)
+from kvoffload.engine.model_presets import PRESETS as PRESET_SPECS
+from kvoffload.engine.simulation import Mode, SimulationConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = Path(os.environ.get("KVOFFLOAD_TRACE", ROOT.parent / "shared" / "traces"
+                            / "mooncake_conversation_trace.jsonl"))
+DOCS = ROOT / "docs"
+DATA = DOCS / "policy_data.json"
+PRESETS = ("gpt-oss-20b", "gemma3-27b", "nemotron-h-8b", "llama3-8b")
+POLICIES = ("lru", "arc", "value")
+FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
+"""Host capacities as shares of the store-everything working set: 1-50 % for the curves,
+70 and 100 % so the memory to reach 90 % of the unbounded hit rate can be measured."""
+AGENTIC_SEEDS = (0, 1, 2, 3, 4)
+"""The built-in agentic workload is small (a few agent sessions); figures are means over
+these seeds."""
+MEMORY_GOALS = {"gpt-oss-20b": 0.7, "gemma3-27b": 0.5, "nemotron-h-8b": 0.5}
+"""Goal: the value policy's memory to reach 90 % of the unbounded hit rate, at most this
+share of store-everything LRU's."""
+HIT_GOALS = {"gpt-oss-20b": 2.0, "gemma3-27b": 3.0, "nemotron-h-8b": 1.5}
+"""Goal: at 2 % capacity, the value policy's host hit rate at least this multiple of LRU's."""
+MAX_LOSS_POINTS = 0.5
+"""Goal: at no capacity below LRU's host hit rate by more than this many points."""
+
+
+def preset_config(preset: str, trace: bool) -> SimulationConfig:
+    """Attention-only presets: engine blocks of 64 tokens offloaded 4 at a time (256-token
+    host blocks); Mamba hybrids: vLLM's page-matching block size, offloaded as is."""
+    mamba = PRESET_SPECS[preset].mamba is not None
+    return SimulationConfig(
+        preset=preset, mode=Mode.ACCOUNTING, block_size=None if mamba else 64,
+        block_size_factor=1 if mamba else 4, engine_tokens=(1 << 20) if trace else 32768,
+        decode_tokens_per_step=16, baseline=False, host_accounting="bytes")
+
+
+def sweep(workload: str, limit: int | None, presets: tuple[str, ...] = PRESETS,
+          fractions: tuple[float, ...] = FRACTIONS) -> dict[str, Any]:
+    """One workload's grid (run in a worker process); plain data."""
+    trace = TRACE if workload == "mooncake" else None
+    spec = WorkloadSpec("agentic", trace, limit, 0)
+    references: dict[str, Reference] = {}
+    started = time.perf_counter()
+    points = []
+    for preset in presets:
+        points += run_sweep(preset_config(preset, trace is not None), spec, presets=(preset,),
+                            policies=POLICIES, capacities=(),
+                            seeds=(0,) if trace is not None else AGENTIC_SEEDS,
+                            fractions=fractions, references=references)
+    label = spec.label if trace is not None else (
+        f"agentic, mean of seeds {', '.join(map(str, AGENTIC_SEEDS))}"
+        + (f", first {limit}" if limit else ""))
+    return {"workload": label, "wall_s": time.perf_counter() - started,
+            "references": {k: r.to_dict() for k, r in references.items()},
+            "points": [p.to_dict() for p in points]}
+
+
+def load_points(data: dict[str, Any]) -> tuple[list[SweepPoint], dict[str, Reference]]:
+    names = {f.name for f in fields(SweepPoint)}
+    points = [SweepPoint(**{k: v for k, v in p.items() if k in names}) for p in data["points"]]
+    refs = {k: Reference(**v) for k, v in data["references"].items()}
+    return points, refs
+
+
+def curve(points: list[SweepPoint], preset: str, policy: str) -> list[SweepPoint]:
+    return sorted((p for p in points if p.preset == preset and p.policy == policy),
+                  key=lambda p: p.capacity_fraction)
+
+
+def plot(points: list[SweepPoint], refs: dict[str, Reference], title: str,
+         path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = [p for p in PRESETS if any(q.preset == p for q in points)]
+    fig, axes = plt.subplots(2, len(presets), figsize=(4.2 * len(presets), 7.4),
+                             squeeze=False)
+    styles = {"lru": ("tab:blue", "-"), "arc": ("tab:orange", "--"),
+              "value": ("tab:green", "-")}
+    for col, preset in enumerate(presets):
+        top, bottom = axes[0][col], axes[1][col]
+        for policy in POLICIES:
+            pts = curve(points, preset, policy)
+            if not pts:
+                continue
+            color, line = styles.get(policy, ("black", ":"))
+            xs = [100 * p.capacity_fraction for p in pts]
+            top.plot(xs, [100 * p.host_hit_rate for p in pts], color=color, linestyle=line,
+                     marker="o", label=policy)
+            bottom.plot(xs, [p.ttft_speedup for p in pts], color=color, linestyle=line,
+                        marker="o", label=policy)
+        ref = refs.get(preset)
+        if ref is not None:
+            top.axhline(100 * ref.host_hit_rate, color="gray", linewidth=0.8)
+            top.axhline(90 * ref.host_hit_rate, color="gray", linewidth=0.8, linestyle=":")
+        top.set_title(f"{preset}\nworking set {format_bytes(ref.working_set_bytes)}"
+                      if ref else preset, fontsize="medium")
+        for ax in (top, bottom):
+            ax.set_xscale("log")
+            ax.set_xticks([100 * f for f in FRACTIONS])
+            ax.set_xticklabels([f"{100 * f:g}" for f in FRACTIONS])
+            ax.grid(True, alpha=0.3)
+        bottom.set_xlabel("host capacity (% of store-everything working set)")
+        if col == 0:
+            top.set_ylabel("prompt tokens served from host (%)")
+            bottom.set_ylabel("mean modelled TTFT speed-up")
+        top.legend(fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def result_rows(points: list[SweepPoint]) -> list[str]:
+    rows = ["| preset | capacity | policy | host | host hit | prefill tokens saved | "
+            "TTFT mean | speed-up |", "|---|---|---|---|---|---|---|---|"]
+    for preset in PRESETS:
+        for fraction in FRACTIONS:
+            for policy in POLICIES:
+                for p in curve(points, preset, policy):
+                    if p.capacity_fraction != fraction:
+                        continue
+                    rows.append(
+                        f"| {preset} | {100 * fraction:g} % | {policy} | "
+                        f"{format_bytes(p.host_capacity_bytes)} | "
+                        f"{100 * p.host_hit_rate:.2f} % | {p.prefill_tokens_saved:,.0f} | "
+                        f"{format_seconds(p.ttft_mean_s)} | {p.ttft_speedup:.3f}x |")
+    return rows
+
+
+def at(points: list[SweepPoint], preset: str, policy: str, fraction: float) -> SweepPoint | None:
+    for p in curve(points, preset, policy):
+        if abs(p.capacity_fraction - fraction) < 1e-9:
+            return p
+    return None
+
+
+def goal_rows(points: list[SweepPoint], refs: dict[str, Reference]) -> list[str]:
+    """Each goal, measured, and whether it is met (computed from the data)."""
+    rows = ["| preset | goal | measured | met |", "|---|---|---|---|"]
+    for preset in PRESETS:
+        ref = refs.get(preset)
+        if ref is None:
+            continue
+        target = 0.9 * ref.host_hit_rate
+        value = memory_to_reach(curve(points, preset, "value"), target)
+        lru = memory_to_reach(curve(points, preset, "lru"), target)
+        if preset in MEMORY_GOALS:
+            goal = MEMORY_GOALS[preset]
+            if value is not None and lru is not None:
+                ratio = value / lru
+                measured = (f"{format_bytes(value)} vs {format_bytes(lru)} = {ratio:.2f} "
+                            "of LRU's")
+                met = "yes" if ratio <= goal else "no"
+            else:
+                measured = (f"value {format_bytes(value) if value else 'not reached'}, "
+                            f"LRU {format_bytes(lru) if lru else 'not reached'} (within 50 %)")
+                met = "yes" if value is not None and lru is None else "no"
+            rows.append(f"| {preset} | memory to 90 % of unbounded ≤ {goal:g} × LRU's | "
+                        f"{measured} | {met} |")
+        v2, l2 = at(points, preset, "value", 0.02), at(points, preset, "lru", 0.02)
+        if preset in HIT_GOALS and v2 is not None and l2 is not None:
+            goal = HIT_GOALS[preset]
+            if l2.host_hit_rate > 0:
+                ratio = v2.host_hit_rate / l2.host_hit_rate
+                measured = (f"{100 * v2.host_hit_rate:.2f} % vs {100 * l2.host_hit_rate:.2f} %"
+                            f" = {ratio:.2f}x")
+                met = "yes" if ratio >= goal else "no"
+            else:
+                measured = (f"{100 * v2.host_hit_rate:.2f} % vs 0 %")
+                met = "yes" if v2.host_hit_rate > 0 else "no (both 0)"
+            rows.append(f"| {preset} | host hit at 2 % ≥ {goal:g} × LRU's | {measured} | {met} |")
+        worst = max((100 * (lp.host_hit_rate - vp.host_hit_rate), lp.capacity_fraction)
+                    for lp in curve(points, preset, "lru")
+                    if (vp := at(points, preset, "value", lp.capacity_fraction)) is not None)
+        rows.append(f"| {preset} | never more than {MAX_LOSS_POINTS} point below LRU | "
+                    f"largest shortfall {max(worst[0], 0.0):.2f} points "
+                    f"(at {100 * worst[1]:g} %) | "
+                    f"{'yes' if worst[0] <= MAX_LOSS_POINTS else 'no'} |")
+    return rows
+
+
+def workload_section(name: str, data: dict[str, Any], image: str) -> list[str]:
+    points, refs = load_points(data)
+    requests = points[0].requests if points else 0
+    lines = [f"## {name}", "",
+             f"{data['workload']}: {requests} requests per run ({data['wall_s'] / 60:.0f} min "
+             "for the whole grid).", "",
+             "Store-everything working set and unbounded hit rate (LRU, 1 PiB of host "
+             "memory, nothing evicted):", "",
+             "| preset | working set | host hit, unbounded | engine + host, unbounded |",
+             "|---|---|---|---|"]
+    for preset in PRESETS:
+        ref = refs.get(preset)
+        if ref:
+            lines.append(f"| {preset} | {format_bytes(ref.working_set_bytes)} | "
+                         f"{100 * ref.host_hit_rate:.2f} % | {100 * ref.hit_rate:.2f} % |")
+    lines += ["", f"![{name}](img/{image})", "", "### Goals", "", *goal_rows(points, refs),
+              "", "### Memory to reach 90 % of the unbounded hit rate", "", "```",
+              format_rows(goal_table(points, refs)), "```", "", "### Every point", "",
+              *result_rows(points), ""]
+    return lines
+
+
+EXPLANATION = """\
+# The hybrid-aware cache policy (`value`)
+
+kvoffload's host tier can run plain LRU or ARC over every block it is given
+(*store everything*), or the hybrid-aware policy `value`. Select it with
+`--policy value` (`kvoffload simulate` / `sweep`), `eviction_policy="value"` in
+`OffloadConfig`, or `"eviction_policy": "value"` in the vLLM connector's
+`kv_connector_extra_config`. The planner's rules (load only readable blocks, pin while
+loading, fence blocks a store still reads, exact completion counting) are the same under
+every policy: the policy only decides *which* window blocks and Mamba states are stored
+and *which* idle keys are evicted.
+
+## What it does
+
+**Admission per group kind.** A hit at token *t* needs every full-attention block before
+*t*, only the last *W* tokens of a sliding-window group, and exactly one Mamba state, the
+one at *t*. Storing everything keeps window blocks and states that no hit can use.
+
+* Full-attention blocks: always stored (every hit needs all of them).
+* Window blocks and Mamba states: stored only where they belong to the window or state of
+  a *likely hit point*. The points are a policy (`HitPointAdmission`), not a constant:
+  the end of the prompt; every point after it while the request decodes (the end of the
+  turn, where a conversation's next turn hits; those that turn out not to be the end are
+  demoted when the request finishes); the last multiples of the *sharing granule* before
+  the prompt's end (the unit in which requests have been seen to share prefixes, learned
+  from where full-attention prefixes found in the cache end; how many multiples grows,
+  up to 8, while lookups keep finding full attention without the window or state they
+  need, and shrinks back when they stop); and points learned from misses, where a lookup
+  found the full-attention prefix but a window block or state was missing (a branch
+  point), so the next request through them stores there.
+* While host memory is not full, everything is admitted: selective admission only
+  matters when memory is short, and must not lose hits storing everything would have had.
+
+**Eviction by value per byte, blended with recency.** Each stored prefix is valued by the
+prefill compute a hit at its end saves (the model's FLOPs for all its tokens, across all
+layers) divided by the bytes that hit needs (all its full-attention blocks, its last
+window, its state). A prefix that was itself reached through a hit counts more (it is a
+conversation that continues). A key's eviction priority is, as in Marconi, recency plus a
+weighted value: `clock + weight × n × density / mean density`, where the clock ticks once
+per key inserted or used and `n` keys are one generation of the cache, so a key of twice
+the mean value survives about `weight` generations longer than a mean one (`weight` is
+0.25). All
+keys of one request share its prefix's value and a value never moves a key in time, so
+within a prefix the early blocks (which every deeper hit needs) stay longest, as under
+LRU.
+
+**Consistency of a hit point.** Every window block and Mamba state names the
+full-attention block it cannot serve without (its *anchor*). Evicting an anchor demotes
+its dependents to the front of the eviction order: they are worthless now.
+
+**Memory per group in bytes.** Pages differ in size across groups (a Gemma 3 window
+block holds 52 layers, its full-attention block 10; a Nemotron-H Mamba state is about six
+times a full-attention block). With `host_accounting="bytes"` the host tier charges each
+block its own group's bytes against one budget. The sweeps below use it for every policy,
+so the comparison is about the policy alone. (The worker's host arena still gives every
+block a slot of the largest group's size; byte accounting is modelled, in the simulator,
+until the arena packs groups.)
+
+## Reading the results
+
+* *Host hit* counts prompt tokens loaded from host memory when a request first starts.
+  *Prefill tokens saved* also counts work saved or lost after preemptions: a preempted
+  request reloads its own blocks from host memory under store-everything, while the
+  `value` policy stores fewer of its window blocks and states, so at small capacities it
+  can save fewer prefill tokens than LRU even where its host hit rate is higher.
+* A goal marked "both 0" means neither policy had a single host hit at that capacity
+  (the engine's own prefix cache serves what little reuse there is).
+* The byte accounting is modelled: the sweeps charge every block its group's real bytes,
+  while the worker's host arena (bytes mode and the vLLM connector) still backs every
+  block with a slot of the largest group's size.
+
+## How the curves are made
+
+`python benchmarks/make_policy_doc.py` regenerates this page. For each workload and
+preset it first runs store-everything LRU with unbounded host memory: its peak host
+memory is the *working set*, its host hit rate the *unbounded hit rate*. Then LRU, ARC
+and `value` run at 1, 2, 5, 10, 20, 30 and 50 % of that working set (and 70 and 100 %,
+so the memory to reach 90 % of the unbounded hit rate can be read), in the same
+`run_sweep` call that `kvoffload sweep --capacity-fraction` uses. *Host hit* is the share
+of prompt tokens loaded from host memory (the engine's own prefix cache is the same for
+every policy and is not counted); *prefill tokens saved* compares with a run without
+offloading; *TTFT* is the modelled time to first token (prefill FLOPs at 400 TFLOP/s plus
+loaded bytes at 25 GB/s). The same comparison by hand:
+
+```bash
+kvoffload sweep --preset gpt-oss-20b,gemma3-27b,llama3-8b \\
+    --block-size 64 --block-size-factor 4 \\
+    --trace ../shared/traces/mooncake_conversation_trace.jsonl --limit LIMIT \\
+    --policy lru,arc,value --capacity-fraction 0.01,0.02,0.05,0.1,0.2,0.3,0.5,0.7,1 \\
+    --host-accounting bytes
+kvoffload sweep --preset nemotron-h-8b ...same options without --block-size...
+kvoffload sweep --workload agentic ...same options...
+```
+
+Attention-only presets run with engine blocks of 64 tokens offloaded four at a time
+(256-token host blocks); Nemotron-H runs at vLLM's page-matching block size. The engine
+holds 1M tokens for the trace and 32k tokens for the agentic workload.
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--limit", type=int, default=1000,
+                        help="trace requests (default 1000)")
+    parser.add_argument("--agentic-limit", type=int, default=None,
+                        help="agentic workload requests (default: all)")
+    parser.add_argument("--presets", default=",".join(PRESETS),
+                        help="comma-separated presets (default: all four)")
+    parser.add_argument("--from-json", action="store_true",
+                        help=f"re-render from {DATA.relative_to(ROOT)} without running")
+    args = parser.parse_args()
+    if args.from_json:
+        data = json.loads(DATA.read_text())
+    else:
+        with ProcessPoolExecutor(max_workers=2) as pool:
+            presets = tuple(p for p in args.presets.split(",") if p)
+            mooncake = pool.submit(sweep, "mooncake", args.limit, presets)
+            agentic = pool.submit(sweep, "agentic", args.agentic_limit, presets)
+            data = {"mooncake": mooncake.result(), "agentic": agentic.result()}
+        DATA.write_text(json.dumps(data, indent=1))
+    (DOCS / "img").mkdir(exist_ok=True)
+    lines = [EXPLANATION.replace("LIMIT", str(args.limit))]
+    for key, name in (("mooncake", "Mooncake conversation trace"),
+                      ("agentic", "Built-in agentic workload")):
+        points, refs = load_points(data[key])
+        image = f"policy_{key}.png"
+        plot(points, refs, f"{data[key]['workload']}: host hit rate and TTFT speed-up",
+             DOCS / "img" / image)
+        lines += workload_section(name, data[key], image)
+    (DOCS / "policy.md").write_text("\n".join(lines))
+    print(f"wrote {DOCS / 'policy.md'}")
+
+
+if __name__ == "__main__":
+    main()

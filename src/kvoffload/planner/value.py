@@ -1,0 +1,133 @@
+"""What a cached prefix is worth: prefill compute saved per byte held (``PrefixValuer``).
+
+A hit at token ``t`` saves the prefill compute of tokens ``[0, t)`` in every layer, and it
+needs, per group: every full-attention block before ``t``, the last ``W`` window blocks
+before ``t``, and the one Mamba state at ``t``. The value density of that hit point is
+
+    density(t) = prefill_flops(t, 0) / bytes_needed(t)
+
+A prefix that was itself reached through a hit (a later turn of a conversation, a reused
+document) is likely to be reached again: its saved compute is scaled by ``1 + reuse_bonus
+* reuse``, where ``reuse`` is the share of the request's prompt that was already cached
+when it arrived.
+
+The planner hands the tier one ``ValueHint`` per stored key with the density of the
+request's prefix (one density for all keys of a request, so a value-aware policy still
+orders one prefix by recency and never prefers a deep block over the blocks it depends
+on), and, for window blocks and Mamba states, the full-attention key they depend on.
+
+``prefill_flops(end, start)`` is the model's cost of prefilling tokens ``[start, end)``.
+The simulator passes its preset's exact figure; without one, ``proxy_prefill_flops``
+estimates it from the layout alone (a fixed per-layer cost per token plus attention over
+each layer's span), which ranks prefixes the same way for a given model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvoffload.config import GroupKind, OffloadConfig, ResolvedGroup
+from kvoffload.keys import OffloadKey
+from kvoffload.tiers.eviction.base import ValueHint
+
+PrefillFlops = Callable[[int, int], float]
+"""``prefill_flops(end, start)``: FLOPs to prefill tokens ``[start, end)`` of a sequence."""
+
+PROXY_TOKENS_PER_LAYER = 4096
+"""The proxy's fixed per-token cost of one layer, in units of one attended token."""
+
+
+def _span_sum(lo: int, hi: int, cap: int | None) -> int:
+    """Sum of ``min(p, cap)`` for ``p`` in ``[lo, hi]`` (``cap`` None: no cap)."""
+    if hi < lo:
+        return 0
+    if cap is None or hi <= cap:
+        return (lo + hi) * (hi - lo + 1) // 2
+    if lo > cap:
+        return cap * (hi - lo + 1)
+    return (lo + cap) * (cap - lo + 1) // 2 + cap * (hi - cap)
+
+
+def proxy_prefill_flops(config: OffloadConfig) -> PrefillFlops:
+    """An estimate of prefill compute from the group layout alone (relative units).
+
+    Each layer costs ``PROXY_TOKENS_PER_LAYER`` plus its attended span per token: all
+    earlier tokens for full attention, at most the window for sliding window, none for
+    Mamba. Only ratios between prefixes of one model matter to the policy.
+    """
+    groups = [(g.spec.num_layers, g.kind, g.spec.sliding_window) for g in config.resolved]
+
+    def flops(end: int, start: int = 0) -> float:
+        if end <= start:
+            return 0.0
+        total = 0
+        for layers, kind, window in groups:
+            total += layers * PROXY_TOKENS_PER_LAYER * (end - start)
+            if kind is not GroupKind.MAMBA:
+                total += layers * _span_sum(start + 1, end, window)
+        return float(total)
+
+    return flops
+
+
+class PrefixValuer:
+    """Builds ``ValueHint`` lists for one configuration (module docstring).
+
+    Args:
+        config: the offload configuration.
+        prefill_flops: the model's prefill cost; ``proxy_prefill_flops`` if ``None``.
+        reuse_bonus: how much a prefix reached through a hit is worth more (see above).
+    """
+
+    def __init__(self, config: OffloadConfig, prefill_flops: PrefillFlops | None = None,
+                 reuse_bonus: float = 4.0) -> None:
+        self.reuse_bonus = reuse_bonus
+        self._groups = config.resolved
+        self._flops = prefill_flops or proxy_prefill_flops(config)
+        fulls = [g for g in self._groups if g.kind is GroupKind.FULL_ATTENTION]
+        self._anchor_group: ResolvedGroup | None = fulls[0] if fulls else None
+
+    def bytes_needed(self, t: int) -> int:
+        """Bytes a hit at token ``t`` needs, all groups together."""
+        total = 0
+        for g in self._groups:
+            blocks = t // g.offloaded_block_size
+            if g.window_blocks is not None:
+                blocks = min(blocks, g.window_blocks)
+            total += blocks * g.block_bytes
+        return total
+
+    def density(self, t: int) -> float:
+        """Compute saved per byte held by a hit at token ``t`` (0 when ``t`` holds nothing)."""
+        nbytes = self.bytes_needed(t)
+        return self._flops(t, 0) / nbytes if nbytes > 0 else 0.0
+
+    def hints(self, t: int, keys_by_group: Sequence[Sequence[tuple[int, OffloadKey]]],
+              group_keys: Sequence[Sequence[OffloadKey]], reuse: float = 0.0
+              ) -> list[ValueHint]:
+        """Hints for the given keys, all valued as the prefix ending at ``t`` reached with
+        ``reuse`` of its prompt already cached.
+
+        ``keys_by_group[g]`` lists (offloaded block index, key) of group ``g`` to describe;
+        ``group_keys[g]`` is the request's whole key list of group ``g`` (to name anchors).
+        """
+        nbytes = self.bytes_needed(t)
+        if nbytes <= 0:
+            return []
+        saved = self._flops(t, 0) * (1.0 + self.reuse_bonus * reuse)
+        anchor_group = self._anchor_group
+        out: list[ValueHint] = []
+        for g, entries in zip(self._groups, keys_by_group, strict=True):
+            if not entries:
+                continue
+            if g.window_blocks is None or anchor_group is None:
+                out.extend(ValueHint(key, saved, nbytes) for _, key in entries)
+                continue
+            anchors = group_keys[anchor_group.index]
+            obs, anchor_obs = g.offloaded_block_size, anchor_group.offloaded_block_size
+            for k, key in entries:
+                end = (k + 1) * obs
+                a = end // anchor_obs - 1
+                anchor = anchors[a] if end % anchor_obs == 0 and 0 <= a < len(anchors) else None
+                out.append(ValueHint(key, saved, nbytes, anchor))
+        return out

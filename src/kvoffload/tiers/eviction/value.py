@@ -1,0 +1,279 @@
+"""Eviction by value per byte, blended with recency (``"value"``).
+
+Each key carries a *value density*: the prefill compute a hit through it saves divided by
+the bytes that hit needs (``ValueHint``, given by the planner, which knows positions and
+the model). A key's priority blends recency and value, as in Marconi:
+``clock + weight * n * d / d_ref``, where ``clock`` counts insertions and touches (one per
+key), ``n`` is the number of keys held (``n`` ticks of the clock are one *generation* of
+the cache), ``d`` is the key's density and ``d_ref`` a running mean of the densities
+seen. Insertion and every touch reset the priority, so a key that is not used again falls
+behind (recency), and a key that saves much compute per byte survives about ``weight``
+more generations per mean density (value). A value hint changes the value part only,
+never the key's place in time. ``weight = 0`` orders keys exactly as LRU does. The lowest
+priority is evicted first, so a touch that lists a prefix first-block-first keeps its
+early blocks longest, as under LRU.
+
+Hit-point consistency: a window block or Mamba state names the full-attention key it
+depends on (its *anchor*, ``ValueHint.anchor``). When an anchor is evicted (or removed)
+its dependents can no longer serve any hit, so they are demoted: evicted before any other
+key. Demotion hints (``demote``) do the same for keys the planner knows no likely hit uses.
+
+Victims are found through a heap of ``(priority, sequence, key)`` entries; an entry is live
+while its sequence is the key's current one (touches push new entries and leave the old
+ones to be skipped). The heap is rebuilt when stale entries outnumber live ones, so its
+size stays linear in the keys held.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
+
+from kvoffload.errors import InvariantError
+from kvoffload.keys import OffloadKey
+from kvoffload.tiers.eviction.base import (
+    BlockState,
+    EvictionPolicy,
+    ValueHint,
+    Victims,
+    register_policy,
+)
+
+DEFAULT_WEIGHT = 0.25
+"""Value against recency (``ValuePolicy.weight``), chosen on the sweeps in docs/policy.md."""
+
+_DEMOTED = float("-inf")
+"""Priority of a demoted key: below every live key."""
+
+
+class _Entry:
+    __slots__ = ("density", "prio", "seq", "stamp", "state")
+
+    def __init__(self, state: BlockState, stamp: int) -> None:
+        self.state = state
+        self.density = -1.0  # not valued yet
+        self.prio = 0.0
+        self.seq = 0  # the live heap entry's sequence number
+        self.stamp = stamp  # the clock at the last insertion or touch
+
+
+class ValuePolicy(EvictionPolicy):
+    """Recency plus weighted value per byte, with anchor-consistent demotion (module doc).
+
+    Args:
+        capacity: the most keys the tier holds.
+        weight: how much value counts against recency: a key of twice the mean density
+            survives about ``weight`` more generations of the cache than a mean one.
+            ``0`` is LRU with demotion hints and anchor consistency.
+    """
+
+    name = "value"
+
+    def __init__(self, capacity: int, weight: float = DEFAULT_WEIGHT) -> None:
+        super().__init__(capacity)
+        if weight < 0:
+            raise ValueError(f"value weight must be >= 0, got {weight}")
+        self.weight = weight
+        self._entries: dict[OffloadKey, _Entry] = {}
+        self._heap: list[tuple[float, int, OffloadKey]] = []
+        self._seq = 0
+        self._clock = 0
+        self._density_sum = 0.0
+        self._density_count = 0
+        self._dependents: dict[OffloadKey, set[OffloadKey]] = {}
+        self._anchor_of: dict[OffloadKey, OffloadKey] = {}
+
+    # -- priorities ---------------------------------------------------------------------
+
+    @property
+    def reference_density(self) -> float:
+        """Mean density of the hints seen so far (1.0 before any)."""
+        return self._density_sum / self._density_count if self._density_count else 1.0
+
+    def _priority(self, entry: _Entry) -> float:
+        relative = 1.0 if entry.density < 0 else entry.density / self.reference_density
+        return entry.stamp + self.weight * len(self._entries) * relative
+
+    def _push(self, key: OffloadKey, entry: _Entry, prio: float) -> None:
+        self._seq += 1
+        entry.prio = prio
+        entry.seq = self._seq
+        heapq.heappush(self._heap, (prio, self._seq, key))
+        if len(self._heap) > 2 * len(self._entries) + 64:
+            self._heap = [(e.prio, e.seq, k) for k, e in self._entries.items()]
+            heapq.heapify(self._heap)
+
+    def priority(self, key: OffloadKey) -> float | None:
+        """The key's priority now (lower goes first), ``None`` if absent."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.prio
+
+    # -- EvictionPolicy -----------------------------------------------------------------
+
+    def get(self, key: OffloadKey) -> BlockState | None:
+        entry = self._entries.get(key)
+        return None if entry is None else entry.state
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def insert(self, key: OffloadKey, state: BlockState) -> None:
+        if key in self._entries:
+            raise InvariantError(f"value: insert of a key already present ({key.hex()})")
+        self._clock += 1
+        entry = _Entry(state, self._clock)
+        self._entries[key] = entry
+        self._push(key, entry, self._priority(entry))
+
+    def remove(self, key: OffloadKey) -> BlockState:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            raise InvariantError(f"value: remove of an absent key ({key.hex()})")
+        self._forget(key)
+        return entry.state
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Present keys become most recent, ``keys[0]`` last; demoted keys stay demoted."""
+        entries = self._entries
+        for key in reversed(keys):
+            entry = entries.get(key)
+            if entry is not None and entry.prio != _DEMOTED:
+                self._clock += 1
+                entry.stamp = self._clock
+                self._push(key, entry, self._priority(entry))
+
+    def demote(self, keys: Sequence[OffloadKey]) -> None:
+        """Present keys go before every other key (in the order given)."""
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._push(key, entry, _DEMOTED)
+
+    def set_values(self, values: Sequence[ValueHint]) -> None:
+        """Record densities (a key keeps the highest it was given) and anchors. The value
+        part of a key's priority follows its density; its place in time does not move;
+        demoted keys stay demoted."""
+        entries = self._entries
+        for hint in values:
+            entry = entries.get(hint.key)
+            if entry is None or hint.nbytes <= 0:
+                continue
+            density = hint.saved / hint.nbytes
+            if density > entry.density:
+                if entry.density < 0:
+                    self._density_sum += density
+                    self._density_count += 1
+                entry.density = density
+                if entry.prio != _DEMOTED:
+                    self._push(hint.key, entry, self._priority(entry))
+            anchor = hint.anchor
+            if anchor is not None and anchor != hint.key and hint.key not in self._anchor_of:
+                if anchor not in entries:
+                    # Its anchor is gone already: this key can serve no hit.
+                    self._push(hint.key, entry, _DEMOTED)
+                    continue
+                self._anchor_of[hint.key] = anchor
+                self._dependents.setdefault(anchor, set()).add(hint.key)
+
+    def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> Victims | None:
+        if n < 0:
+            raise InvariantError(f"value: evict({n})")
+        if n == 0:
+            return []
+        if n > len(self._entries):
+            return None
+        return self._take(lambda victims, _freed: len(victims) >= n, protected, None)
+
+    def evict_bytes(self, need_bytes: int, need_keys: int, protected: AbstractSet[OffloadKey],
+                    size_of: Callable[[OffloadKey], int]) -> Victims:
+        victims = self._take(
+            lambda found, freed: freed >= need_bytes and len(found) >= need_keys,
+            protected, size_of)
+        if victims is None:
+            raise InvariantError("value: evict_bytes found too few idle keys")
+        return victims
+
+    def _take(self, done: Callable[[Victims, int], bool], protected: AbstractSet[OffloadKey],
+              size_of: Callable[[OffloadKey], int] | None) -> Victims | None:
+        """Pop victims, lowest priority first, until ``done``; all or nothing."""
+        heap = self._heap
+        entries = self._entries
+        victims: Victims = []
+        popped: list[tuple[float, int, OffloadKey]] = []
+        freed = 0
+        while not done(victims, freed):
+            if not heap:
+                for item in popped:
+                    heapq.heappush(heap, item)
+                return None
+            item = heapq.heappop(heap)
+            _prio, seq, key = item
+            entry = entries.get(key)
+            if entry is None or entry.seq != seq:
+                continue  # stale
+            popped.append(item)
+            if entry.state.ref != 0 or key in protected:
+                continue
+            victims.append((key, entry.state))
+            if size_of is not None:
+                freed += size_of(key)
+        # Commit: victims leave, skipped live entries go back.
+        chosen = {key for key, _ in victims}
+        for item in popped:
+            if item[2] not in chosen:
+                heapq.heappush(heap, item)
+        for key, _ in victims:
+            del entries[key]
+        for key, _ in victims:
+            self._forget(key)
+        return victims
+
+    def _forget(self, key: OffloadKey) -> None:
+        """Drop a departed key's anchor links; demote what depended on it."""
+        anchor = self._anchor_of.pop(key, None)
+        if anchor is not None:
+            siblings = self._dependents.get(anchor)
+            if siblings is not None:
+                siblings.discard(key)
+                if not siblings:
+                    del self._dependents[anchor]
+        dependents = self._dependents.pop(key, None)
+        if dependents:
+            for dep in dependents:
+                self._anchor_of.pop(dep, None)
+            self.demote([d for d in dependents if d in self._entries])
+
+    def items(self) -> Iterator[tuple[OffloadKey, BlockState]]:
+        ordered = sorted(self._entries.items(), key=lambda kv: (kv[1].prio, kv[1].seq))
+        return ((key, entry.state) for key, entry in ordered)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._heap.clear()
+        self._dependents.clear()
+        self._anchor_of.clear()
+        self._density_sum = 0.0
+        self._density_count = 0
+
+    def debug_state(self) -> dict[str, object]:
+        return {
+            "order": [(k, s.ref, s.slot) for k, s in self.items()],
+            "anchors": sorted(self._anchor_of.items()),
+        }
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        live = {(e.prio, e.seq, k) for k, e in self._entries.items()}
+        if not live <= set(self._heap):
+            raise InvariantError("value: a key has no live heap entry")
+        for dep, anchor in self._anchor_of.items():
+            if dep not in self._entries or anchor not in self._entries:
+                raise InvariantError("value: an anchor link names an absent key")
+            if dep not in self._dependents.get(anchor, ()):
+                raise InvariantError("value: anchor links disagree")
+        if sum(len(d) for d in self._dependents.values()) != len(self._anchor_of):
+            raise InvariantError("value: dependents and anchors disagree")
+
+
+register_policy(ValuePolicy.name, ValuePolicy)

@@ -1,0 +1,300 @@
+"""The hybrid-aware ``value`` policy: Greedy-Dual-Size eviction by compute saved per byte,
+anchor-consistent demotion, per-group byte accounting in the host tier, prefix valuation
+and the learned sharing granule of hit-point admission."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
+from kvoffload.errors import ConfigError, InvariantError
+from kvoffload.jobs import StepPlan, WorkerReport
+from kvoffload.keys import BlockHash, BlockHasher, OffloadKey, make_offload_key
+from kvoffload.planner.admission import HitPointAdmission, make_admission
+from kvoffload.planner.contract import ScheduledRequest, StepInput
+from kvoffload.planner.planner import Planner
+from kvoffload.planner.value import PrefixValuer, proxy_prefill_flops
+from kvoffload.tiers.cpu import HostTier
+from kvoffload.tiers.eviction import BlockState, ValueHint, ValuePolicy, make_policy
+
+
+def k(i: int, group: int = 0) -> OffloadKey:
+    return make_offload_key(BlockHash(i.to_bytes(16, "big")), group)
+
+
+def filled(n: int, capacity: int = 100, weight: float = 0.25) -> ValuePolicy:
+    policy = ValuePolicy(capacity, weight=weight)
+    for i in range(n):
+        policy.insert(k(i), BlockState(slot=i, ref=0))
+    return policy
+
+
+def slots(victims: list[tuple[OffloadKey, BlockState]] | None) -> list[int] | None:
+    return None if victims is None else [s.slot for _, s in victims]
+
+
+# -- the eviction policy ----------------------------------------------------------------
+
+
+def test_value_is_registered_and_equal_values_evict_like_lru() -> None:
+    assert isinstance(make_policy("value", 4), ValuePolicy)
+    policy = filled(4)
+    policy.touch([k(0)])  # 0 ends most recent
+    assert slots(policy.evict(3, set())) == [1, 2, 3]
+
+
+def test_touch_processes_in_reverse_so_the_first_key_ends_most_recent() -> None:
+    policy = filled(3)
+    policy.touch([k(2), k(1), k(0)])
+    assert slots(policy.evict(3, set())) == [0, 1, 2]
+
+
+def test_a_denser_key_outlives_newer_cheap_keys() -> None:
+    policy = filled(4, weight=1.0)
+    policy.set_values([*(ValueHint(k(i), saved=1.0, nbytes=1.0) for i in (1, 2, 3)),
+                       ValueHint(k(0), saved=100.0, nbytes=1.0)])
+    assert slots(policy.evict(3, set())) == [1, 2, 3]
+
+
+def test_weight_zero_is_lru_and_values_never_move_a_key_in_time() -> None:
+    policy = filled(4, weight=0.0)
+    policy.set_values([ValueHint(k(0), saved=100.0, nbytes=1.0)])
+    policy.touch([k(1)])
+    policy.set_values([ValueHint(k(2), saved=5.0, nbytes=1.0)])
+    assert slots(policy.evict(4, set())) == [0, 2, 3, 1]
+
+
+def test_recency_wins_back_over_value_as_generations_pass() -> None:
+    """A valuable key that is never used again is evicted once enough cheaper keys have
+    come and gone (its value is worth a bounded number of generations)."""
+    policy = ValuePolicy(100)
+    policy.insert(k(0), BlockState(0, ref=0))
+    policy.set_values([ValueHint(k(0), 3.0, 1.0)])
+    for i in range(1, 60):
+        policy.insert(k(i), BlockState(i, ref=0))
+        policy.set_values([ValueHint(k(i), 1.0, 1.0)])
+        policy.touch([k(i)])
+        first = slots(policy.evict(1, set()))
+        if first == [0]:
+            return
+    pytest.fail("the valuable but unused key was never evicted")
+
+
+def test_demoted_keys_go_first_and_stay_behind_touches() -> None:
+    policy = filled(4)
+    policy.demote([k(2), k(3)])
+    policy.touch([k(2)])
+    assert slots(policy.evict(2, set())) == [2, 3]
+
+
+def test_evicting_an_anchor_demotes_its_dependents() -> None:
+    policy = filled(4)
+    anchor, window, state = k(0, 0), k(5, 1), k(5, 2)
+    for key, slot in ((window, 10), (state, 11)):
+        policy.insert(key, BlockState(slot, ref=0))
+    policy.set_values([ValueHint(window, 5.0, 1.0, anchor), ValueHint(state, 5.0, 1.0, anchor)])
+    policy.touch([window, state])
+    assert slots(policy.evict(1, set())) == [0]  # the anchor was least recent
+    assert sorted(slots(policy.evict(2, set())) or []) == [10, 11]  # then its dependents
+    policy.check_integrity()
+
+
+def test_a_dependent_whose_anchor_is_gone_is_demoted_on_arrival() -> None:
+    policy = filled(2)
+    policy.insert(k(9, 1), BlockState(9, ref=0))
+    policy.set_values([ValueHint(k(9, 1), 50.0, 1.0, anchor=k(77))])
+    assert slots(policy.evict(1, set())) == [9]
+
+
+def test_evict_never_takes_protected_pinned_or_writing_keys_and_is_atomic() -> None:
+    policy = filled(4)
+    policy.get(k(0)).ref = 2  # type: ignore[union-attr]
+    policy.get(k(1)).ref = -1  # type: ignore[union-attr]
+    before = policy.debug_state()
+    assert policy.evict(3, {k(2)}) is None
+    assert policy.debug_state() == before
+    assert slots(policy.evict(1, {k(2)})) == [3]
+    policy.check_integrity()
+
+
+def test_evict_bytes_frees_enough_bytes_in_priority_order() -> None:
+    policy = filled(5)
+    size = {k(i): b for i, b in enumerate((1, 5, 1, 1, 9))}
+    victims = policy.evict_bytes(6, 1, set(), size.__getitem__)
+    assert slots(victims) == [0, 1]
+    with pytest.raises(InvariantError):
+        policy.evict_bytes(100, 1, set(), size.__getitem__)
+
+
+def test_many_touches_keep_the_heap_linear() -> None:
+    policy = filled(50)
+    for _ in range(100):
+        policy.touch([k(i) for i in range(50)])
+    assert len(policy._heap) <= 2 * len(policy) + 64
+    policy.check_integrity()
+
+
+# -- byte accounting in the host tier --------------------------------------------------
+
+
+def hybrid_config(capacity: int, policy: str = "value", accounting: str = "bytes"
+                  ) -> OffloadConfig:
+    # Full attention 1 byte per block, a window group 4 bytes per block.
+    return OffloadConfig(
+        groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4, page_bytes=1),
+                GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8, page_bytes=4)),
+        hash_block_size=4, host_capacity_bytes=capacity, eviction_policy=policy,
+        host_accounting=accounting)
+
+
+def test_config_validates_host_accounting() -> None:
+    with pytest.raises(ConfigError, match="host_accounting"):
+        hybrid_config(16, accounting="pages")
+    assert hybrid_config(16, accounting="slot").num_host_slots == 4
+    assert hybrid_config(16).num_host_slots == 16  # the budget over the smallest block
+    assert hybrid_config(16).charges_bytes
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "value"])
+def test_byte_budget_charges_each_group_its_own_block_bytes(policy: str) -> None:
+    tier = HostTier(hybrid_config(12, policy))
+    small = [k(i, 0) for i in range(8)]
+    result = tier.prepare_store(small)
+    assert result is not None and len(result.keys_to_store) == 8
+    tier.complete_store(small)
+    # 8 bytes held; a 4-byte window block fits, a second one needs 4 bytes evicted.
+    assert tier.prepare_store([k(100, 1)]) is not None
+    tier.complete_store([k(100, 1)])
+    assert tier.usage().is_full
+    result = tier.prepare_store([k(101, 1)])
+    assert result is not None and len(result.evicted) >= 4
+    assert sum(tier.usage().bytes_by_group.values()) <= 12
+    tier.check_integrity()
+
+
+def test_byte_budget_store_is_all_or_nothing() -> None:
+    tier = HostTier(hybrid_config(12))
+    keys = [k(i, 1) for i in range(3)]  # 12 bytes: the whole budget
+    assert tier.prepare_store(keys) is not None
+    # Everything is being written: nothing can be evicted, the store is refused whole.
+    before = tier.debug_state()
+    assert tier.prepare_store([k(50, 0)]) is None
+    assert tier.debug_state() == before
+    tier.complete_store(keys)
+    tier.prepare_load([keys[0]])
+    # Idle: 8 bytes, pinned 4: a 12-byte store cannot fit, a 4-byte one can.
+    assert tier.prepare_store([k(60, 1), k(61, 1), k(62, 1)]) is None
+    assert tier.prepare_store([k(60, 1)]) is not None
+    tier.check_integrity()
+
+
+# -- prefix values ---------------------------------------------------------------------
+
+
+def test_prefix_value_counts_compute_over_all_groups_bytes() -> None:
+    cfg = hybrid_config(1 << 20)
+    valuer = PrefixValuer(cfg, prefill_flops=lambda end, start: float(end - start))
+    # A hit at 16 needs 4 full blocks (4 B) and the last 2 window blocks (8 B).
+    assert valuer.bytes_needed(16) == 12
+    assert valuer.density(16) == pytest.approx(16 / 12)
+    hasher = BlockHasher(4)
+    hashes = hasher.hashes(list(range(16)))
+    keys = [[make_offload_key(h, g) for h in hashes] for g in (0, 1)]
+    hints = valuer.hints(16, [[(0, keys[0][0])], [(3, keys[1][3])]], keys, reuse=0.5)
+    assert [h.anchor for h in hints] == [None, keys[0][3]]
+    assert hints[0].saved == pytest.approx(16 * (1 + valuer.reuse_bonus * 0.5))
+
+
+def test_proxy_flops_grow_faster_than_linearly_with_full_attention() -> None:
+    flops = proxy_prefill_flops(hybrid_config(1 << 20))
+    assert flops(2000, 1000) > flops(1000, 0) > 0
+    assert flops(10, 10) == 0.0
+
+
+# -- admission -------------------------------------------------------------------------
+
+
+def test_the_sharing_granule_is_learned_from_prefix_ends() -> None:
+    policy = HitPointAdmission(4, 4, lambda: False, granule_points=2)
+    assert policy.granule == 4
+    for i in range(1, 33):
+        policy.observe_prefix_end(64 * i)
+    assert policy.granule == 64
+    hashes = BlockHasher(4).hashes(list(range(300)))
+    # Prompt of 300 tokens: granule multiples 256 and 192 are hit points, 128 is not.
+    assert policy.is_hit_point(256, hashes, 300)
+    assert policy.is_hit_point(192, hashes, 300)
+    assert not policy.is_hit_point(128, hashes, 300)
+    assert policy.is_hit_point(296, hashes, 300)  # the prompt's end
+
+
+def test_misses_for_want_of_a_window_raise_the_granule_points_and_hits_lower_them() -> None:
+    policy = HitPointAdmission(4, 4, lambda: False, granule_points=2, max_granule_points=4)
+    for _ in range(3 * HitPointAdmission.ADAPT_EVERY):
+        policy.observe_lookup(64, 32)  # full attention reached 64, the hit only 32
+    assert policy.granule_points == 4  # capped
+    for _ in range(5 * HitPointAdmission.ADAPT_EVERY):
+        policy.observe_lookup(64, 64)
+    assert policy.granule_points == 2  # never below the initial count
+
+
+def test_value_and_hybrid_admit_selectively_lru_stores_everything() -> None:
+    assert make_admission("value", 4, 4, lambda: False).learns
+    assert make_admission("hybrid", 4, 4, lambda: False).learns
+    assert not make_admission("lru", 4, 4, lambda: False).learns
+
+
+def stored(plan: StepPlan, group: int) -> list[int]:
+    return [t.first_block_index + i for job in plan.stores for t in job.groups
+            if t.group == group for i in range(len(t.block_ids))]
+
+
+class Req:
+    def __init__(self, rid: str, tokens: list[int]) -> None:
+        self.request_id = rid
+        self.tokens = tokens
+        self.num_prompt_tokens = len(tokens)
+        self.block_hashes = BlockHasher(4).hashes(tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def run_prefill(planner: Planner, req: Req, first_id: int) -> StepPlan:
+    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    table = tuple(range(first_id, first_id + req.num_tokens // 4))
+    planner.update_state_after_alloc(req, (table, table), 0)
+    plan = planner.build_step_plan(StepInput((ScheduledRequest(
+        req, (table, table), 0, req.num_tokens, num_freed_blocks=(0, 0)),)))
+    planner.update_from_worker_reports([WorkerReport(0, tuple(j.job_id for j in plan.stores))])
+    return plan
+
+
+def test_planner_values_stored_keys_and_anchors_window_blocks() -> None:
+    cfg = hybrid_config(1 << 20)
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier, prefill_flops=lambda end, start: float(end - start))
+    req = Req("a", list(range(32)))
+    run_prefill(planner, req, 1)
+    planner.request_finished(req)
+    policy = tier.policy
+    assert isinstance(policy, ValuePolicy)
+    window = make_offload_key(req.block_hashes[6], 1)
+    anchor = make_offload_key(req.block_hashes[6], 0)
+    assert policy.debug_state()["anchors"] and (window, anchor) in policy.debug_state()["anchors"]
+    assert policy.reference_density > 0
+    tier.check_integrity()
+
+
+def test_when_full_value_stores_windows_only_at_likely_hit_points() -> None:
+    cfg = hybrid_config(60)
+    planner = Planner(cfg, HostTier(cfg))
+    # Fill the budget with another prompt (12 full + 12 window blocks = 60 bytes).
+    run_prefill(planner, Req("fill", [99] * 48), 100)
+    plan = run_prefill(planner, Req("a", list(range(64))), 1)
+    window = stored(plan, 1)
+    assert stored(plan, 0) == list(range(16))
+    # Prompt end point 60: window blocks 13, 14; the granule (4 tokens, nothing learned
+    # yet) adds point 56 (blocks 12, 13); decode frontier: block 15.
+    assert window == [12, 13, 14, 15]

@@ -1,0 +1,144 @@
+"""The planner's rules under the hybrid-aware ``value`` policy, with per-group byte
+accounting, plus the policy's own admission rule.
+
+The engine event sequences are those of ``test_planner_state_machine`` (every rule of
+SYSTEM.md section 5 is checked after every step by ``support.sim_engine``); the layouts
+here give groups different page sizes, charge the host budget in bytes, and select the
+``value`` policy (or, for comparison, LRU/ARC under the same byte budget).
+
+On top, every window block or Mamba state the planner asks the tier to store must be one
+that can serve a hit under the policy's own rule: some aligned hit point whose window (or
+state) needs the block must be one the admission calls likely (the prompt's end, a point
+after the prompt, a multiple of the learned granule just before the prompt's end, or a
+learned miss point), unless the tier had free room when it was admitted (then the policy
+admits everything, as store-everything would).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant
+from test_planner_state_machine import EXAMPLES, STEPS, PlannerMachine
+
+from kvoffload.config import GroupKind, GroupSpec, OffloadConfig, ResolvedGroup
+from kvoffload.keys import BlockHash, OffloadKey, key_group, make_offload_key
+from kvoffload.planner.admission import HitPointAdmission
+from kvoffload.tiers.base import PrepareStoreResult
+from support.sim_engine import SimEngine
+
+
+@st.composite
+def byte_layouts(draw: st.DrawFn) -> OffloadConfig:
+    hash_bs = draw(st.sampled_from([1, 2, 4]))
+    factor = draw(st.integers(1, 3))
+    n_groups = draw(st.integers(1, 4))
+    groups = []
+    for i in range(n_groups):
+        kind = draw(st.sampled_from(list(GroupKind)))
+        bs = hash_bs * draw(st.sampled_from([1, 2]))
+        window = draw(st.integers(1, 3 * bs * factor)) if kind is GroupKind.SLIDING_WINDOW \
+            else None
+        groups.append(GroupSpec(kind, bs, sliding_window=window, name=f"g{i}",
+                                page_bytes=draw(st.integers(1, 6))))
+    largest = max(g.page_bytes * factor for g in groups)
+    return OffloadConfig(
+        groups=tuple(groups), hash_block_size=hash_bs, block_size_factor=factor,
+        num_workers=draw(st.integers(1, 4)),
+        host_capacity_bytes=largest * draw(st.integers(2, 40)),
+        eviction_policy=draw(st.sampled_from(["value", "value", "lru", "arc"])),
+        host_accounting=draw(st.sampled_from(["bytes", "bytes", "slot"])),
+        max_deferred_steps=draw(st.integers(1, 8)),
+    )
+
+
+def _hit_points(g: ResolvedGroup, block: int, alignment: int) -> range:
+    """Aligned hit points whose window (or state) needs offloaded block ``block``."""
+    obs = g.offloaded_block_size
+    first = (block + 1) * obs
+    first += -first % alignment
+    return range(first, (block + (g.window_blocks or 1)) * obs + 1, alignment)
+
+
+class AdmissionAudit:
+    """Wraps a planner's ``HitPointAdmission`` and its tier's ``prepare_store``: records
+    the keys admitted and checks each admission and each stored key against the rule."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        planner = engine.planner
+        self.admission = planner._admission
+        assert isinstance(self.admission, HitPointAdmission)
+        self.alignment = engine.config.hit_alignment
+        self.hash_bs = engine.config.hash_block_size
+        self.groups = engine.config.resolved
+        self.admitted: set[OffloadKey] = set()
+        self.checked = 0
+        admit = self.admission.admit
+        self.has_room: Callable[[], bool] = self.admission._has_room
+        self.admission.admit = self._admit  # type: ignore[method-assign]
+        self._admit_inner = admit
+        store = engine.tier.prepare_store
+        self._store_inner = store
+        engine.tier.prepare_store = self._prepare_store  # type: ignore[method-assign]
+
+    def _likely(self, point: int, hashes: Sequence[BlockHash], prompt: int) -> bool:
+        """The rule, restated from the policy's documented parameters."""
+        last = prompt - 1
+        if point > last or point == last // self.alignment * self.alignment:
+            return True
+        granule = self.admission.granule
+        points = self.admission.granule_points
+        if point % granule == 0 and last // granule * granule - point < points * granule:
+            return True
+        index = point // self.hash_bs - 1
+        return 0 <= index < len(hashes) and hashes[index] in self.admission._learned
+
+    def _admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
+               num_prompt_tokens: int) -> bool:
+        room = self.has_room()
+        result = self._admit_inner(group, block, hashes, num_prompt_tokens)
+        if result:
+            points = list(_hit_points(group, block, self.alignment))
+            assert points, f"group {group.index} block {block}: no aligned hit can use it"
+            if not room:
+                assert any(self._likely(p, hashes, num_prompt_tokens) for p in points), (
+                    f"group {group.index} block {block} admitted with the tier full, but no "
+                    f"likely hit point needs it (prompt {num_prompt_tokens})")
+            index = (block + 1) * group.hashes_per_block - 1
+            if index < len(hashes):
+                self.admitted.add(make_offload_key(hashes[index], group.index))
+        self.checked += 1
+        return result
+
+    def _prepare_store(self, keys: Sequence[OffloadKey], **kwargs: object
+                       ) -> PrepareStoreResult | None:
+        for key in keys:
+            if self.groups[key_group(key)].window_blocks is not None:
+                assert key in self.admitted, "a window block or state stored unadmitted"
+        return self._store_inner(keys, **kwargs)  # type: ignore[arg-type]
+
+
+class ValuePolicyMachine(PlannerMachine):
+    audit: AdmissionAudit | None
+
+    @initialize(config=byte_layouts(), pool=st.integers(12, 80), seed=st.integers(0, 2**16))
+    def setup(self, config: OffloadConfig, pool: int, seed: int) -> None:
+        super().setup(config, pool, seed)
+        self.audit = (AdmissionAudit(self.engine)
+                      if isinstance(self.engine.planner._admission,
+                                    HitPointAdmission) else None)
+
+    @invariant()
+    def byte_budget_holds(self) -> None:
+        if hasattr(self, "engine") and self.engine.config.charges_bytes:
+            usage = self.engine.tier.usage()
+            assert sum(usage.bytes_by_group.values()) <= self.engine.config.host_capacity_bytes
+
+
+ValuePolicyMachine.TestCase.settings = settings(
+    max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestValuePolicyMachine = ValuePolicyMachine.TestCase
