@@ -68,6 +68,31 @@ def test_simulate_faults_prints_the_soak_figures(capsys: pytest.CaptureFixture[s
     assert data["pinned"]["final"] == 0 and data["pending"]["final"] == 0
 
 
+@pytest.mark.parametrize("preset", ["gpt-oss-20b", "nemotron-h-8b"])
+def test_a_soak_with_real_disk_and_redis_tiers_and_tier_faults_is_clean(
+        preset: str, tmp_path: Path) -> None:
+    """Transfer faults plus tier I/O errors, blocks damaged at rest and tier outages, on
+    a real directory and a real redis-server behind a small host tier."""
+    from tiers.tier_kit import redis_server
+
+    hybrid = preset == "nemotron-h-8b"
+    with redis_server() as server:
+        sim = SimulationConfig(preset=preset, engine_tokens=16384,
+                               baseline=False,
+                               host_capacity_bytes=(400 << 20) if hybrid else (64 << 20),
+                               decode_tokens_per_step=16, disk_capacity_bytes=64 << 30,
+                               disk_path=str(tmp_path), remote_url=server.url)
+        plan = FaultPlan(0.1, seed=3, hang_s=10.0, min_reset_interval_s=60.0)
+        report = run_soak(SoakConfig(sim, plan, load_deadline_s=2.0, check_interval_s=10.0,
+                                     tier_faults=0.1, num_workers=1),
+                          builtin_workload("agentic", 2)[:40])
+    assert report.ok, report.text()
+    tier_faults = {k: n for k, n in report.faults.items() if k.startswith(("disk", "remote"))}
+    assert sum(tier_faults.values()) > 0, report.faults
+    assert report.wrong_bytes == 0 and report.verified_blocks > 0
+    assert report.host_hit_rate > 0  # blocks came back through the faulty tiers
+
+
 @long_only
 @pytest.mark.parametrize("preset", ["llama3-8b", "gpt-oss-20b", "gemma3-27b",
                                     "nemotron-h-8b"])

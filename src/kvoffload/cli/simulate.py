@@ -90,6 +90,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                              "recomputes (default 5)")
     faults.add_argument("--hang", type=float, default=30.0, metavar="S",
                         help="modelled seconds a hung transfer is late (default 30)")
+    faults.add_argument("--tier-faults", type=float, default=0.0, metavar="RATE",
+                        help="with real tiers (--disk-path, --remote-url): that share of "
+                             "tier I/O calls fails, damages the block it wrote, or starts "
+                             "an outage of the tier")
     add_workload_options(parser, default_limit=None)
     add_engine_options(parser)
     add_output_options(parser)
@@ -154,7 +158,8 @@ def run_soak_command(args: argparse.Namespace, config: SimulationConfig,
     log.setLevel(logging.ERROR)
     try:
         report = run_soak(SoakConfig(replace(config, baseline=False), plan,
-                                     load_deadline_s=args.load_deadline), workload)
+                                     load_deadline_s=args.load_deadline,
+                                     tier_faults=args.tier_faults), workload)
     finally:
         log.setLevel(level)
     if args.json:

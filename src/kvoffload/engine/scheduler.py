@@ -236,6 +236,8 @@ class ReferenceEngine:
         """Abandoned load -> the pool owner holding its request's blocks until it reports."""
         self._offload_since: dict[str, float] = {}
         """When each request went onto the offload path (deferred, or loading)."""
+        self._deferred = False
+        """Some lookup of the last step answered "ask again later"."""
         self._load_started: dict[str, float] = {}
         if self.planner is not None:
             self.pool.avoid = self._used_by_overdue_job
@@ -258,8 +260,10 @@ class ReferenceEngine:
                 or (self.planner is not None and self.planner.has_pending_work()))
 
     def next_transfer_completion(self) -> float | None:
+        # A deferred lookup is asked again next step: an engine keeps stepping meanwhile.
+        retry = self.clock + self.timing.decode_step_s if self._deferred else None
         times = [t for t in (self.transfers.next_completion(),
-                             self.tier_transfers.next_completion(),
+                             self.tier_transfers.next_completion(), retry,
                              self._holder.next_release() if self._holder else None,
                              self._next_deadline()) if t is not None]
         # A job held past its modelled completion leaves a time in the past: look beyond.
@@ -288,6 +292,7 @@ class ReferenceEngine:
             # existence checks, so let them land before the lookups of this step.
             self.tier.wait_idle()
         budget = self.config.max_num_batched_tokens * self.config.decode_tokens_per_step
+        self._deferred = False
         self._give_up_late_loads()
         entries: list[_Entry] = []
         preempted: list[str] = []
@@ -454,6 +459,7 @@ class ReferenceEngine:
             if match.num_tokens is None:
                 since = self._offload_since.setdefault(rid, self.clock)
                 if deadline is None or self.clock - since < deadline:
+                    self._deferred = True
                     return _Admission.DEFERRED, 0
                 # Deferred past the deadline: run now with the engine's own hit only.
                 self.metrics.deferral_give_ups += 1

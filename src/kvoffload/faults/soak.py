@@ -27,10 +27,14 @@ from kvoffload.engine.scheduler import EngineConfig, ReferenceEngine
 from kvoffload.engine.simulation import Mode, SimulationConfig, lower_tier_config, resolve
 from kvoffload.engine.summary import summarize
 from kvoffload.engine.workloads.request import WorkloadRequest
+from kvoffload.errors import ConfigError
 from kvoffload.faults.executor import FaultyExecutor, Garble
 from kvoffload.faults.plan import FaultPlan
+from kvoffload.faults.store import FaultyBlockStore, disk_tamper, redis_tamper
 from kvoffload.jobs import Direction, TransferJob
 from kvoffload.tiers.factory import make_tier
+from kvoffload.worker.block_store import BlockStore
+from kvoffload.worker.remote_store import RemoteStore
 
 if TYPE_CHECKING:  # bytes mode only: torch
     import torch
@@ -49,6 +53,9 @@ class SoakConfig:
             and recomputes.
         num_workers: tensor-parallel ranks the planner waits for.
         check_interval_s: modelled seconds between integrity checks and host audits.
+        tier_faults: bytes mode with real lower tiers (``disk_path``, ``remote_url``):
+            the share of each rank's tier I/O calls that raise an I/O error, damage the
+            block just written at rest, or start an outage of the tier.
     """
 
     simulation: SimulationConfig
@@ -56,6 +63,7 @@ class SoakConfig:
     load_deadline_s: float = 5.0
     num_workers: int = 2
     check_interval_s: float = 60.0
+    tier_faults: float = 0.0
 
 
 
@@ -173,8 +181,10 @@ class Garbler:
                 self.arena[list(t.slots)] = 0x5A
 
 
-def build_soak_engine(config: SoakConfig) -> tuple[ReferenceEngine, FaultyExecutor]:
-    """The engine of ``config.simulation`` with a load deadline and a faulty worker side."""
+def build_soak_engine(config: SoakConfig,
+                      ) -> tuple[ReferenceEngine, FaultyExecutor, list[FaultyBlockStore]]:
+    """The engine of ``config.simulation`` with a load deadline and a faulty worker side;
+    also the faulty lower-tier stores (``config.tier_faults``)."""
     sim = config.simulation
     layout = sim.layout()
     caps, offload = resolve(sim, layout)
@@ -193,6 +203,7 @@ def build_soak_engine(config: SoakConfig) -> tuple[ReferenceEngine, FaultyExecut
                          remote_capacity_bytes=sim.remote_capacity_bytes or 1)
     inner: TransferExecutor
     garble: Garble | None = None
+    faulty_stores: list[FaultyBlockStore] = []
     device = auditor = None
     if sim.mode is Mode.BYTES:
         from kvoffload.engine.device import DeviceCaches, HostAuditor, WorkerExecutor
@@ -202,13 +213,36 @@ def build_soak_engine(config: SoakConfig) -> tuple[ReferenceEngine, FaultyExecut
         auditor = HostAuditor(worker.worker.host_pool, layout.specs, offload.block_size_factor)
         garble = Garbler(device, worker.arena)
         inner, mirror = worker, config.num_workers
+        if config.tier_faults > 0 and worker.worker.tier_io is not None:
+            stores = worker.worker.tier_io.stores
+            for name, store in stores.items():
+                wrapped = faulty_store(store, config.tier_faults, config.faults.seed)
+                stores[name] = wrapped
+                faulty_stores.append(wrapped)
     else:
         inner, mirror = AccountingExecutor(config.num_workers), 1
     faulty = FaultyExecutor(inner, config.faults, mirror_ranks=mirror, garble=garble)
     engine = ReferenceEngine(layout, engine_config, offload=offload, executor=faulty,
                              device=device, auditor=auditor, timing=sim.timing, tier=tier)
     faulty.clock = lambda: engine.clock
-    return engine, faulty
+    if config.tier_faults and not faulty_stores:
+        raise ConfigError("tier_faults", "lower-tier faults need real tiers",
+                          "Use bytes mode with --disk-path/--disk-capacity or --remote-url.")
+    return engine, faulty, faulty_stores
+
+
+def faulty_store(store: BlockStore, rate: float, seed: int) -> FaultyBlockStore:
+    """``store`` behind a ``FaultyBlockStore`` injecting every store fault kind."""
+    if isinstance(store, RemoteStore):
+        tamper = redis_tamper(store.client, store)
+    else:
+        tamper = disk_tamper(store)
+    return FaultyBlockStore(store, rate=rate, seed=seed + store_rank(store), tamper=tamper)
+
+
+def store_rank(store: BlockStore) -> int:
+    rank = getattr(store, "rank", 0)
+    return rank if isinstance(rank, int) else 0
 
 
 class _Watch:
@@ -248,7 +282,7 @@ class _Watch:
 def run_soak(config: SoakConfig, workload: Iterable[WorkloadRequest], *,
              progress: Callable[[int], None] | None = None) -> SoakReport:
     """Replay ``workload`` with faults; raise whatever an integrity check raises."""
-    engine, faulty = build_soak_engine(config)
+    engine, faulty, faulty_stores = build_soak_engine(config)
     report = SoakReport(
         requests=0, requests_served=0, modelled_s=0.0, wall_s=0.0,
         mode=config.simulation.mode.value, transfer_jobs=0, faults_injected=0, faults={},
@@ -268,6 +302,8 @@ def run_soak(config: SoakConfig, workload: Iterable[WorkloadRequest], *,
         watch.check()
     finally:
         engine.executor.shutdown()
+        if engine.tier is not None:
+            engine.tier.close()
     summary = summarize(engine, metrics, wall_s=time.perf_counter() - start)
     planner = engine.planner
     assert planner is not None
@@ -279,6 +315,11 @@ def run_soak(config: SoakConfig, workload: Iterable[WorkloadRequest], *,
     report.transfer_jobs = faulty.log.jobs
     report.faults_injected = faulty.log.total
     report.faults = dict(faulty.log.injected)
+    for store in faulty_stores:
+        for kind, n in store.injected.items():
+            label = f"{store.name} {kind}"
+            report.faults[label] = report.faults.get(label, 0) + n
+            report.faults_injected += n
     report.wrong_bytes = metrics.wrong_bytes
     report.verified_blocks = metrics.verified_blocks
     report.audited_host_blocks = metrics.audited_host_blocks

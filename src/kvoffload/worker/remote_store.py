@@ -145,6 +145,12 @@ class RemoteStore(BlockStore):
     def purge(self) -> None:
         """Shared blocks are never purged by one engine (other engines may use them)."""
 
+    @property
+    def client(self) -> Any:
+        """The redis-py client (tools and fault injection; workers go through ``put`` and
+        ``get_into``)."""
+        return self._client
+
     def close(self) -> None:
         try:
             self._client.close()
