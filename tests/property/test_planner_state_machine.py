@@ -21,8 +21,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
+from kvoffload.config import OffloadConfig
 from support.sim_engine import SimEngine
+from support.strategies import draw_groups
 
 EXAMPLES = int(os.environ.get("KVOFFLOAD_HYPOTHESIS_EXAMPLES", "60"))
 STEPS = int(os.environ.get("KVOFFLOAD_HYPOTHESIS_STEPS", "60"))
@@ -30,18 +31,9 @@ STEPS = int(os.environ.get("KVOFFLOAD_HYPOTHESIS_STEPS", "60"))
 
 @st.composite
 def layouts(draw: st.DrawFn) -> OffloadConfig:
-    hash_bs = draw(st.sampled_from([1, 2, 4]))
-    factor = draw(st.integers(1, 4))
-    n_groups = draw(st.integers(1, 4))
-    groups = []
-    for i in range(n_groups):
-        kind = draw(st.sampled_from(list(GroupKind)))
-        bs = hash_bs * draw(st.sampled_from([1, 2]))
-        window = draw(st.integers(1, 3 * bs * factor)) if kind is GroupKind.SLIDING_WINDOW \
-            else None
-        groups.append(GroupSpec(kind, bs, sliding_window=window, name=f"g{i}"))
+    hash_bs, factor, groups = draw_groups(draw, max_factor=4)
     return OffloadConfig(
-        groups=tuple(groups), hash_block_size=hash_bs, block_size_factor=factor,
+        groups=groups, hash_block_size=hash_bs, block_size_factor=factor,
         num_workers=draw(st.integers(1, 4)),
         host_capacity_bytes=draw(st.integers(2, 64)),
         eviction_policy=draw(st.sampled_from(["lru", "arc", "hybrid"])),

@@ -23,29 +23,20 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 from test_planner_state_machine import EXAMPLES, STEPS, PlannerMachine
 
-from kvoffload.config import GroupKind, GroupSpec, OffloadConfig, ResolvedGroup
+from kvoffload.config import OffloadConfig, ResolvedGroup
 from kvoffload.keys import BlockHash, OffloadKey, key_group, make_offload_key
 from kvoffload.planner.admission import HitPointAdmission
 from kvoffload.tiers.base import PrepareStoreResult
 from support.sim_engine import SimEngine
+from support.strategies import draw_groups
 
 
 @st.composite
 def byte_layouts(draw: st.DrawFn) -> OffloadConfig:
-    hash_bs = draw(st.sampled_from([1, 2, 4]))
-    factor = draw(st.integers(1, 3))
-    n_groups = draw(st.integers(1, 4))
-    groups = []
-    for i in range(n_groups):
-        kind = draw(st.sampled_from(list(GroupKind)))
-        bs = hash_bs * draw(st.sampled_from([1, 2]))
-        window = draw(st.integers(1, 3 * bs * factor)) if kind is GroupKind.SLIDING_WINDOW \
-            else None
-        groups.append(GroupSpec(kind, bs, sliding_window=window, name=f"g{i}",
-                                page_bytes=draw(st.integers(1, 6))))
+    hash_bs, factor, groups = draw_groups(draw, max_factor=3, page_bytes=True)
     largest = max(g.page_bytes * factor for g in groups)
     return OffloadConfig(
-        groups=tuple(groups), hash_block_size=hash_bs, block_size_factor=factor,
+        groups=groups, hash_block_size=hash_bs, block_size_factor=factor,
         num_workers=draw(st.integers(1, 4)),
         host_capacity_bytes=largest * draw(st.integers(2, 40)),
         eviction_policy=draw(st.sampled_from(["value", "value", "lru", "arc"])),
