@@ -268,6 +268,10 @@ def measure(block_kib: int, args: argparse.Namespace, redis_url: str,
                 for which in order:
                     if args.cold and tier == "disk" and op == "load":
                         drop_from_page_cache(disk_dir if which == 0 else raw_dir)
+                    if tier == "disk":
+                        # Each side starts with no dirty pages left by the other: the
+                        # kernel throttles writers once enough are dirty.
+                        os.sync()
                     time.sleep(0.05)
                     if which == 0:
                         pair[0] = run_tier(io, jobs(tier_op, tier, keys, slots))
