@@ -135,6 +135,10 @@ class OffloadConfig:
         eviction_policy: name of a registered eviction policy ("lru", "arc", ...).
         max_deferred_steps: a request told "ask again later" this many times in a row gets
             a 0-token answer instead (no request waits forever).
+        min_deferral_s: and not before this many (wall-clock) seconds since its first
+            "ask again later": an engine with nothing else to do steps every few hundred
+            microseconds, faster than a lower tier answers an existence check; 0 (the
+            default) bounds deferral by steps alone.
         mamba_states_every_block: Mamba groups only. False (the default; vLLM's "align"
             cache mode): a block holds the state after its last token only if one of the
             request's steps ended exactly there, so that is the only state the planner
@@ -155,6 +159,7 @@ class OffloadConfig:
     num_workers: int = 1
     eviction_policy: str = "lru"
     max_deferred_steps: int = 64
+    min_deferral_s: float = 0.0
     mamba_states_every_block: bool = False
     host_accounting: str = "slot"
     resolved: tuple[ResolvedGroup, ...] = field(init=False, repr=False, compare=False)
@@ -172,6 +177,9 @@ class OffloadConfig:
         if self.num_workers <= 0:
             raise ConfigError("num_workers", f"must be >= 1, got {self.num_workers}",
                               "Use the tensor-parallel size.")
+        if not 0 <= self.min_deferral_s <= 60:
+            raise ConfigError("min_deferral_s", f"must be in [0, 60] seconds, got "
+                              f"{self.min_deferral_s}", "Use e.g. 0.5, or 0 for steps only.")
         if self.max_deferred_steps <= 0:
             raise ConfigError("max_deferred_steps", f"must be >= 1, got {self.max_deferred_steps}",
                               "Bound how many steps a lookup may be deferred, e.g. 64.")

@@ -251,6 +251,33 @@ def test_lookup_defers_on_a_key_being_written_and_the_wait_is_bounded() -> None:
     assert h.lookup(c) == hit(24)
 
 
+def test_min_deferral_keeps_a_fast_stepping_engine_waiting_for_the_write(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The same wait with min_deferral_s=0.5: an engine whose steps take microseconds
+    # gets "ask again" past max_deferred (3) answers until half a second has passed.
+    import dataclasses
+
+    from kvoffload.planner import planner as planner_module
+
+    clock = [100.0]
+    monkeypatch.setattr(planner_module.time, "monotonic", lambda: clock[0])
+    h = Harness(dataclasses.replace(three_groups(max_deferred=3), min_deferral_s=0.5))
+    tokens = prompt(24)
+    a = h.request("a", tokens)
+    assert h.lookup(a) == MISS
+    table = [tuple(range(1, 7)), tuple(range(11, 17)), tuple(range(21, 27))]
+    h.alloc(a, table, 0)
+    store = only(h.step(h.sched(a, table, 0, 24)).stores)  # in flight: keys PENDING
+    b = h.request("b", [*tokens, 7, 7, 7, 7])
+    assert [h.lookup(b) for _ in range(10)] == [DEFER] * 10  # well past 3 steps
+    clock[0] += 0.49
+    assert h.lookup(b) == DEFER
+    clock[0] += 0.02  # 0.51 s since the first deferral: settle for what is readable
+    assert h.lookup(b) == MISS
+    assert h.planner.stats.deferral_timeouts == 1
+    h.complete(store.job_id)
+
+
 def test_a_pending_key_in_a_window_a_miss_already_broke_does_not_defer() -> None:
     # Window of 2 blocks: block 5 is being written, block 4 is missing. Even once 5
     # lands, no window can end at 6 or 5, so waiting cannot help: the lookup answers at

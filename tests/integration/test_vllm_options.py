@@ -78,6 +78,8 @@ def test_lower_tiers_follow_the_tiers_list() -> None:
     ({"host_memory_bytes": 1, "tiers": ["host", "remote"], "remote_url": "redis://h:1/0",
       "remote_timeout_s": "soon"}, "remote_timeout_s", "as a number"),
     ({"host_memory_bytes": 1, "tier_order": "disk"}, "tier_order", "not a kvoffload"),
+    ({"host_memory_bytes": 1, "min_deferral_s": -1}, "min_deferral_s", "seconds"),
+    ({"host_memory_bytes": 1, "min_deferral_s": "soon"}, "min_deferral_s", "seconds"),
     ({"host_memory_bytes": 1, "cpu_bytes_to_use": 5}, "cpu_bytes_to_use", "not a kvoffload"),
 ])
 def test_invalid_options_name_the_key_and_the_fix(extra: Any, field: str, hint: str) -> None:

@@ -20,12 +20,14 @@ The planner decides every transfer and never moves a byte. Its promises:
 * a load the engine gives up on (``abandon_load``: it waited past its deadline) keeps its
   keys pinned and its engine blocks fenced until it reports; the engine must not reuse
   those blocks until ``ReportOutcome.released_loads`` names the job;
-* a deferred lookup ("ask again later") is answered within ``max_deferred_steps`` steps.
+* a deferred lookup ("ask again later") is answered within ``max_deferred_steps`` steps
+  (and, when set, ``min_deferral_s`` seconds, whichever comes later).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import cast
 
@@ -141,8 +143,13 @@ class Planner:
         return MatchResult(hits, load_async=hits > 0)
 
     def _defer_or(self, st: RequestState, fallback: int) -> MatchResult:
-        """Defer this lookup, unless the request has waited long enough already."""
-        if st.deferred_steps < self.config.max_deferred_steps:
+        """Defer this lookup, unless the request has waited long enough already: for
+        ``max_deferred_steps`` answers and (``min_deferral_s``) that many seconds."""
+        now = time.monotonic()
+        if st.deferred_steps == 0:
+            st.deferred_since = now
+        if (st.deferred_steps < self.config.max_deferred_steps
+                or now - st.deferred_since < self.config.min_deferral_s):
             st.deferred_steps += 1
             self.stats.deferred_lookups += 1
             return MatchResult(None)

@@ -62,6 +62,7 @@ class RequestState:
     first_hit_tokens: int = 0
     """Tokens of the prompt already cached (engine or tier) at the first lookup."""
     deferred_steps: int = 0
+    deferred_since: float = 0.0
     finished: bool = False
     state_ends: set[int] = field(default_factory=set)
 

@@ -19,7 +19,9 @@ Keys (all optional except ``host_memory_bytes``):
                             host followed by ``"disk"`` and/or ``"remote"`` in lookup
                             order, e.g. ``["host", "disk", "remote"]``.
 ``max_deferred_steps``      Steps a lookup may answer "ask again later" before it settles
-                            for what is readable (default 64).
+                            for what is readable (default 64) ...
+``min_deferral_s``          ... and not before this many seconds (default 0.5): an idle
+                            vLLM steps faster than a disk or Redis tier answers.
 ``disk_path``, ...          The lower tiers' settings: every option of
                             ``kvoffload.tiers.config.OPTION_HELP`` except ``tier_order``
                             (the ``tiers`` list gives the order). ``"disk"`` in ``tiers``
@@ -63,6 +65,7 @@ class ConnectorOptions:
     block_size_factor: int = 1
     tiers: tuple[str, ...] = ("host",)
     max_deferred_steps: int = 64
+    min_deferral_s: float = 0.5
     tier_config: TierConfig = field(default_factory=TierConfig)
     """The lower tiers (none by default); ``model_id`` empty until the connector fills it."""
 
@@ -71,7 +74,7 @@ class ConnectorOptions:
         """Parse and validate ``kv_connector_extra_config``; raise ``ConfigError``."""
         extra = dict(extra or {})
         known = {"host_memory_bytes", "eviction_policy", "block_size_factor", "tiers",
-                 "max_deferred_steps", *TIER_OPTIONS}
+                 "max_deferred_steps", "min_deferral_s", *TIER_OPTIONS}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"{PREFIX}.{unknown[0]}", "is not a kvoffload option",
@@ -93,10 +96,16 @@ class ConnectorOptions:
         deferred = _positive_int(extra.get("max_deferred_steps", 64),
                                  f"{PREFIX}.max_deferred_steps",
                                  "Use a small positive number of steps, e.g. 64.")
+        min_deferral = extra.get("min_deferral_s", 0.5)
+        if isinstance(min_deferral, bool) or not isinstance(min_deferral, (int, float)) \
+                or not 0 <= min_deferral <= 60:
+            raise ConfigError(f"{PREFIX}.min_deferral_s", f"must be seconds in [0, 60], got "
+                              f"{min_deferral!r}", "Use e.g. 0.5, or 0 to bound by steps only.")
         tiers = _tiers(extra.get("tiers", ["host"]))
         tier_config = _tier_config(tiers, {k: v for k, v in extra.items() if k in TIER_OPTIONS})
         return cls(host_memory_bytes=memory, eviction_policy=policy,
                    block_size_factor=factor, tiers=tiers, max_deferred_steps=deferred,
+                   min_deferral_s=float(min_deferral),
                    tier_config=tier_config)
 
 

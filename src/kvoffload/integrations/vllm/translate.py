@@ -89,7 +89,8 @@ class EngineLayout:
             host_capacity_bytes=options.host_memory_bytes,
             block_size_factor=options.block_size_factor, num_workers=num_workers,
             eviction_policy=options.eviction_policy,
-            max_deferred_steps=options.max_deferred_steps)
+            max_deferred_steps=options.max_deferred_steps,
+            min_deferral_s=options.min_deferral_s)
 
 
 Rule = Callable[[Any, str], tuple[GroupKind, int | None]]
