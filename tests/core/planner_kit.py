@@ -203,3 +203,20 @@ class Harness:
 def only(jobs: Sequence[TransferJob]) -> TransferJob:
     assert len(jobs) == 1, jobs
     return jobs[0]
+
+
+LOAD_TABLE: Table = (tuple(range(1, 8)), (0, 0, 11, 12, 13, 14, 15), (0, 0, 0, 0, 0, 21, 22))
+
+
+def start_load(h: Harness, num_computed: int = 0) -> tuple[Req, TransferJob]:
+    """Request "a" (25 tokens, all 6 blocks in the tier) looked up after ``num_computed``
+    tokens, allocated ``LOAD_TABLE`` and its load planned (``three_groups`` layout).
+
+    Asserts the hit is the 24 stored tokens past ``num_computed``.
+    """
+    a = h.request("a", prompt(25))
+    h.put_all(a, 6)
+    external = 24 - num_computed
+    assert h.lookup(a, num_computed) == MatchResult(external, load_async=True)
+    h.alloc(a, LOAD_TABLE, external)
+    return a, only(h.step().loads)

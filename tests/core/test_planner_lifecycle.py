@@ -12,7 +12,16 @@ Every story ends with nothing in flight, fenced, pinned or kept (``Harness.drain
 from __future__ import annotations
 
 import pytest
-from planner_kit import Harness, Moved, full, make_config, only, prompt, three_groups
+from planner_kit import (
+    Harness,
+    Moved,
+    full,
+    make_config,
+    only,
+    prompt,
+    start_load,
+    three_groups,
+)
 
 from kvoffload.errors import InvariantError
 from kvoffload.jobs import JobId, WorkerReport
@@ -96,11 +105,7 @@ def test_full_attention_blocks_are_fenced_when_the_request_finishes(path: str) -
 
 def test_loads_do_not_enter_the_fence_while_the_request_lives() -> None:
     h = Harness(three_groups())
-    a = h.request("a", prompt(25))
-    h.put_all(a, 6)
-    assert h.lookup(a) == hit(24)
-    h.alloc(a, [tuple(range(1, 8)), (0, 0, 11, 12, 13, 14, 15), (0, 0, 0, 0, 0, 21, 22)], 24)
-    load = only(h.step().loads)
+    a, load = start_load(h)
     assert h.planner.fence_size == 0
     h.complete(load.job_id)
     h.planner.request_finished(a)
@@ -112,11 +117,7 @@ def test_loads_do_not_enter_the_fence_while_the_request_lives() -> None:
 
 def test_abort_mid_load_keeps_pins_and_fences_destinations_until_reported() -> None:
     h = Harness(three_groups())
-    a = h.request("a", prompt(25))
-    h.put_all(a, 6)
-    assert h.lookup(a) == hit(24)
-    h.alloc(a, [tuple(range(1, 8)), (0, 0, 11, 12, 13, 14, 15), (0, 0, 0, 0, 0, 21, 22)], 24)
-    load = only(h.step().loads)
+    a, load = start_load(h)
     h.planner.request_finished(a)  # aborted while its load runs
     assert h.ref(a, 0, range(6)) == [1] * 6  # still pinned
     assert h.planner.fence_size == 11  # 6 full + 4 window + 1 Mamba destinations
@@ -326,11 +327,7 @@ def test_a_store_failed_on_one_rank_frees_its_slots() -> None:
 
 def test_a_failed_load_tells_the_engine_where_to_recompute_from() -> None:
     h = Harness(three_groups(workers=2))
-    a = h.request("a", prompt(25))
-    h.put_all(a, 6)
-    assert h.lookup(a, 8) == hit(16)
-    h.alloc(a, [tuple(range(1, 8)), (0, 0, 11, 12, 13, 14, 15), (0, 0, 0, 0, 0, 21, 22)], 16)
-    load = only(h.step().loads)
+    a, load = start_load(h, num_computed=8)  # hit(16)
     assert h.report(load.job_id, rank=1) == ReportOutcome()
     outcome = h.report(rank=0, failed=[load.job_id])
     assert outcome.finished_loads == ("a",)

@@ -67,26 +67,16 @@ def test_corrupting_one_group_changes_the_output(eng: Any, groups: set[int]) -> 
 
 
 def test_many_concurrent_requests_share_one_prefix(eng: Any) -> None:
-    from integration.vllm_kit import random_prompts
+    from integration.vllm_kit import shared_prefix_outputs_match
 
-    prefix = random_prompts([140], seed=24)[0]
-    prompts = random_prompts([180 + 9 * i for i in range(10)], seed=25, prefix=prefix)
-    first = eng.generate(prompts)
-    eng.reset_prefix_cache()
-    second = eng.generate(prompts)
-    assert [b.tokens for b in second] == [a.tokens for a in first]
-    assert all(b.num_cached_tokens >= 128 for b in second)
+    shared_prefix_outputs_match(eng, 140, [180 + 9 * i for i in range(10)], seed=24,
+                                min_cached=128)
 
 
 def test_preempted_requests_resume_with_identical_outputs(eng: Any) -> None:
-    from integration.vllm_kit import generate_with_preemption, random_prompts
+    from integration.vllm_kit import preempted_outputs_match
 
-    prompts = random_prompts([130, 170, 200, 260], seed=41)
-    first = eng.generate(prompts, max_tokens=24)
-    eng.reset_prefix_cache()
-    # Preempt once while the loaded requests prefill, once while they decode.
-    second = generate_with_preemption(eng, prompts, max_tokens=24, preempt_at=[3, 12])
-    assert [b.tokens for b in second] == [a.tokens for a in first]
+    preempted_outputs_match(eng, [130, 170, 200, 260], seed=41)
 
 
 def test_follow_up_turn_hits_blocks_completed_by_generated_tokens(eng: Any) -> None:

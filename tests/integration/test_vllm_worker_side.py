@@ -63,6 +63,13 @@ def _poll_until(side: Any, meta: Any, want: int) -> tuple[set[str], set[str]]:
     return finished, failed
 
 
+def _run_step(side: Any, meta: Any) -> None:
+    """The worker side's calls of one step, the forward pass writing nothing in between."""
+    side.flush(meta)
+    side.start_loads(meta)
+    side.submit_stores(meta)
+
+
 def test_store_then_load_moves_exactly_the_real_bytes() -> None:
     from kvoffload.integrations.vllm.metadata import KVOffloadMetadata
     from kvoffload.jobs import Direction, GroupTransfer, JobId, StepPlan, TransferJob
@@ -74,17 +81,13 @@ def test_store_then_load_moves_exactly_the_real_bytes() -> None:
     store = TransferJob(JobId(0), Direction.STORE, "r", (
         GroupTransfer(0, (3,), 0, (0,)), GroupTransfer(1, (4, 5), 0, (1, 2))))
     meta = KVOffloadMetadata(StepPlan(stores=(store,)))
-    side.flush(meta)
-    side.start_loads(meta)
-    side.submit_stores(meta)
+    _run_step(side, meta)
     side.worker.wait([JobId(0)])
     # Load them back into engine blocks 7 and 8, 9, as a request's prefix.
     load = TransferJob(JobId(1), Direction.LOAD, "r2", (
         GroupTransfer(0, (7,), 0, (0,)), GroupTransfer(1, (8, 9), 0, (1, 2))))
     meta2 = KVOffloadMetadata(StepPlan(loads=(load,)))
-    side.flush(meta2)
-    side.start_loads(meta2)
-    side.submit_stores(meta2)
+    _run_step(side, meta2)
     finished, failed = _poll_until(side, meta2, 1)
     assert finished == {"r2"} and not failed
     assert torch.equal(mamba_page[7], mamba_page[3])

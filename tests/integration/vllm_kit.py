@@ -322,6 +322,32 @@ def generate_with_preemption(eng: Engine, prompts: Sequence[Sequence[int]],
 _request_ids = itertools.count()
 
 
+def shared_prefix_outputs_match(eng: Engine, prefix_len: int, lengths: Sequence[int],
+                                seed: int, min_cached: int) -> None:
+    """Many concurrent prompts sharing one ``prefix_len``-token prefix: a second round
+    (vLLM's prefix cache dropped) gives the same tokens and hits >= ``min_cached`` each.
+
+    The prefix comes from ``seed``, the rest of the prompts from ``seed + 1``.
+    """
+    prefix = random_prompts([prefix_len], seed=seed)[0]
+    prompts = random_prompts(lengths, seed=seed + 1, prefix=prefix)
+    first = eng.generate(prompts)
+    eng.reset_prefix_cache()
+    second = eng.generate(prompts)
+    assert [b.tokens for b in second] == [a.tokens for a in first]
+    assert all(b.num_cached_tokens >= min_cached for b in second)
+
+
+def preempted_outputs_match(eng: Engine, lengths: Sequence[int], seed: int) -> None:
+    """Prompts loaded back and preempted twice (while they prefill, then while they
+    decode) give the same 24 tokens as a first round without preemption."""
+    prompts = random_prompts(lengths, seed=seed)
+    first = eng.generate(prompts, max_tokens=24)
+    eng.reset_prefix_cache()
+    second = generate_with_preemption(eng, prompts, max_tokens=24, preempt_at=[3, 12])
+    assert [b.tokens for b in second] == [a.tokens for a in first]
+
+
 def follow_up_uses_blocks_stored_during_decode(eng: Engine, *, prompt_len: int, generated: int,
                                                suffix_len: int, alignment: int,
                                                seed: int, windowed: bool = True) -> None:
