@@ -44,9 +44,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from kvoffload.config import GroupKind, OffloadConfig
 from kvoffload.engine.block_pool import Allocation, HybridBlockPool
@@ -144,6 +145,27 @@ class _Job:
     direction: Direction
     request_id: str
     blocks: tuple[tuple[int, int], ...]  # (group, engine blocks)
+
+
+_Id = TypeVar("_Id", JobId, TierJobId)
+
+
+def _split_due(entries: list[tuple[_Id, int, bool]], transfers: TransferClock, now: float,
+               on_rank0: Callable[[_Id, bool], None],
+               ) -> tuple[dict[int, tuple[list[_Id], list[_Id]]], list[tuple[_Id, int, bool]]]:
+    """Split ``(job, rank, failed)`` reports into those due by ``now``, as rank -> (ok,
+    failed), and those still in flight; ``on_rank0`` sees each due report of rank 0."""
+    due: dict[int, tuple[list[_Id], list[_Id]]] = {}
+    later: list[tuple[_Id, int, bool]] = []
+    for job_id, rank, failed in entries:
+        if transfers.done_at(job_id) > now:
+            later.append((job_id, rank, failed))
+            continue
+        ok, bad = due.setdefault(rank, ([], []))
+        (bad if failed else ok).append(job_id)
+        if rank == 0:
+            on_rank0(job_id, failed)
+    return due, later
 
 
 class ReferenceEngine:
@@ -588,28 +610,11 @@ class ReferenceEngine:
             self.metrics.moved_loaded_bytes += s.loaded_bytes
             self.metrics.measured_store_s += s.store_seconds
             self.metrics.measured_load_s += s.load_seconds
-        due: dict[int, tuple[list[JobId], list[JobId]]] = {}
-        later: list[tuple[JobId, int, bool]] = []
-        for job_id, rank, failed in self._reports:
-            if self.transfers.done_at(job_id) > self.clock:
-                later.append((job_id, rank, failed))
-                continue
-            ok, bad = due.setdefault(rank, ([], []))
-            (bad if failed else ok).append(job_id)
-            if rank == 0:
-                self._account(job_id, failed)
-        self._reports = later
-        tier_due: dict[int, tuple[list[TierJobId], list[TierJobId]]] = {}
-        tier_later: list[tuple[TierJobId, int, bool]] = []
-        for tier_id, rank, failed in self._tier_reports:
-            if self.tier_transfers.done_at(tier_id) > self.clock:
-                tier_later.append((tier_id, rank, failed))
-                continue
-            ok_t, bad_t = tier_due.setdefault(rank, ([], []))
-            (bad_t if failed else ok_t).append(tier_id)
-            if rank == 0:
-                self.tier_transfers.forget(tier_id)
-        self._tier_reports = tier_later
+        due, self._reports = _split_due(self._reports, self.transfers, self.clock,
+                                        self._account)
+        tier_due, self._tier_reports = _split_due(
+            self._tier_reports, self.tier_transfers, self.clock,
+            lambda tier_id, _failed: self.tier_transfers.forget(tier_id))
         if self.planner is None:
             return bool(due)
         reports = []

@@ -222,7 +222,7 @@ class Planner:
 
         Full attention: every key. Window and Mamba groups: the keys from the last W
         blocks of the first hit on -- of those, only blocks that some aligned hit can use:
-        the others are never stored (``_store_positions``), so touching them would only
+        the others are never stored (``_useful_blocks``), so touching them would only
         cost time (for a 16-block alignment, 15 of every 16 Mamba keys).
         """
         keys: list[OffloadKey] = []
@@ -230,16 +230,10 @@ class Planner:
             if g.window_blocks is None:
                 keys.extend(gs.keys)
                 continue
-            start = max(0, gs.num_hit_blocks - g.window_blocks)
-            step = self._alignment // g.offloaded_block_size
-            width = min(g.window_blocks, step)  # useful blocks: k % step >= step - width
-            if width == step:
-                keys.extend(gs.keys[start:])
-            elif width == 1:
-                keys.extend(gs.keys[start + (step - 1 - start % step)::step])
-            else:
-                for seg in range(start - start % step, len(gs.keys), step):
-                    keys.extend(gs.keys[max(start, seg + step - width):seg + step])
+            blocks = self._useful_blocks(g, max(0, gs.num_hit_blocks - g.window_blocks),
+                                         len(gs.keys))
+            keys.extend(gs.keys[blocks.start:blocks.stop:blocks.step]
+                        if isinstance(blocks, range) else [gs.keys[k] for k in blocks])
         self.tier.touch(keys)
 
     # ------------------------------------------------------------------- loads
@@ -526,30 +520,23 @@ class Planner:
                          state_ends: set[int]) -> list[int] | None:
         """Engine positions to store for offloaded block ``k``, or None to skip it.
 
-        Skipped: blocks that are null or freed, Mamba states that are not at a hit
-        alignment point or (``mamba_states_every_block`` off) that no step of the request
-        produced (``state_ends``: a step ending mid-block leaves the block holding another
-        state), window blocks that no aligned hit's window can use, and partial
-        window blocks whose missing part a hit's window would need.
+        Window and Mamba blocks come from ``_useful_blocks`` (so a Mamba block ends at a
+        hit alignment point, and some aligned hit's window uses a window block). Skipped:
+        blocks that are null or freed, Mamba states that (``mamba_states_every_block`` off)
+        no step of the request produced (``state_ends``: a step ending mid-block leaves the
+        block holding another state), and partial window blocks whose missing part a hit's
+        window would need.
         """
         f = g.factor
         lo, hi = k * f, (k + 1) * f
         ids = gs.block_ids
         obs = g.offloaded_block_size
-        # The cheap position tests come before the list of live blocks is built.
         if g.kind is GroupKind.MAMBA:
             last = hi - 1  # the state after the block's last token
-            if (((k + 1) * obs) % self._alignment or last < gs.num_freed
-                    or ids[last] == NULL_BLOCK_ID
+            if (last < gs.num_freed or ids[last] == NULL_BLOCK_ID
                     or (self._step_end_states and (k + 1) * obs not in state_ends)):
                 return None
             return [last]
-        if g.kind is GroupKind.SLIDING_WINDOW:
-            assert g.window_blocks is not None
-            step = self._alignment // obs
-            first_hit_block = (k // step + 1) * step
-            if first_hit_block > k + g.window_blocks:
-                return None
         live = [p for p in range(max(lo, gs.num_freed), hi) if ids[p] != NULL_BLOCK_ID]
         if g.kind is GroupKind.FULL_ATTENTION:
             if len(live) != f:
@@ -559,6 +546,8 @@ class Planner:
         if not live:
             return None
         assert g.spec.sliding_window is not None
+        step = self._alignment // obs
+        first_hit_block = (k // step + 1) * step
         if live[0] > lo and (first_hit_block * obs - g.spec.sliding_window
                              < live[0] * g.spec.block_size):
             return None
