@@ -124,6 +124,10 @@ class CascadeTier(Tier):
         self.lowers = tuple(lowers)
         self.stats = CascadeStats()
         self._by_name = {lt.name: lt for lt in self.lowers}
+        self._write_back = tuple(lt for lt in self.lowers
+                                 if lt.write_mode is WriteMode.WRITE_BACK)
+        self._write_thru = tuple(lt for lt in self.lowers
+                                 if lt.write_mode is WriteMode.WRITE_THROUGH)
         self._num_workers = host.config.num_workers
         self._all_ranks = (1 << self._num_workers) - 1
         self._jobs: dict[TierJobId, _Job] = {}
@@ -220,11 +224,13 @@ class CascadeTier(Tier):
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         """``HostTier.complete_store``; keys that became readable are written through."""
+        if not (success and self._write_thru):
+            self.host.complete_store(keys, success)
+            return
         keys = list(keys)
         writing = [k for k in keys if self.host.ref_count(k) == WRITING]
         self.host.complete_store(keys, success)
-        if success:
-            self._write_through(writing)
+        self._write_through(writing)
 
     # -- tier jobs ----------------------------------------------------------------------
 
@@ -352,21 +358,18 @@ class CascadeTier(Tier):
         """Host memory evicted these keys: demote them to the write-back tiers."""
         for key, slot in zip(result.evicted, result.evicted_slots, strict=True):
             self._origin.pop(key, None)
-            for lower in self.lowers:
-                if lower.write_mode is WriteMode.WRITE_BACK and lower.begin_write(key):
+            for lower in self._write_back:
+                if lower.begin_write(key):
                     self._queue(TierOp.DEMOTE, lower, key, slot, snapshot=True)
 
     def _write_through(self, keys: Sequence[OffloadKey]) -> None:
         """These keys just became readable in host memory: copy them to write-through
         tiers, pinning each host key until its demote reports."""
-        for lower in self.lowers:
-            if lower.write_mode is not WriteMode.WRITE_THROUGH:
-                continue
+        for lower in self._write_thru:
             for key in keys:
                 if not lower.begin_write(key):
                     continue
-                (slot,) = self.host.prepare_load([key])
-                self.host.stats.keys_loaded -= 1  # a pin for the demote, not a load
+                (slot,) = self.host.pin([key])
                 self._queue(TierOp.DEMOTE, lower, key, slot, pinned=True)
 
     def _collect_deletes(self) -> None:

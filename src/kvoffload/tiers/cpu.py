@@ -173,6 +173,13 @@ class HostTier(Tier):
         Pins last until ``complete_load`` of the same keys. A key that is absent or being
         written raises ``InvariantError`` and nothing is pinned.
         """
+        slots = self.pin(keys)
+        self.stats.keys_loaded += len(slots)
+        return slots
+
+    def pin(self, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
+        """``prepare_load`` without counting a load (a lower tier's demote reads the slot);
+        ``complete_load`` releases it."""
         states: list[BlockState] = []
         for key in keys:
             state = self._policy.get(key)
@@ -185,7 +192,6 @@ class HostTier(Tier):
                 self._num_pinned += 1
                 self._bytes_pinned += self._block_bytes[key_group(key)]
             state.ref += 1
-        self.stats.keys_loaded += len(states)
         return tuple(state.slot for state in states)
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
@@ -262,7 +268,7 @@ class HostTier(Tier):
         evicted_slots: tuple[int, ...] = ()
         need = len(new) - self._slots.num_free
         block_bytes = self._block_bytes
-        new_bytes = sum(block_bytes[g] for g in groups) if self._charges_bytes else 0
+        new_bytes = sum(block_bytes[g] for g in groups)
         need_bytes = self._bytes_used() + new_bytes - self._budget if self._charges_bytes else 0
         if need > 0 or need_bytes > 0:
             idle = len(policy) - self._num_writing - self._num_pinned
@@ -288,7 +294,7 @@ class HostTier(Tier):
             policy.insert(key, BlockState(slot))
             self._keys_per_group[group] += 1
         self._num_writing += len(new)
-        self._bytes_writing += sum(block_bytes[g] for g in groups)
+        self._bytes_writing += new_bytes
         self.stats.keys_reserved += len(new)
         return PrepareStoreResult(keys_to_store=tuple(new), slots=tuple(slots), evicted=evicted,
                                   evicted_slots=evicted_slots)

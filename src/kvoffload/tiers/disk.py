@@ -63,7 +63,6 @@ class DiskIndex(LowerTier):
         self._num_ranks = config.num_workers
         self._file_bytes = tuple(HEADER_BYTES + g.block_bytes for g in config.resolved)
         self._entry_bytes = tuple(self._num_ranks * b for b in self._file_bytes)
-        self._largest = max(self._entry_bytes)
         capacity_keys = max(1, self.capacity_bytes // min(self._entry_bytes))
         self._policy: EvictionPolicy = make_policy(disk.eviction_policy, capacity_keys)
         self._used = 0
@@ -196,18 +195,12 @@ class DiskIndex(LowerTier):
             return True
         if need > self._used - self._busy:
             return False
-        while need > 0:
-            # Every entry is at most ``_largest`` bytes, so at least this many victims are
-            # needed -- and, since the idle bytes cover ``need``, at least this many exist.
-            count = -(-need // self._largest)
-            victims = self._policy.evict(count, frozenset((key,)))
-            if victims is None:
-                raise InvariantError("disk: idle bytes cover the need but eviction failed")
-            for victim, _ in victims:
-                self._used -= self.entry_bytes(victim)
-                self._deletes.append(victim)
-            self.stats.evicted += len(victims)
-            need = self._used + size - self.capacity_bytes
+        # The idle bytes cover ``need``, so this evicts (it raises otherwise).
+        victims = self._policy.evict_bytes(need, 0, frozenset((key,)), self.entry_bytes)
+        for victim, _ in victims:
+            self._used -= self.entry_bytes(victim)
+            self._deletes.append(victim)
+        self.stats.evicted += len(victims)
         return True
 
     def _drop(self, key: OffloadKey) -> None:

@@ -26,9 +26,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 from kvoffload.config import OffloadConfig
+from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.config import RemoteTierConfig
 from kvoffload.tiers.lower import LowerTier, LowerTierStats, Presence
@@ -214,8 +216,6 @@ class RemoteIndex(LowerTier):
         with self._cond:
             overlap = self._queued.keys() & self._probing
         if overlap:
-            from kvoffload.errors import InvariantError
-
             raise InvariantError(f"remote: {len(overlap)} keys both queued and in flight")
 
     def close(self) -> None:
@@ -263,7 +263,7 @@ class RemoteIndex(LowerTier):
                     self._cond.wait()
                 if self._closed:
                     break
-                batch = list(self._queued)[:_PROBE_BATCH]
+                batch = list(islice(self._queued, _PROBE_BATCH))
                 for key in batch:
                     del self._queued[key]
                 self._probing.update(batch)

@@ -197,14 +197,7 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
     """``writev`` until every byte of ``views`` is written."""
     views = [v for v in views if v.nbytes]
     while views:
-        n = os.writev(fd, views)
-        while n and views:
-            if n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _advance(views, os.writev(fd, views))
 
 
 def _read_all(fd: int, views: list[memoryview], offset: int = 0) -> bool:
@@ -215,14 +208,19 @@ def _read_all(fd: int, views: list[memoryview], offset: int = 0) -> bool:
         if n == 0:
             return False
         offset += n
-        while n and views:
-            if n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _advance(views, n)
     return True
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``views`` (done by one ``writev``/``preadv``)."""
+    while n and views:
+        if n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0
 
 
 def _fsync_dir(directory: str) -> None:
