@@ -148,14 +148,16 @@ def run_sweep(base: SimulationConfig, spec: WorkloadSpec, *, presets: Sequence[s
     """
     points = []
     total = spec.count() if start is not None else 0
+    # The requests do not depend on the preset: load each seed's once for every run.
+    workloads = [replace(spec, seed=seed).load() for seed in seeds]
     for preset in presets:
+        preset_base = replace(base, preset=preset, mode=Mode.ACCOUNTING, baseline=False)
         preset_caps: list[tuple[int, float]] = [(c, 0.0) for c in capacities]
         if fractions:
             runs = []
-            for seed in seeds:
-                workload = replace(spec, seed=seed).load()
-                config = replace(base, preset=preset, mode=Mode.ACCOUNTING, baseline=False,
-                                 eviction_policy="lru", host_capacity_bytes=UNBOUNDED_BYTES)
+            for seed, workload in zip(seeds, workloads, strict=True):
+                config = replace(preset_base, eviction_policy="lru",
+                                 host_capacity_bytes=UNBOUNDED_BYTES)
                 label = f"{preset} store everything, unbounded, seed {seed}"
                 runs.append(run_one(config, workload,
                                     progress=start(label, total) if start else None))
@@ -165,27 +167,23 @@ def run_sweep(base: SimulationConfig, spec: WorkloadSpec, *, presets: Sequence[s
                 working_set_bytes=_mean([r.host_bytes_peak if charged
                                          else r.host_reserved_bytes_peak for r in runs]),
                 host_hit_rate=_mean([r.host_hit_rate for r in runs]),
-                hit_rate=_mean([r.engine_hit_rate + r.host_hit_rate for r in runs]))
+                hit_rate=_mean([r.hit_rate for r in runs]))
             if references is not None:
                 references[preset] = ref
             # A capacity holds at least one block of the largest group.
-            config = replace(base, preset=preset, mode=Mode.ACCOUNTING)
-            floor = resolve(config, config.layout())[0].host_slot_bytes
+            floor = resolve(preset_base, preset_base.layout())[0].host_slot_bytes
             preset_caps = [(max(floor, int(f * ref.working_set_bytes)), f) for f in fractions]
         baselines: list[RunSummary] = []
-        workloads = []
-        for seed in seeds:
-            workload = replace(spec, seed=seed).load()
-            workloads.append(workload)
-            config = replace(base, preset=preset, mode=Mode.ACCOUNTING, baseline=False)
+        for seed, workload in zip(seeds, workloads, strict=True):
             progress = start(f"{preset} no offload seed {seed}", total) if start else None
-            baselines.append(run_one(config, workload, offload=False, progress=progress))
+            baselines.append(run_one(preset_base, workload, offload=False,
+                                     progress=progress))
         for policy in policies:
             for capacity, fraction in preset_caps:
                 runs = []
                 for seed, workload in zip(seeds, workloads, strict=True):
-                    config = replace(base, preset=preset, mode=Mode.ACCOUNTING, baseline=False,
-                                     eviction_policy=policy, host_capacity_bytes=capacity)
+                    config = replace(preset_base, eviction_policy=policy,
+                                     host_capacity_bytes=capacity)
                     label = f"{preset} {policy} {format_bytes(capacity)} seed {seed}"
                     runs.append(run_one(config, workload,
                                         progress=start(label, total) if start else None))
