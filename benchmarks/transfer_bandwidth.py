@@ -15,7 +15,13 @@ planning are timed, the benchmark's bookkeeping is not); OpenMP threads wait pas
 (``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets a policy): by default they spin
 for milliseconds after each parallel ``copy_``, and on a machine with few cores the spinning
 thread steals a core from the worker run timed right after the reference; which of the two
-goes first alternates from one repetition to the next; ``--gap-ms`` adds an idle gap before
+goes first alternates from one repetition to the next; before every timed run (both kinds)
+the CPU caches are scrubbed by reading a buffer twice the size of the last-level cache
+(``--scrub-mib``; 0 turns it off): a run leaves dirty cache lines (a plain copy leaves its
+whole destination dirty when it fits in the cache, the worker's streaming stores leave
+none) that whoever runs next must write back, so without the scrub a run's time depended on
+what ran before it (the worker run right after the contiguous copy measured about 20%
+slower than right after another worker run); ``--gap-ms`` adds an idle gap before
 every timed run (both kinds; off by default: after an idle gap every run pays a cold start,
 threads and CPUs waking up, which pulls the ratio towards 1). The ratio is worker
 throughput / contiguous throughput, taken per repetition against the reference run next to
@@ -24,7 +30,8 @@ are medians. With ``--best`` the GB/s columns and the ratio come from the fastes
 each kind instead: on a machine busy with other work, those are the runs nothing
 interrupted. The worker's loaded bytes are checked against the stored ones once per size.
 
-    python benchmarks/transfer_bandwidth.py                 # CPU backend
+    python benchmarks/transfer_bandwidth.py                 # CPU backend (native queue)
+    python benchmarks/transfer_bandwidth.py --memmove       # CPU backend, memmove path
     python benchmarks/transfer_bandwidth.py --device cuda   # CUDA backend, pinned arena
     python benchmarks/transfer_bandwidth.py --json
 """
@@ -39,6 +46,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 # Before torch starts its OpenMP runtime (see "Fairness" above).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -56,6 +64,22 @@ SIZES = [16 * KIB, 64 * KIB, 256 * KIB, 1024 * KIB, 4096 * KIB]
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _llc_bytes() -> int:
+    """Size of the largest CPU cache (sysfs), or 32 MiB where it cannot be read."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": KIB, "M": KIB * KIB, "G": KIB**3}
+        if text and text[-1] in units and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=32 * KIB * KIB)
 
 
 def _timed(fn: Callable[[], None], device: torch.device) -> float:
@@ -88,7 +112,8 @@ class Row:
         return asdict(self)
 
 
-def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device) -> Row:
+def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device,
+             scrub: torch.Tensor | None) -> Row:
     segments = args.segments
     page = block_bytes // (segments * args.factor)
     num = max(args.factor, (args.total_mib * KIB * KIB) // block_bytes)
@@ -102,8 +127,9 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device) -
     # so stores read and loads write scattered blocks.
     cache = [torch.randint(0, 256, (2 * engine_blocks + 1, page), dtype=torch.uint8,
                            device=device) for _ in range(segments)]
-    backend = CpuBackend(copy_threads=args.threads) \
-        if device.type == "cpu" and args.threads else None
+    backend = CpuBackend(copy_threads=args.threads or None,
+                         native_copy=False if args.memmove else None) \
+        if device.type == "cpu" else None
     worker = TransferWorker(config, backend=backend)
     worker.register_kv_caches([GroupTensors(0, [(f"s{i}", t) for i, t in enumerate(cache)])])
     gen = torch.Generator().manual_seed(block_bytes)
@@ -162,6 +188,8 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device) -
     store_t, load_t, base_store_t, base_load_t = [], [], [], []
 
     def timed(fn: Callable[[], None]) -> float:
+        if scrub is not None:
+            scrub.sum()  # reads: the dirty lines of the last run are written back now
         time.sleep(args.gap_ms / 1000)
         return _timed(fn, device)
 
@@ -224,6 +252,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="GB/s and ratio from the fastest run of each kind instead of "
                              "medians: on a machine shared with other work, the fastest "
                              "runs are the ones nothing else interrupted")
+    parser.add_argument("--memmove", action="store_true",
+                        help="CPU backend: copy with ctypes.memmove from Python threads "
+                             "instead of the native queue (the fallback without a C "
+                             "compiler)")
+    parser.add_argument("--scrub-mib", type=int, default=None,
+                        help="MiB read before every timed run to clean the CPU caches "
+                             "(default: twice the last-level cache, at most 1024; 0: off)")
     parser.add_argument("--gap-ms", type=float, default=0.0,
                         help="idle time before every timed run (worker and reference alike)")
     args = parser.parse_args(argv)
@@ -233,23 +268,30 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    copy_threads = args.threads or CpuBackend().copy_threads
-    rows = [run_size(kib * KIB, args, device) for kib in args.sizes_kib]
+    probe = CpuBackend(native_copy=False if args.memmove else None)
+    copy_threads = args.threads or probe.copy_threads
+    copy_path = "native queue" if probe.native_copy else "memmove"
+    scrub_mib = args.scrub_mib if args.scrub_mib is not None \
+        else min(1024, 2 * _llc_bytes() // (KIB * KIB))
+    scrub = torch.ones(scrub_mib * KIB * KIB // 8, dtype=torch.int64) if scrub_mib else None
+    rows = [run_size(kib * KIB, args, device, scrub) for kib in args.sizes_kib]
     if args.json:
         print(json.dumps({"device": args.device, "segments": args.segments,
                           "factor": args.factor, "threads": torch.get_num_threads(),
                           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-                          "gap_ms": args.gap_ms,
+                          "gap_ms": args.gap_ms, "scrub_mib": scrub_mib,
                           "copy_threads": copy_threads if args.device == "cpu" else None,
+                          "copy_path": copy_path if args.device == "cpu" else None,
                           "rows": [r.as_json() for r in rows]}, indent=1))
         return 0
-    copies = f" copy threads={copy_threads}" if args.device == "cpu" else ""
+    copies = f" copy threads={copy_threads} ({copy_path})" if args.device == "cpu" else ""
     arena = "pinned host arena" if rows and rows[0].arena_pinned else "host arena"
     print(f"ratio = worker throughput / one contiguous copy_ of the same bytes between the "
           f"{args.device} engine cache and the {arena}")
     print(f"device={args.device} segments/block={args.segments} factor={args.factor} "
           f"torch threads={torch.get_num_threads()}{copies} "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} gap={args.gap_ms:g}ms "
+          f"scrub={scrub_mib}MiB "
           f"({'best' if args.best else 'median'} of {args.reps}, paired-ratio quartiles in "
           f"brackets; GB/s)")
     head = (f"{'block':>8} {'page':>9} {'store':>7} {'contig':>7} {'ratio':>17}   "

@@ -8,7 +8,6 @@ controls corrupt or fail the loads, so the identity check is shown able to fail.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -128,33 +127,24 @@ def test_request_aborted_while_its_load_is_in_flight(eng: Any) -> None:
     prompt = random_prompts([230], seed=6)[0]
     reference = eng.generate([prompt])[0]
     eng.reset_prefix_cache()
-    release = threading.Event()
-    held: list[int] = []
-
-    def hold_loads(job: Any) -> bool:
-        if job.direction is Direction.LOAD:
-            held.append(job.job_id)
-            assert release.wait(timeout=60)
-        return False
-
-    eng.worker.worker.backend.fault_hook = hold_loads
+    backend = eng.worker.worker.backend
+    backend.hold(Direction.LOAD)  # loads stay queued, their blocks owned, until released
     engine = eng.llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     engine.add_request("aborted-while-loading", {"prompt_token_ids": prompt}, params)
     deadline = time.monotonic() + 30
-    while not held and time.monotonic() < deadline:
+    while not eng.worker.worker.jobs_in_flight and time.monotonic() < deadline:
         engine.step()
         time.sleep(0.01)
-    assert held, "the load never started"
+    assert eng.worker.worker.jobs_in_flight, "the load never started"
     assert eng.scheduler.tier.usage().pinned_slots > 0  # the load pins its host blocks
     engine.abort_request(["aborted-while-loading"])
     for _ in range(3):
         engine.step()  # vLLM keeps the blocks: the transfer still writes them
-    release.set()
+    backend.hold(Direction.LOAD, False)
     eng.drain()
     for _ in range(5):
         engine.step()
-    eng.worker.worker.backend.fault_hook = None
     eng.assert_idle()
     again = eng.generate([prompt])[0]
     assert again.tokens == reference.tokens

@@ -1,4 +1,9 @@
-"""The CPU backend's copy path: address pieces, merging, cutting, bounds, copy threads."""
+"""The CPU backend's copy path: address pieces, merging, cutting, bounds, copy threads.
+
+Both copy paths are covered: the native queue (the default where the install built it) and
+the ``memmove`` path from Python threads (``native_copy=False``). Tests of the Python lanes'
+internals (passes, helpers) build the backend with ``native_copy=False``.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import ctypes
 import random
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,6 +42,9 @@ BACKENDS = {
     "one-thread": dict(copy_threads=1),
     "threads-cut": dict(copy_threads=3, parallel_bytes=0, chunk_bytes=100),
     "threads-default-cut": dict(copy_threads=2, parallel_bytes=0),
+    "memmove-one-thread": dict(copy_threads=1, native_copy=False),
+    "memmove-threads-cut": dict(copy_threads=3, parallel_bytes=0, chunk_bytes=100,
+                                native_copy=False),
 }
 
 
@@ -96,9 +105,29 @@ def test_round_trip_with_runs_cuts_and_scattered_pages(name: str, factor: int,
 
 
 def _pieces(worker: TransferWorker, job: TransferJob) -> list[tuple[int, int, int]]:
+    """The pieces the ``memmove`` path plans for ``job``."""
     backend = worker.backend
     assert isinstance(backend, CpuBackend)
     return backend._pieces(job)
+
+
+def _native_pieces(worker: TransferWorker, job: TransferJob, *,
+                   sort_bytes: int = 1 << 62) -> list[tuple[int, int, int]]:
+    """The pieces the native queue builds for ``job`` (unsorted unless ``sort_bytes``
+    says so), from the same checked pages the backend pushes."""
+    backend = worker.backend
+    assert isinstance(backend, CpuBackend) and backend._native is not None
+    out: list[tuple[int, int, int]] = []
+    for transfer in job.groups:
+        group = backend._groups[transfer.group]
+        out += backend._native.plan_pages(
+            group.native_segments, array("q", transfer.block_ids), array("q", transfer.slots),
+            num_blocks=group.num_blocks, num_slots=backend._num_slots,
+            slot_bytes=backend._slot_bytes, factor=group.factor,
+            skip=transfer.first_block_index % group.factor,
+            store=job.direction is Direction.STORE, chunk=backend.chunk_bytes,
+            sort_bytes=sort_bytes)
+    return out
 
 
 def test_contiguous_pages_become_one_copy_and_long_copies_are_cut() -> None:
@@ -175,30 +204,45 @@ def test_consecutive_blocks_into_scattered_slots_stay_separate_copies() -> None:
     worker.shutdown()
 
 
+class _RecordingBackend(CpuBackend):
+    """The ``memmove`` path, recording the pieces of every pass it copies."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(native_copy=False, **kwargs)  # type: ignore[arg-type]
+        self.passes: list[list[tuple[int, int, int]]] = []
+
+    def _copy(self, batch: list[cpu_module._Entry]) -> None:
+        self.passes.append([p for e in batch for p in e.pieces])
+        super()._copy(batch)
+
+
 @pytest.mark.parametrize("sorted_from", [0, 1 << 40])
-def test_a_pass_copies_every_piece_of_its_jobs_in_source_address_order_if_large(
+def test_a_job_is_copied_in_source_address_order_if_its_pieces_are_large(
         sorted_from: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_module, "_SORTED_PIECE_BYTES", sorted_from)
     cache = kv_separate(40, torch.Generator().manual_seed(9), layers=2)
-    worker = make_worker([cache], factor=2, num_slots=20,
-                         backend=CpuBackend(copy_threads=1))
-    backend = worker.backend
-    assert isinstance(backend, CpuBackend)
+    backend = _RecordingBackend(copy_threads=1)
+    worker = make_worker([cache], factor=2, num_slots=20, backend=backend)
     rng = random.Random(9)
-    ids = rng.sample(range(1, 40), 24)
-    slots = rng.sample(range(20), 12)
-    jobs = [store(0, ids[4 * k : 4 * k + 4], slots[2 * k : 2 * k + 2]) for k in range(6)]
-    page = worker.layout.groups[0].page_bytes
-    entries = [cpu_module._Entry(job=j, nbytes=4 * page, pieces=backend._pieces(j))
-               for j in jobs]
-    in_job_order = [p for e in entries for p in e.pieces]
-    pieces = backend._pass_pieces(entries)
+    ids = rng.sample(range(1, 40), 8)
+    job = store(0, ids, rng.sample(range(20), 4))
+    in_job_order = _pieces(worker, job)
+    assert run_all(worker, [job]).finished == (job.job_id,)
+    (pieces,) = backend.passes
     if sorted_from:  # small pieces: kept in job order
         assert pieces == in_job_order
     else:
         assert sorted(pieces) == sorted(in_job_order)
         assert [src for _, src, _ in pieces] == sorted(src for _, src, _ in pieces)
     worker.shutdown()
+    # The native queue sorts the same way.
+    native = make_worker([cache], factor=2, num_slots=20, backend=CpuBackend(copy_threads=1))
+    unsorted = _native_pieces(native, job)
+    assert unsorted == _pieces(native, job)
+    by_source = _native_pieces(native, job, sort_bytes=0)
+    assert sorted(by_source) == sorted(unsorted)
+    assert [src for _, src, _ in by_source] == sorted(src for _, src, _ in unsorted)
+    native.shutdown()
 
 
 class _FirstPassGate(CpuBackend):
@@ -225,7 +269,8 @@ def test_jobs_copied_together_in_one_pass_round_trip(factor: int,
     rng = random.Random(factor)
     num_blocks = 40 * factor
     cache = kv_separate(num_blocks, torch.Generator().manual_seed(factor), layers=2)
-    backend = _FirstPassGate(copy_threads=2, parallel_bytes=0, chunk_bytes=512)
+    backend = _FirstPassGate(copy_threads=2, parallel_bytes=0, chunk_bytes=512,
+                             native_copy=False)
     worker = make_worker([cache], factor=factor, num_slots=24, backend=backend)
     before = {b: cache.block(b).clone() for b in range(1, num_blocks)}
     slots = rng.sample(range(24), 12)
@@ -261,6 +306,7 @@ def _submit_direct(worker: TransferWorker, job: TransferJob) -> tuple[list[int],
     return [int(j) for j in finished], [int(j) for j in failed]
 
 
+@pytest.mark.parametrize("native", [None, False])
 @pytest.mark.parametrize("transfer", [
     GroupTransfer(0, (1, 16), 0, (0, 1)),  # engine block past the end
     GroupTransfer(0, (1, -1), 0, (0, 1)),  # negative engine block
@@ -268,9 +314,10 @@ def _submit_direct(worker: TransferWorker, job: TransferJob) -> tuple[list[int],
     GroupTransfer(0, (1, 2, 3), 0, (0, 1)),  # too few slots
 ])
 def test_out_of_bounds_pages_fail_the_job_without_touching_memory(
-        transfer: GroupTransfer, caplog: pytest.LogCaptureFixture) -> None:
+        transfer: GroupTransfer, native: bool | None) -> None:
     cache = kv_separate(16, torch.Generator().manual_seed(4), layers=1)
-    worker = make_worker([cache], num_slots=4, backend=CpuBackend(copy_threads=1))
+    worker = make_worker([cache], num_slots=4,
+                         backend=CpuBackend(copy_threads=1, native_copy=native))
     worker.host_pool.arena.fill_(SENTINEL)
     job = TransferJob(next_job_id(), Direction.STORE, "req", (transfer,))
     assert _submit_direct(worker, job) == ([], [int(job.job_id)])
@@ -280,9 +327,12 @@ def test_out_of_bounds_pages_fail_the_job_without_touching_memory(
     worker.shutdown()
 
 
-def test_a_cache_whose_storage_moved_after_registration_fails_jobs_safely() -> None:
+@pytest.mark.parametrize("native", [None, False])
+def test_a_cache_whose_storage_moved_after_registration_fails_jobs_safely(
+        native: bool | None) -> None:
     cache = kv_separate(16, torch.Generator().manual_seed(5), layers=1)
-    worker = make_worker([cache], num_slots=4, backend=CpuBackend(copy_threads=1))
+    worker = make_worker([cache], num_slots=4,
+                         backend=CpuBackend(copy_threads=1, native_copy=native))
     key = cache.layers[0][1][0]
     assert isinstance(key, torch.Tensor)
     storage = key.untyped_storage()
@@ -304,7 +354,7 @@ def test_copy_threads_share_a_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_module, "_memmove", slow_memmove)
     cache = kv_separate(40, torch.Generator().manual_seed(6), layers=2)
     worker = make_worker([cache], num_slots=20,
-                         backend=CpuBackend(copy_threads=2, parallel_bytes=0))
+                         backend=CpuBackend(copy_threads=2, parallel_bytes=0, native_copy=False))
     src, dst = list(range(1, 17)), list(range(20, 36))
     expected = [cache.block(b).clone() for b in src]
     slots = random.Random(6).sample(range(20), 16)
@@ -409,7 +459,8 @@ def test_planned_pieces_match_the_page_by_page_reference(
         chunk: int) -> None:
     """Runs of consecutive blocks (merged or not), scattered blocks, partial first and
     last slots, consecutive and scattered slots, padded rows, K/V planes, Mamba states,
-    pages longer than a chunk: the planner's pieces are exactly the reference's."""
+    pages longer than a chunk: both planners' pieces (Python's for the ``memmove`` path,
+    C's for the native queue) are exactly the reference's."""
     num_blocks, num_slots = 30, 8
     cache = LAYOUTS[layout](num_blocks, torch.Generator().manual_seed(factor))
     worker = make_worker([cache], factor=factor, num_slots=num_slots,
@@ -431,6 +482,8 @@ def test_planned_pieces_match_the_page_by_page_reference(
         first_index = skip + factor * data.draw(st.integers(0, 3), "offloaded block")
         make = store if direction is Direction.STORE else load
         job = make(0, ids, slots, first_block_index=first_index)
-        assert _pieces(worker, job) == _reference_pieces(worker, job, chunk)
+        reference = _reference_pieces(worker, job, chunk)
+        assert _pieces(worker, job) == reference
+        assert _native_pieces(worker, job) == reference
     finally:
         worker.shutdown()

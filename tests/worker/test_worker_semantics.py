@@ -32,9 +32,14 @@ SENTINEL = 0xEE
 
 
 class GatedCpuBackend(CpuBackend):
-    """A CPU backend whose copies wait for a gate (or a fixed delay) before running."""
+    """A CPU backend whose copies wait for a gate (or a fixed delay) before running.
+
+    The gate holds the Python copy lanes, so this backend copies with ``memmove``
+    (``native_copy=False``); test_worker_native_queue.py holds the native queue instead.
+    """
 
     def __init__(self, delay: float = 0.0, **kwargs: object) -> None:
+        kwargs.setdefault("native_copy", False)
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.delay = delay
         self.gate = threading.Event()

@@ -1,43 +1,49 @@
 """CPU transfer backend: engine caches in host memory (a CPU engine, tests, the simulator).
 
-Same semantics as the CUDA backend: one background thread per direction takes jobs in
-submission order, so completion is in order per direction and ``submit`` never blocks.
+Same semantics as the CUDA backend: jobs of one direction complete in submission order,
+``submit`` never blocks, a failure is reported for the job that caused it.
 
-How bytes move. At ``bind`` every page segment is reduced to four integers: the address of
-its engine block 0, its row stride, its page size, and the arena address of its sub-block 0
-in slot 0. A job then becomes a list of ``(destination, source, bytes)`` pieces, one per
-segment per page, computed with integer arithmetic in list comprehensions: no tensor views
-(creating one costs about a microsecond, as long as copying 8 KiB), no per-page cache of
-views (millions of slots). Pages that continue the previous one on both sides (consecutive
-engine blocks in dense rows going to consecutive sub-blocks of a slot, or to consecutive
-slots when one segment fills the slot) are merged into one piece; a job without two
-consecutive engine blocks skips that scan. Pieces longer than ``chunk_bytes`` are cut so
-that copy threads can share them. Planning happens in ``submit``, on the caller's thread,
-and checks every page against the bounds of the registered tensors and of the arena (block
-ids, slots); a job failing it is reported failed without touching memory.
+Planning. At ``bind`` every page segment is reduced to four integers: the address of its
+engine block 0, its row stride, its page size, and the arena address of its sub-block 0 in
+slot 0. ``submit`` checks every page of a job against the bounds of the registered tensors
+and of the arena (block ids, slots) on the caller's thread; a job failing it is reported
+failed without touching memory. The job then becomes ``(destination, source, bytes)``
+pieces, one per segment per page: pages that continue the previous one on both sides
+(consecutive engine blocks in dense rows going to consecutive sub-blocks of a slot, or to
+consecutive slots when one segment fills the slot) merge into one piece, pieces longer than
+``chunk_bytes`` are cut so that copy threads can share them, and a job whose pieces average
+32 KiB or more is copied in ascending source address order (reading memory front to back
+rather than in the scattered order of block ids).
 
-A direction thread copies the jobs already queued behind the one it takes in the same pass
-(up to ``batch_bytes``). Jobs of one direction that are in flight together never write the
-same destination (slots and engine blocks stay owned by a job until it completes), so
-copying them in one pass, in any order, keeps their results; the pieces of a pass of
-large pages are copied in ascending source address order, which reads memory front to
-back instead of in the scattered order of block ids. Pieces are copied by
-``ctypes.memmove``, which releases the GIL while it copies, so ``copy_threads`` threads
-(the direction thread and helpers) copy in parallel, all taking pieces from one shared
-iterator (``_SharedPass``), so no thread waits for a slower one. Each pass first checks
-that the tensors' storage is still where it was at ``bind``; a failing pass is redone job
-by job so the failure is reported for the job that caused it.
+Copying, the native queue (default; ``native_copy.py``, ``_copy.c``). ``submit`` hands the
+job's block ids and slots to a C queue per direction, which does the checks and the
+planning above in C and returns at once; ``copy_threads`` C threads copy them with no
+Python involved, so copies overlap the planning of the next jobs and the threads never
+wait for the GIL. Each thread takes about
+``parallel_bytes / 2`` at a time, so a small job keeps one thread and a large one spreads
+over all; pages of 4 KiB and more are written with streaming stores (x86-64), which skip
+reading the destination into the cache. The copy threads run at a lower priority (nice 5)
+than the engine's own threads. Jobs of one direction in flight together never write the
+same destination (slots and engine blocks stay owned by a job until it completes), so they
+may be copied concurrently; they complete in order.
 
-Where the time goes, at 64 KiB pages (64 MiB in 64 jobs of 16 scattered pages, one copy
-thread, thread CPU time on a 2-core VM): the caller's ``submit`` about 0.9 ms (0.15 us of
-the worker's validation and 0.45 us of planning per page, the rest per job), the copy
-thread about 12.9 ms; one contiguous ``memmove`` of the same bytes takes about 10.5 ms and
-torch's single-thread ``copy_`` about 10.9 ms, and the same scattered pages copied by bare
-``memmove`` calls in address order, with no other Python, already take about 12.3 ms
-(0.3 us of it per call): scattered pages cost 10-20% more than one contiguous range
-whatever drives the copies. Torch index ops (``index_select`` into
-a staging buffer then ``index_copy_``/``index_put_``) were measured slower than
-``memmove`` for these pages: their scatter kernels copy element by element.
+Copying without it (``native_copy=False``, or no C compiler at install). One Python thread
+per direction takes queued jobs, up to ``batch_bytes`` at a time, into one pass; its pieces
+are copied by ``ctypes.memmove``, which releases the GIL per piece, by the direction thread
+and helper threads taking pieces from one shared iterator (``_SharedPass``). Each pass first
+checks that the tensors' storage is still where it was at ``bind``; a failing pass is redone
+job by job so the failure is reported for the job that caused it.
+
+Measured on a 2-core VM (``benchmarks/transfer_bandwidth.py``, 64 MiB in jobs of 16
+scattered 64 KiB blocks, against torch's two-thread contiguous ``copy_``, both starting from
+clean caches): the native queue about 0.87 of the contiguous copy, the ``memmove`` path
+about 0.5 (a thread returning from one copy waits for the GIL before the next). What the
+native queue still loses is the Python side, about 13 us per job on the caller's thread,
+which shares the two cores with the copies. See docs/transfer.md.
+
+The native queue checks that the tensors' storage is still where it was at ``bind`` once
+per ``poll`` (once per engine step) rather than per job: the check costs about a
+microsecond per cache tensor.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import os
 import queue
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -69,11 +76,16 @@ from kvoffload.worker.backend import (
 )
 from kvoffload.worker.host_pool import HostPool
 from kvoffload.worker.layout import CacheLayout
+from kvoffload.worker.native_copy import (
+    NativeCopy,
+    NativeQueue,
+    Piece,
+    PushedJob,
+    load_native_copy,
+)
 
 logger = logging.getLogger(__name__)
 
-Piece = tuple[int, int, int]
-"""``(destination address, source address, bytes)``: one ``memmove``."""
 
 class _Pages(NamedTuple):
     """The pages of one group transfer, in order, checked against the registered memory."""
@@ -105,6 +117,10 @@ class _Entry:
     seconds: float = 0.0
     pieces: list[Piece] = field(default_factory=list)
     """The job's copies, planned at submit; released once the job is done."""
+    native_transfers: list[tuple[_Group, GroupTransfer]] = field(default_factory=list)
+    """The job's non-empty group transfers (native queue), until pushed."""
+    pushed: list[PushedJob] = field(default_factory=list)
+    """The job's parts in the native queue (one per group transfer) until it completes."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +139,8 @@ class _Group:
     segments: tuple[_Segment, ...]
     factor: int
     num_blocks: int
+    native_segments: array[int]
+    """``(engine, stride, page, host)`` of every segment, for the native queue."""
 
 
 class CpuBackend(TransferBackend):
@@ -130,16 +148,20 @@ class CpuBackend(TransferBackend):
 
     def __init__(self, *, copy_threads: int | None = None, parallel_bytes: int = 1 << 19,
                  batch_bytes: int = 16 << 20, chunk_bytes: int = 1 << 18,
+                 native_copy: bool | None = None,
                  fault_hook: FaultHook | None = None) -> None:
         """Args:
-            copy_threads: threads copying one pass, the direction thread included
-                (default: CPU count, at most 8).
-            parallel_bytes: passes smaller than this are copied by their direction thread
-                alone (waking a helper costs more than it saves).
-            batch_bytes: a direction thread copies the jobs already queued behind the one
-                it takes, up to this many bytes, in one pass (completion stays in order).
+            copy_threads: threads copying one direction (default: CPU count, at most 8).
+            parallel_bytes: native queue: a copy thread takes about this many bytes at a
+                time, so smaller jobs are copied by one thread. ``memmove`` path: passes
+                smaller than this are copied by their direction thread alone.
+            batch_bytes: ``memmove`` path: a direction thread copies the jobs already
+                queued behind the one it takes, up to this many bytes, in one pass.
             chunk_bytes: longest single copy; longer contiguous runs are cut into pieces of
                 this size so copy threads share them.
+            native_copy: copy with the native queue (``_copy.c``): ``None`` (default)
+                where the install built it, ``True`` requires it (error if missing),
+                ``False`` copies page by page with ``ctypes.memmove`` from Python threads.
             fault_hook: test hook; a job it selects fails midway through its copy.
         """
         if copy_threads is None:
@@ -153,6 +175,12 @@ class CpuBackend(TransferBackend):
         self.batch_bytes = batch_bytes
         self.chunk_bytes = chunk_bytes
         self.fault_hook = fault_hook
+        self._native: NativeCopy | None = load_native_copy() if native_copy is not False \
+            else None
+        if native_copy and self._native is None:
+            raise RuntimeError("native_copy=True but kvoffload's native copy queue is not "
+                               "available: reinstall kvoffload where a C compiler is "
+                               "present (pip install -e .), or pass native_copy=None")
         self._layout: CacheLayout | None = None
         self._pool: HostPool | None = None
         self._arena = 0
@@ -167,8 +195,30 @@ class CpuBackend(TransferBackend):
         self._queues: dict[Direction, queue.SimpleQueue[_Entry | None]] = {}
         self._threads: list[threading.Thread] = []
         self._helpers: ThreadPoolExecutor | None = None
+        self._native_queues: dict[Direction, NativeQueue] = {}
+        self._storage_checked = False
+        """Native queue: the tensors' storage was checked since the last ``poll`` (once per
+        engine step: a check costs about a microsecond per cache tensor)."""
+        self._released = {d: threading.Event() for d in Direction}  # cleared: held
+        for released in self._released.values():
+            released.set()
         self._stats = StatsAccumulator()
         self._closed = False
+
+    @property
+    def native_copy(self) -> bool:
+        """Whether jobs are copied by the native queue (else by ``ctypes.memmove``)."""
+        return self._native is not None
+
+    def hold(self, direction: Direction, held: bool = True) -> None:
+        """Test hook: while held, jobs of ``direction`` stay queued (submitted, neither
+        copied nor completed); releasing lets them run in order. ``shutdown`` releases."""
+        if held:
+            self._released[direction].clear()
+        else:
+            self._released[direction].set()
+        if self._native_queues:
+            self._native_queues[direction].hold(held)
 
     # -- contract -----------------------------------------------------------------------
 
@@ -185,13 +235,24 @@ class CpuBackend(TransferBackend):
         self._slot_bytes = pool.slot_bytes
         self._num_slots = pool.num_slots
         for group, glayout in layout.groups.items():
+            segments = tuple(_Segment(pages=seg.pages, engine=seg.pages.data_ptr(),
+                                      stride=seg.row_stride, page=seg.page_bytes,
+                                      host=self._arena + seg.host_offset)
+                             for seg in glayout.segments)
             self._groups[group] = _Group(
-                segments=tuple(_Segment(pages=seg.pages, engine=seg.pages.data_ptr(),
-                                        stride=seg.row_stride, page=seg.page_bytes,
-                                        host=self._arena + seg.host_offset)
-                               for seg in glayout.segments),
-                factor=glayout.factor, num_blocks=glayout.num_blocks)
+                segments=segments, factor=glayout.factor, num_blocks=glayout.num_blocks,
+                native_segments=array("Q", [v for seg in segments
+                                            for v in (seg.engine, seg.stride, seg.page,
+                                                      seg.host)]))
             self._page_bytes[group] = glayout.page_bytes
+        if self._native is not None:
+            self._native_queues = {d: self._native.queue(self.copy_threads,
+                                                         self.parallel_bytes // 2)
+                                   for d in Direction}
+            for direction, released in self._released.items():
+                if not released.is_set():
+                    self._native_queues[direction].hold(True)
+            return
         if self.copy_threads > 1:
             self._helpers = ThreadPoolExecutor(self.copy_threads - 1,
                                                thread_name_prefix="kvoffload-copy")
@@ -211,11 +272,20 @@ class CpuBackend(TransferBackend):
         page_bytes = self._page_bytes
         entry = _Entry(job=job, nbytes=sum(len(t.block_ids) * page_bytes[t.group]
                                            for t in job.groups))
-        # Planned here, on the caller's thread, which would otherwise soon wait: the copy
-        # threads then go from one pass to the next without a planning pause (planning
-        # holds the GIL, so it cannot overlap their copies anyway).
+        # Planned here, on the caller's thread: the copy threads go from one job to the
+        # next without a planning pause.
         try:
-            entry.pieces = self._pieces(job)
+            if self._native_queues:  # the queue checks the pages and builds the pieces in C
+                groups = self._groups
+                entry.native_transfers = [(groups[t.group], t) for t in job.groups
+                                          if t.block_ids]
+            else:
+                entry.pieces = self._pieces(job)
+            # Large pages are copied in ascending source address order, which reads memory
+            # front to back instead of in the scattered order of block ids: a few percent
+            # faster from 32 KiB pages; below that the sort costs more than it saves.
+            if entry.nbytes >= _SORTED_PIECE_BYTES * len(entry.pieces):
+                entry.pieces.sort(key=_source)
         except Exception:
             logger.warning("%s job %s cannot be copied; reporting it failed",
                            job.direction.value, job.job_id, exc_info=True)
@@ -225,13 +295,66 @@ class CpuBackend(TransferBackend):
                 raise RuntimeError(f"job {job.job_id} is already in flight")
             self._in_flight[job.job_id] = entry
             self._fifo[job.direction].append(entry)
+            if not entry.done and self._native_queues:
+                self._push(entry)
+                return
         if not entry.done:
             self._queues[job.direction].put(entry)
+
+    def _push(self, entry: _Entry) -> None:
+        """Queue ``entry`` in the native queue of its direction, one part per group
+        transfer (under the lock, so each direction's queue order is its FIFO order). The
+        entry completes with its last part: the queue completes parts in order."""
+        job = entry.job
+        native = self._native_queues[job.direction]
+        store = job.direction is Direction.STORE
+        try:
+            if not self._storage_checked:
+                self._check_storage(self._groups)
+                self._storage_checked = True
+            # An injected fault fails midway, like a real one: half the pages are written.
+            entry.inject = self.fault_hook is not None and self.fault_hook(job)
+            for group, transfer in entry.native_transfers:
+                entry.pushed.append(native.push_pages(
+                    group.native_segments, array("q", transfer.block_ids),
+                    array("q", transfer.slots), num_blocks=group.num_blocks,
+                    num_slots=self._num_slots, slot_bytes=self._slot_bytes,
+                    factor=group.factor, skip=transfer.first_block_index % group.factor,
+                    store=store, chunk=self.chunk_bytes, sort_bytes=_SORTED_PIECE_BYTES,
+                    fail_midway=entry.inject))
+        except Exception:
+            logger.warning("%s job %s cannot be copied; reporting it failed",
+                           job.direction.value, job.job_id, exc_info=True)
+            entry.done = True
+        entry.native_transfers = []
+        if not entry.pushed and not entry.done:  # nothing to copy
+            entry.done, entry.ok = True, not entry.inject
+
+    def _collect_native(self) -> None:
+        """Mark done the entries the native queues completed (under the lock)."""
+        for direction, native in self._native_queues.items():
+            completed = native.completed()
+            for entry in self._fifo[direction]:
+                pushed = entry.pushed
+                if entry.done or not pushed:
+                    continue
+                if pushed[-1].seq > completed:
+                    break
+                entry.done, entry.ok = True, not entry.inject
+                entry.seconds = sum(part.seconds for part in pushed)
+                entry.pushed = []
+                if entry.inject:
+                    fault = InjectedFaultError(f"injected fault in {direction.value} job "
+                                               f"{entry.job.job_id}")
+                    logger.warning("%s job %s failed; reporting it failed", direction.value,
+                                   entry.job.job_id, exc_info=fault)
 
     def poll(self) -> tuple[list[JobId], list[JobId]]:
         finished: list[JobId] = []
         failed: list[JobId] = []
+        self._storage_checked = False
         with self._lock:
+            self._collect_native()
             for direction, fifo in self._fifo.items():
                 while fifo and fifo[0].done:
                     entry = fifo.popleft()
@@ -244,10 +367,26 @@ class CpuBackend(TransferBackend):
         return finished, failed
 
     def wait(self, job_ids: Iterable[JobId]) -> None:
+        if self._native_queues:
+            self._wait_native(job_ids)
+            return
         with self._done:
             entries = [self._in_flight[j] for j in job_ids if j in self._in_flight]
             while not all(e.done for e in entries):
                 self._done.wait()
+
+    def _wait_native(self, job_ids: Iterable[JobId]) -> None:
+        last: dict[Direction, int] = {}
+        with self._lock:
+            for job_id in job_ids:
+                entry = self._in_flight.get(job_id)
+                if entry is not None and entry.pushed:
+                    direction = entry.job.direction
+                    last[direction] = max(last.get(direction, 0), entry.pushed[-1].seq)
+        for direction, seq in last.items():  # blocks without the GIL or the lock
+            self._native_queues[direction].wait(seq)
+        with self._lock:
+            self._collect_native()
 
     def take_stats(self) -> TransferStats:
         return self._stats.take()
@@ -256,12 +395,16 @@ class CpuBackend(TransferBackend):
         if self._closed:
             return
         self._closed = True
+        for released in self._released.values():
+            released.set()
         for q in self._queues.values():
             q.put(None)
         for thread in self._threads:
             thread.join()
         if self._helpers is not None:
             self._helpers.shutdown(wait=True)
+        for native in self._native_queues.values():
+            native.close()
 
     # -- the direction threads ----------------------------------------------------------
 
@@ -288,6 +431,7 @@ class CpuBackend(TransferBackend):
 
     def _run(self, direction: Direction, batch: list[_Entry]) -> None:
         """Copy a batch; mark its jobs done in order. Failures are attributed per job."""
+        self._released[direction].wait()
         start = time.perf_counter()
         for entry in batch:
             entry.inject = self.fault_hook is not None and self.fault_hook(entry.job)
@@ -328,28 +472,12 @@ class CpuBackend(TransferBackend):
             ids = [e.job.job_id for e in batch if e.inject]
             raise InjectedFaultError(f"injected fault in {batch[0].job.direction.value} "
                                      f"job(s) {ids}")
-        pieces = self._pass_pieces(batch)
+        nbytes = sum(e.nbytes for e in batch)
+        pieces = [p for entry in batch for p in entry.pieces]
         helpers = 0
-        if self._helpers is not None and sum(e.nbytes for e in batch) >= self.parallel_bytes:
+        if self._helpers is not None and nbytes >= self.parallel_bytes:
             helpers = min(self.copy_threads, len(pieces)) - 1
         _SharedPass(pieces).run(self._helpers, helpers)
-
-    def _pass_pieces(self, batch: list[_Entry]) -> list[Piece]:
-        """Every copy of the pass; in ascending source address order when pieces are large.
-
-        Jobs of one pass never write each other's destinations, so any order keeps their
-        results. Reading memory in address order, rather than in the scattered order of
-        block ids, saves a few percent of copy time when pieces average
-        ``_SORTED_PIECE_BYTES`` or more; below that, sorting (about 0.1 us per piece)
-        costs more than it saves. A single entry's list is sorted in place.
-        """
-        if len(batch) == 1:
-            pieces = batch[0].pieces
-        else:
-            pieces = [p for entry in batch for p in entry.pieces]
-        if sum(e.nbytes for e in batch) >= _SORTED_PIECE_BYTES * len(pieces):
-            pieces.sort(key=_source)
-        return pieces
 
     def _check_storage(self, groups: Iterable[int]) -> None:
         """Raise if the storage of the arena or of a tensor of ``groups`` moved since
@@ -375,14 +503,12 @@ class CpuBackend(TransferBackend):
                 _segment_pieces(out, seg, pages, store=store, chunk=self.chunk_bytes)
         return out
 
-    def _checked_pages(self, transfer: GroupTransfer, group: _Group) -> _Pages:
-        """``(engine block ids, slot byte offsets, sub-blocks)`` of every page, in order,
-        after checking every one of them lies inside the registered memory."""
+    def _check_bounds(self, transfer: GroupTransfer, group: _Group) -> int:
+        """Raise unless every page of ``transfer`` (which names at least one block) lies
+        inside the registered memory; returns the sub-block of its first page."""
         factor = group.factor
         block_ids = transfer.block_ids
         slots = transfer.slots
-        if not block_ids:
-            return _Pages((), [], None, consecutive=False)
         skip = transfer.first_block_index % factor
         needed = -(-(skip + len(block_ids)) // factor)
         if len(slots) != needed:
@@ -394,6 +520,17 @@ class CpuBackend(TransferBackend):
                              f"[0, {group.num_blocks})")
         if min(slots) < 0 or max(slots) >= self._num_slots:
             raise IndexError(f"group {transfer.group}: slot outside [0, {self._num_slots})")
+        return skip
+
+    def _checked_pages(self, transfer: GroupTransfer, group: _Group) -> _Pages:
+        """``(engine block ids, slot byte offsets, sub-blocks)`` of every page, in order,
+        after checking every one of them lies inside the registered memory."""
+        factor = group.factor
+        block_ids = transfer.block_ids
+        slots = transfer.slots
+        if not block_ids:
+            return _Pages((), [], None, consecutive=False)
+        skip = self._check_bounds(transfer, group)
         slot_bytes = self._slot_bytes
         consecutive = 1 in map(_minus, block_ids[1:], block_ids)
         if factor == 1:
@@ -458,14 +595,13 @@ def _drain(pieces: Iterator[Piece]) -> None:
 
 
 class _SharedPass:
-    """The pieces of one pass, copied by the direction thread and up to ``helpers`` copy
-    threads, all taking pieces from one list iterator (taking the next item is atomic under
-    the GIL), so no thread waits for a slower one.
+    """The pieces of one pass, copied without the native pool: by the direction thread and
+    up to ``helpers`` copy threads, all taking pieces from one list iterator (taking the
+    next item is atomic under the GIL), so no thread waits for a slower one.
 
-    Every piece is planned before any is copied. Planning while copying (a thread plans the
-    next job when it runs out of pieces) measured about 5% slower at 64 KiB pages: a thread
-    planning holds the GIL for microseconds, a thread whose ``memmove`` returns meanwhile
-    goes to sleep on the GIL, and waking it costs tens of microseconds on a VM.
+    ``ctypes.memmove`` releases the GIL per piece: a thread whose copy returns while another
+    holds the GIL sleeps until it is handed back (tens of microseconds on a VM), which is
+    why the native pool, one C call per pass, copies faster with several threads.
 
     The direction thread never waits for a helper that has not started: a helper that
     starts after the direction thread found the iterator empty copies nothing.

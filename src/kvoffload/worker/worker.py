@@ -222,6 +222,11 @@ class TransferWorker:
             self._backend.wait(jobs)
 
     @property
+    def jobs_in_flight(self) -> int:
+        """Transfer jobs submitted to the backend and not yet reported by ``poll``."""
+        return len(self._in_flight)
+
+    @property
     def tier_io(self) -> TierIO | None:
         """This rank's tier I/O, when lower tiers are configured."""
         return self._tier_io

@@ -1,0 +1,13 @@
+"""Build of kvoffload's optional native copy loop (everything else is in pyproject.toml).
+
+``kvoffload.worker._copy`` is a plain C library (a pool of copy threads) that the CPU
+transfer backend loads with ctypes. It is optional: without a C compiler the install still
+succeeds and the backend copies page by page with ``ctypes.memmove`` from Python threads
+(slower once more than one thread copies).
+"""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("kvoffload.worker._copy", ["src/kvoffload/worker/_copy.c"],
+                             extra_compile_args=["-O2", "-pthread"],
+                             extra_link_args=["-pthread"], optional=True)])

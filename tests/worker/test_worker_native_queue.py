@@ -1,0 +1,198 @@
+"""The CPU backend's native copy queue (``_copy.c``): the C queue itself, then the backend
+running on it (the default wherever the install built it).
+
+CI sets ``KVOFFLOAD_REQUIRE_NATIVE_COPY=1``, so a build that silently lost the library
+fails there instead of quietly testing only the ``memmove`` path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+
+import pytest
+import torch
+from worker_kit import kv_separate, load, make_worker, mamba_raw_padded, run_all, store
+
+from kvoffload.jobs import Direction, JobId, StepPlan
+from kvoffload.worker import CpuBackend, FailJobs, TransferWorker
+from kvoffload.worker.native_copy import DISABLE_ENV, NativeCopy, load_native_copy, pack
+
+NATIVE = load_native_copy()
+needs_native = pytest.mark.skipif(NATIVE is None, reason="native copy queue not built")
+
+
+def test_the_native_queue_is_built_where_required() -> None:
+    if os.environ.get("KVOFFLOAD_REQUIRE_NATIVE_COPY") != "1":
+        pytest.skip("set KVOFFLOAD_REQUIRE_NATIVE_COPY=1 to require the native queue")
+    assert NATIVE is not None, "kvoffload.worker._copy was not built: is a C compiler there?"
+    assert CpuBackend().native_copy
+
+
+def test_native_copy_true_without_the_library_says_how_to_get_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DISABLE_ENV, "0")
+    assert not CpuBackend().native_copy
+    with pytest.raises(RuntimeError, match="reinstall kvoffload where a C compiler"):
+        CpuBackend(native_copy=True)
+
+
+def _native() -> NativeCopy:
+    assert NATIVE is not None
+    return NATIVE
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 3])
+def test_random_jobs_of_odd_sizes_and_alignments_copy_exactly_and_complete_in_order(
+        threads: int) -> None:
+    """Pieces from 1 byte to 70 KB at every alignment (the streaming-store path and its
+    unaligned head and tail), jobs of 0 to 40 pieces, one to three threads."""
+    rng = random.Random(threads)
+    size = 4 << 20
+    src = torch.randint(0, 256, (size,), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(threads))
+    dst = torch.zeros(size, dtype=torch.uint8)
+    expected = dst.clone()
+    queue = _native().queue(threads, 1 << 14)
+    jobs, packs = [], []
+    cursor = 0  # destinations never overlap (jobs in flight write disjoint memory)
+    for _ in range(60):
+        pieces = []
+        for _ in range(rng.randint(0, 40)):
+            n = rng.choice([1, 15, 63, 4095, 4096, 4097, 65536 + 13, rng.randint(1, 70000)])
+            if cursor + n + 16 > size:
+                break
+            at = cursor + rng.randint(0, 15)
+            frm = rng.randint(0, size - n)
+            pieces.append((dst.data_ptr() + at, src.data_ptr() + frm, n))
+            expected[at : at + n] = src[frm : frm + n]
+            cursor = at + n
+        packs.append(pack(pieces))
+        jobs.append(queue.push(packs[-1]))
+    assert [j.seq for j in jobs] == list(range(1, 61))
+    queue.wait(jobs[-1].seq)
+    assert queue.completed() == jobs[-1].seq
+    assert torch.equal(dst, expected)
+    assert all(j.seconds >= 0 for j in jobs)
+    queue.close()
+    queue.close()  # idempotent
+
+
+@needs_native
+def test_a_held_queue_keeps_jobs_in_flight_and_completes_them_in_push_order() -> None:
+    src = torch.arange(1 << 20, dtype=torch.int64).view(torch.uint8)
+    dst = torch.zeros_like(src)
+    queue = _native().queue(2, 1 << 16)
+    queue.hold(True)
+    half = src.numel() // 2
+    queue.push(pack([(dst.data_ptr(), src.data_ptr(), half)]))
+    empty = queue.push(pack([]))  # completes only after the job before it
+    time.sleep(0.05)
+    assert queue.completed() == 0 and not bool(dst.any())
+    queue.hold(False)
+    queue.wait(empty.seq)
+    assert queue.completed() == empty.seq
+    assert torch.equal(dst[:half], src[:half]) and not bool(dst[half:].any())
+    # Closing a held queue still copies what was queued.
+    queue.hold(True)
+    last = pack([(dst.data_ptr() + half, src.data_ptr() + half, half)])
+    queue.push(last)
+    queue.close()
+    assert torch.equal(dst, src)
+    with pytest.raises(RuntimeError, match="closed"):
+        queue.completed()
+
+
+@needs_native
+def test_waiting_for_a_job_never_pushed_returns() -> None:
+    queue = _native().queue(1, 1 << 16)
+    start = time.monotonic()
+    queue.wait(10**6)
+    assert time.monotonic() - start < 1
+    queue.close()
+
+
+# -- the backend on the native queue ------------------------------------------------------
+
+
+def _held(worker: TransferWorker, direction: Direction, held: bool) -> None:
+    backend = worker.backend
+    assert isinstance(backend, CpuBackend) and backend.native_copy
+    backend.hold(direction, held)
+
+
+@needs_native
+def test_jobs_run_asynchronously_until_polled_and_are_reported_once() -> None:
+    cache = kv_separate(16, torch.Generator().manual_seed(1), layers=1)
+    worker = make_worker([cache])
+    _held(worker, Direction.STORE, True)
+    s = store(0, [1, 2], [0, 1])
+    worker.execute(StepPlan(stores=(s,)))
+    assert worker.poll().finished == ()
+    _held(worker, Direction.STORE, False)
+    worker.wait([s.job_id, JobId(10**9)])  # an unknown id is ignored
+    report = worker.poll()
+    assert report.finished == (s.job_id,) and report.stats.stored_bytes > 0
+    assert worker.poll().finished == ()
+    assert torch.equal(worker.host_pool.slot_view(0, 0), cache.block(1))
+    worker.shutdown()
+
+
+@needs_native
+def test_stores_and_loads_in_flight_together_round_trip_on_padded_mamba_pages() -> None:
+    cache = mamba_raw_padded(40, torch.Generator().manual_seed(2), layers=2)
+    worker = make_worker([cache], factor=2, num_slots=12,
+                         backend=CpuBackend(copy_threads=3, parallel_bytes=1 << 10))
+    first = store(0, list(range(1, 9)), [0, 1, 2, 3])
+    assert run_all(worker, [first]).finished == (first.job_id,)
+    want = [cache.block(b).clone() for b in range(1, 9)]
+    second = store(0, list(range(9, 17)), [4, 5, 6, 7], first_block_index=0)
+    back = load(0, list(range(20, 28)), [0, 1, 2, 3])
+    worker.execute(StepPlan(stores=(second,), loads=(back,)))
+    worker.wait([second.job_id, back.job_id])
+    report = worker.poll()
+    assert set(report.finished) == {second.job_id, back.job_id} and not report.failed
+    for b, expected in zip(range(20, 28), want, strict=True):
+        assert torch.equal(cache.block(b), expected), b
+    worker.shutdown()
+
+
+@needs_native
+def test_an_injected_fault_fails_only_its_job_and_is_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    cache = kv_separate(20, torch.Generator().manual_seed(3), layers=1)
+    jobs = [store(0, [1 + i], [i]) for i in range(5)]
+    bad = jobs[2].job_id
+    worker = make_worker([cache], backend=CpuBackend(fault_hook=FailJobs([bad])),
+                         num_slots=8)
+    _held(worker, Direction.STORE, True)  # all five queue up behind each other
+    worker.execute(StepPlan(stores=tuple(jobs)))
+    _held(worker, Direction.STORE, False)
+    with caplog.at_level(logging.WARNING):
+        worker.wait([j.job_id for j in jobs])
+        report = worker.poll()
+    assert report.failed == (bad,)
+    assert report.finished == tuple(j.job_id for j in jobs if j.job_id != bad)
+    assert any(f"job {bad} failed" in r.getMessage() and r.exc_info for r in caplog.records)
+    for i, job in enumerate(jobs):
+        if job.job_id != bad:
+            assert torch.equal(worker.host_pool.slot_view(i, 0), cache.block(1 + i))
+    retry = store(0, [9], [2])  # the failed job's slot is reusable
+    assert run_all(worker, [retry]).finished == (retry.job_id,)
+    assert torch.equal(worker.host_pool.slot_view(2, 0), cache.block(9))
+    worker.shutdown()
+
+
+@needs_native
+def test_shutdown_copies_what_is_queued() -> None:
+    cache = kv_separate(16, torch.Generator().manual_seed(4), layers=1)
+    worker = make_worker([cache])
+    _held(worker, Direction.STORE, True)
+    s = store(0, [3, 4], [0, 1])
+    worker.execute(StepPlan(stores=(s,)))
+    worker.shutdown()
+    assert torch.equal(worker.host_pool.slot_view(1, 0), cache.block(4))
+
