@@ -7,6 +7,7 @@ fails there instead of quietly testing only the ``memmove`` path.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -14,9 +15,17 @@ import time
 
 import pytest
 import torch
-from worker_kit import kv_separate, load, make_worker, mamba_raw_padded, run_all, store
+from worker_kit import (
+    kv_separate,
+    load,
+    make_worker,
+    mamba_raw_padded,
+    next_job_id,
+    run_all,
+    store,
+)
 
-from kvoffload.jobs import Direction, JobId, StepPlan
+from kvoffload.jobs import Direction, GroupTransfer, JobId, StepPlan, TransferJob
 from kvoffload.worker import CpuBackend, FailJobs, TransferWorker
 from kvoffload.worker.native_copy import DISABLE_ENV, NativeCopy, load_native_copy, pack
 
@@ -99,11 +108,13 @@ def test_a_held_queue_keeps_jobs_in_flight_and_completes_them_in_push_order() ->
     # Closing a held queue still copies what was queued.
     queue.hold(True)
     last = pack([(dst.data_ptr() + half, src.data_ptr() + half, half)])
-    queue.push(last)
+    final = queue.push(last)
     queue.close()
     assert torch.equal(dst, src)
+    assert queue.completed() == final.seq  # all of it, and no call into a freed queue
+    queue.wait(final.seq)
     with pytest.raises(RuntimeError, match="closed"):
-        queue.completed()
+        queue.push(pack([]))
 
 
 @needs_native
@@ -196,3 +207,60 @@ def test_shutdown_copies_what_is_queued() -> None:
     worker.shutdown()
     assert torch.equal(worker.host_pool.slot_view(1, 0), cache.block(4))
 
+
+
+@needs_native
+def test_a_job_whose_later_part_cannot_be_queued_fails_only_after_its_queued_parts() -> None:
+    """A load with a valid part for group 0 and an out-of-range part for group 1: the job
+    is reported failed, but not while its first part may still write engine block 3 (the
+    engine reuses a failed load's blocks at once)."""
+    a = kv_separate(16, torch.Generator().manual_seed(6), layers=1)
+    b = kv_separate(16, torch.Generator().manual_seed(7), layers=1)
+    worker = make_worker([a, b])
+    backend = worker.backend
+    assert isinstance(backend, CpuBackend)
+    backend.hold(Direction.LOAD)
+    job = TransferJob(next_job_id(), Direction.LOAD, "r",
+                      (GroupTransfer(0, (3,), 0, (0,)), GroupTransfer(1, (999,), 0, (0,))))
+    backend.submit(job)  # straight to the backend: the worker would reject it up front
+    assert backend.poll() == ([], [])  # not failed yet: its first part is queued
+    backend.hold(Direction.LOAD, False)
+    backend.wait([job.job_id])
+    assert backend.poll() == ([], [job.job_id])
+    for _, kv in a.layers:  # the engine reuses the failed load's block for recompute
+        for tensor in kv:
+            tensor[3].fill_(7)
+    fresh = a.block(3).clone()
+    time.sleep(0.05)
+    assert torch.equal(a.block(3), fresh)  # nothing of the failed job writes it any more
+    worker.shutdown()
+
+
+@needs_native
+def test_jobs_copied_at_shutdown_are_reported_by_the_next_poll() -> None:
+    cache = kv_separate(16, torch.Generator().manual_seed(8), layers=1)
+    worker = make_worker([cache])
+    backend = worker.backend
+    assert isinstance(backend, CpuBackend)
+    backend.hold(Direction.STORE)
+    s = store(0, [3, 4], [0, 1])
+    worker.execute(StepPlan(stores=(s,)))
+    worker.shutdown()
+    worker.wait([s.job_id])  # returns: the queue is closed and everything was copied
+    assert worker.poll().finished == (s.job_id,)
+
+
+@needs_native
+def test_a_backend_dropped_with_jobs_queued_copies_them_before_its_memory_goes() -> None:
+    cache = kv_separate(16, torch.Generator().manual_seed(9), layers=1)
+    worker = make_worker([cache])
+    backend = worker.backend
+    assert isinstance(backend, CpuBackend)
+    pool = worker.host_pool  # kept to look at afterwards
+    backend.hold(Direction.STORE)
+    s = store(0, [5, 6], [2, 3])
+    worker.execute(StepPlan(stores=(s,)))
+    want = cache.block(6).clone()
+    del worker, backend
+    gc.collect()  # the finalizer closes the queue: the held store is copied first
+    assert torch.equal(pool.slot_view(3, 0), want)

@@ -58,6 +58,8 @@ typedef struct kvoffload_queue {
     int stop;
     int held;                /* threads take no new pieces (kvoffload_queue_hold) */
     int waiting;             /* threads asleep on ``work`` */
+    int waiters;             /* callers inside kvoffload_queue_wait */
+    pthread_cond_t no_waiters; /* the last waiter left (kvoffload_queue_free waits for it) */
     int nthreads;
     pthread_t *threads;
 } kvoffload_queue;
@@ -230,12 +232,14 @@ kvoffload_queue *kvoffload_queue_new(int nthreads, uint64_t grab_bytes)
     pthread_mutex_init(&q->mutex, NULL);
     pthread_cond_init(&q->work, NULL);
     pthread_cond_init(&q->done, NULL);
+    pthread_cond_init(&q->no_waiters, NULL);
     for (int i = 0; i < nthreads; i++) {
         if (pthread_create(&q->threads[i], NULL, worker_main, q) != 0)
             break;
         q->nthreads++;
     }
     if (q->nthreads == 0) {
+        pthread_cond_destroy(&q->no_waiters);
         pthread_cond_destroy(&q->done);
         pthread_cond_destroy(&q->work);
         pthread_mutex_destroy(&q->mutex);
@@ -259,13 +263,13 @@ static uint64_t push_job(kvoffload_queue *q, kvo_job *job)
     if (q->claim == NULL)
         __atomic_store_n(&q->claim, job, __ATOMIC_RELEASE);
     skip_claimed(q);
+    uint64_t seq = job->seq; /* an empty job may be completed, and freed, right below */
     if (job->count == 0)
         complete_finished(q);
     else if (q->waiting == q->nthreads && !q->held)
         /* All asleep: wake one. A thread awake takes the job before it sleeps, and wakes
          * the others if there is more to take; waking costs the pusher a system call. */
         pthread_cond_signal(&q->work);
-    uint64_t seq = job->seq;
     pthread_mutex_unlock(&q->mutex);
     return seq;
 }
@@ -495,12 +499,17 @@ void kvoffload_queue_wait(kvoffload_queue *q, uint64_t seq)
     pthread_mutex_lock(&q->mutex);
     if (seq > q->pushed)
         seq = q->pushed;
+    q->waiters++;
     while (q->completed < seq)
         pthread_cond_wait(&q->done, &q->mutex);
+    if (--q->waiters == 0)
+        pthread_cond_broadcast(&q->no_waiters);
     pthread_mutex_unlock(&q->mutex);
 }
 
-/* Copy every queued job, stop and join the threads, free the queue. */
+/* Copy every queued job, stop and join the threads, let callers still inside
+ * kvoffload_queue_wait return (every job is complete by then), free the queue. No call may
+ * start on the queue once this one has. */
 void kvoffload_queue_free(kvoffload_queue *q)
 {
     if (q == NULL)
@@ -511,6 +520,12 @@ void kvoffload_queue_free(kvoffload_queue *q)
     pthread_mutex_unlock(&q->mutex);
     for (int i = 0; i < q->nthreads; i++)
         pthread_join(q->threads[i], NULL);
+    pthread_mutex_lock(&q->mutex);
+    pthread_cond_broadcast(&q->done);
+    while (q->waiters > 0)
+        pthread_cond_wait(&q->no_waiters, &q->mutex);
+    pthread_mutex_unlock(&q->mutex);
+    pthread_cond_destroy(&q->no_waiters);
     pthread_cond_destroy(&q->done);
     pthread_cond_destroy(&q->work);
     pthread_mutex_destroy(&q->mutex);

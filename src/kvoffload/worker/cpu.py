@@ -54,9 +54,10 @@ import os
 import queue
 import threading
 import time
+import weakref
 from array import array
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import count, pairwise, repeat, starmap
@@ -121,6 +122,9 @@ class _Entry:
     """The job's non-empty group transfers (native queue), until pushed."""
     pushed: list[PushedJob] = field(default_factory=list)
     """The job's parts in the native queue (one per group transfer) until it completes."""
+    broken: bool = False
+    """A part could not be queued after others were: the job fails, but only once the
+    parts already queued are copied (its blocks stay the job's until then)."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +200,7 @@ class CpuBackend(TransferBackend):
         self._threads: list[threading.Thread] = []
         self._helpers: ThreadPoolExecutor | None = None
         self._native_queues: dict[Direction, NativeQueue] = {}
+        self._close_native: Callable[[], object] = lambda: None
         self._storage_checked = False
         """Native queue: the tensors' storage was checked since the last ``poll`` (once per
         engine step: a check costs about a microsecond per cache tensor)."""
@@ -249,6 +254,12 @@ class CpuBackend(TransferBackend):
             self._native_queues = {d: self._native.queue(self.copy_threads,
                                                          self.parallel_bytes // 2)
                                    for d in Direction}
+            # Closing copies what is queued: it must happen before the tensors the C threads
+            # read and write can be freed, also when the backend is dropped without
+            # ``shutdown`` (the finalizer holds the tensors until it has run).
+            self._close_native = weakref.finalize(
+                self, _close_queues, list(self._native_queues.values()),
+                (pool.arena, [seg.pages for g in self._groups.values() for seg in g.segments]))
             for direction, released in self._released.items():
                 if not released.is_set():
                     self._native_queues[direction].hold(True)
@@ -325,7 +336,10 @@ class CpuBackend(TransferBackend):
         except Exception:
             logger.warning("%s job %s cannot be copied; reporting it failed",
                            job.direction.value, job.job_id, exc_info=True)
-            entry.done = True
+            if entry.pushed:  # fails when the parts already queued are done with its blocks
+                entry.broken = True
+            else:
+                entry.done = True
         entry.native_transfers = []
         if not entry.pushed and not entry.done:  # nothing to copy
             entry.done, entry.ok = True, not entry.inject
@@ -340,7 +354,7 @@ class CpuBackend(TransferBackend):
                     continue
                 if pushed[-1].seq > completed:
                     break
-                entry.done, entry.ok = True, not entry.inject
+                entry.done, entry.ok = True, not (entry.inject or entry.broken)
                 entry.seconds = sum(part.seconds for part in pushed)
                 entry.pushed = []
                 if entry.inject:
@@ -403,8 +417,9 @@ class CpuBackend(TransferBackend):
             thread.join()
         if self._helpers is not None:
             self._helpers.shutdown(wait=True)
-        for native in self._native_queues.values():
-            native.close()
+        self._close_native()
+        with self._lock:  # every queued job is copied now: report them
+            self._collect_native()
 
     # -- the direction threads ----------------------------------------------------------
 
@@ -587,6 +602,13 @@ def _emit(out: list[Piece], dst: int, src: int, n: int, chunk: int) -> None:
         return
     for off in range(0, n, chunk):
         out.append((dst + off, src + off, min(chunk, n - off)))
+
+
+def _close_queues(queues: list[NativeQueue], keep_alive: object) -> None:
+    """Close ``queues`` (copying what they hold); ``keep_alive`` (the tensors their threads
+    use) is only referenced, so that it outlives them."""
+    for native in queues:
+        native.close()
 
 
 def _drain(pieces: Iterator[Piece]) -> None:

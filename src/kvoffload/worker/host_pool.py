@@ -4,13 +4,78 @@ The arena is a single uint8 tensor of shape ``(num_slots, slot_bytes)``, pinned 
 is available so device copies can run asynchronously. Slot ids are chosen by the host tier
 (the scheduler side) and are the same on every rank; each rank has its own arena holding its
 own shard. The byte layout inside a slot is described in ``kvoffload.worker.layout``.
+
+Pinning. ``torch.empty(..., pin_memory=True)`` goes through torch's caching host
+allocator, which rounds every allocation up to the next power of two (pytorch/pytorch
+#150517): a 33 GiB arena would page-lock 64 GiB of host memory. The arena is therefore
+allocated as ordinary memory and page-locked in place with ``cudaHostRegister``, which pins
+exactly its bytes; where that fails, it falls back to torch's pinned allocation (and says
+so).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from kvoffload.worker.layout import CacheLayout, GroupLayout
+
+logger = logging.getLogger(__name__)
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def register_pinned(tensor: torch.Tensor, cudart: Callable[[], Any] = _cudart) -> bool:
+    """Page-lock ``tensor``'s bytes in place (``cudaHostRegister``); True on success.
+
+    On success the registration is undone (``cudaHostUnregister``) when ``tensor`` is
+    collected. ``cudart`` gives the CUDA runtime bindings (a parameter for tests).
+    """
+    ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    try:
+        runtime = cudart()
+        error = int(runtime.cudaHostRegister(ptr, nbytes, 0))
+    except Exception:  # no CUDA runtime bindings, or they refused: caller falls back
+        logger.debug("cudaHostRegister unavailable", exc_info=True)
+        return False
+    if error != 0:
+        logger.debug("cudaHostRegister(%d bytes) returned error %d", nbytes, error)
+        return False
+    weakref.finalize(tensor, _unregister, runtime, ptr)
+    return True
+
+
+def _unregister(runtime: Any, ptr: int) -> None:
+    with contextlib.suppress(Exception):  # interpreter shutting down, CUDA torn down
+        runtime.cudaHostUnregister(ptr)
+
+
+def allocate_arena(shape: tuple[int, int], pin: bool,
+                   cudart: Callable[[], Any] = _cudart) -> tuple[torch.Tensor, bool]:
+    """A uint8 tensor of ``shape``, page-locked when ``pin``: registered in place (exact
+    size), else by torch's pinned allocator (rounded up to a power of two). Returns the
+    tensor and whether it is page-locked."""
+    arena = torch.empty(shape, dtype=torch.uint8)
+    if not pin:
+        return arena, False
+    if register_pinned(arena, cudart):
+        return arena, True
+    nbytes = shape[0] * shape[1]
+    logger.warning("could not page-lock the %d-byte host arena in place; using torch's "
+                   "pinned allocator, which may reserve up to twice that", nbytes)
+    del arena
+    return _torch_pinned(shape), True
+
+
+def _torch_pinned(shape: tuple[int, int]) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
 
 
 class HostPool:
@@ -37,10 +102,8 @@ class HostPool:
         self.layout = layout
         self.num_slots = num_slots
         self.slot_bytes = layout.slot_bytes
-        self.pinned = pin
         # (num_slots, slot_bytes) uint8; a slot is one row.
-        self.arena = torch.empty((num_slots, self.slot_bytes), dtype=torch.uint8,
-                                 pin_memory=pin)
+        self.arena, self.pinned = allocate_arena((num_slots, self.slot_bytes), pin)
 
     @property
     def nbytes(self) -> int:

@@ -93,6 +93,7 @@ class NativeQueue:
         self.threads = int(library.threads(handle))
         self._unfinished_lock = threading.Lock()
         self._unfinished: deque[PushedJob] = deque()
+        self._last_seq = 0  # the last job pushed
         """Pushed jobs not yet seen completed: the C threads write their memory (the
         pieces, the seconds cell), so it stays alive here whatever the caller keeps."""
 
@@ -141,11 +142,15 @@ class NativeQueue:
         job.seq = seq
         with self._unfinished_lock:
             self._unfinished.append(job)
+            self._last_seq = seq
         return job
 
     def completed(self) -> int:
-        """Sequence number of the last completed job; every job before it completed too."""
-        completed = int(self._lib.completed(self._live()))
+        """Sequence number of the last completed job; every job before it completed too.
+        After ``close``, every pushed job has completed."""
+        if self._handle is None:
+            return self._last_seq
+        completed = int(self._lib.completed(self._handle))
         with self._unfinished_lock:
             unfinished = self._unfinished
             while unfinished and unfinished[0].seq <= completed:
@@ -153,8 +158,11 @@ class NativeQueue:
         return completed
 
     def wait(self, seq: int) -> None:
-        """Block (without the GIL) until job ``seq`` has completed."""
-        self._lib.wait(self._live(), seq)
+        """Block (without the GIL) until job ``seq`` has completed (at once after
+        ``close``). Not to be called while another thread closes the queue."""
+        if self._handle is None:
+            return
+        self._lib.wait(self._handle, seq)
         self.completed()
 
     def hold(self, held: bool) -> None:
@@ -163,11 +171,13 @@ class NativeQueue:
         self._lib.hold(self._live(), int(held))
 
     def close(self) -> None:
-        """Copy every queued job, then stop and join the threads (idempotent)."""
+        """Copy every queued job, then stop and join the threads (idempotent). Not to be
+        called while another thread pushes."""
         if self._handle is not None:
-            self._lib.free(self._handle)
-            self._handle = None
-            self._unfinished.clear()
+            handle, self._handle = self._handle, None
+            self._lib.free(handle)
+            with self._unfinished_lock:
+                self._unfinished.clear()
 
     def _live(self) -> int:
         if self._handle is None:
