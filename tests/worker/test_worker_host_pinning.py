@@ -37,7 +37,7 @@ def test_the_arena_is_registered_at_its_exact_size_and_unregistered_when_collect
     arena, pinned = allocate_arena((33, 4097), True, cudart=lambda: runtime)
     assert pinned and arena.shape == (33, 4097)
     ptr = arena.data_ptr()
-    assert runtime.registered == [(ptr, 33 * 4097, 0)]  # not rounded to a power of two
+    assert runtime.registered == [(ptr, 33 * 4097, 1)]  # exact (no power of two), portable
     del arena
     gc.collect()
     assert runtime.unregistered == [ptr]
@@ -55,6 +55,7 @@ def test_without_registration_torch_pinned_allocation_is_used_and_said(
         return failing
 
     fallback: list[tuple[int, int]] = []
+    cleared: list[bool] = []
 
     def torch_pinned(shape: tuple[int, int]) -> torch.Tensor:
         fallback.append(shape)
@@ -62,8 +63,11 @@ def test_without_registration_torch_pinned_allocation_is_used_and_said(
 
     monkeypatch.setattr(host_pool, "_torch_pinned", torch_pinned)
     with caplog.at_level(logging.WARNING):
-        arena, pinned = allocate_arena((3, 5), True, cudart=cudart)
+        arena, pinned = allocate_arena((3, 5), True, cudart=cudart,
+                                       clear_error=lambda: cleared.append(True))
     assert pinned and fallback == [(3, 5)] and arena.shape == (3, 5)
+    # A refused registration leaves an error behind in the runtime: it is cleared.
+    assert cleared == ([True] if runtime == "error" else [])
     assert "may reserve up to twice" in caplog.text
     assert failing.unregistered == []
 
@@ -72,3 +76,4 @@ def test_an_unpinned_arena_asks_nothing_of_the_runtime() -> None:
     runtime = Runtime()
     arena, pinned = allocate_arena((2, 8), False, cudart=lambda: runtime)
     assert not pinned and arena.shape == (2, 8) and runtime.registered == []
+

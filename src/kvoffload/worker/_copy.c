@@ -214,6 +214,17 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
+/* Release a queue whose threads have stopped (or never started). */
+static void destroy_queue(kvoffload_queue *q)
+{
+    pthread_cond_destroy(&q->no_waiters);
+    pthread_cond_destroy(&q->done);
+    pthread_cond_destroy(&q->work);
+    pthread_mutex_destroy(&q->mutex);
+    free(q->threads);
+    free(q);
+}
+
 /* A queue with ``nthreads`` copy threads (at least one) taking runs of about
  * ``grab_bytes``. NULL if memory or the first thread cannot be had. */
 kvoffload_queue *kvoffload_queue_new(int nthreads, uint64_t grab_bytes)
@@ -239,12 +250,7 @@ kvoffload_queue *kvoffload_queue_new(int nthreads, uint64_t grab_bytes)
         q->nthreads++;
     }
     if (q->nthreads == 0) {
-        pthread_cond_destroy(&q->no_waiters);
-        pthread_cond_destroy(&q->done);
-        pthread_cond_destroy(&q->work);
-        pthread_mutex_destroy(&q->mutex);
-        free(q->threads);
-        free(q);
+        destroy_queue(q);
         return NULL;
     }
     return q;
@@ -525,12 +531,7 @@ void kvoffload_queue_free(kvoffload_queue *q)
     while (q->waiters > 0)
         pthread_cond_wait(&q->no_waiters, &q->mutex);
     pthread_mutex_unlock(&q->mutex);
-    pthread_cond_destroy(&q->no_waiters);
-    pthread_cond_destroy(&q->done);
-    pthread_cond_destroy(&q->work);
-    pthread_mutex_destroy(&q->mutex);
-    free(q->threads);
-    free(q);
+    destroy_queue(q);
 }
 
 /* The number of copy threads the queue started. */

@@ -16,6 +16,7 @@ so).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import weakref
 from collections.abc import Callable
@@ -32,24 +33,47 @@ def _cudart() -> Any:
     return torch.cuda.cudart()  # type: ignore[no-untyped-call]
 
 
-def register_pinned(tensor: torch.Tensor, cudart: Callable[[], Any] = _cudart) -> bool:
+_REGISTER_PORTABLE = 1
+"""``cudaHostRegisterPortable``: pinned for every CUDA context, not only the current one."""
+
+
+def register_pinned(tensor: torch.Tensor, cudart: Callable[[], Any] = _cudart,
+                    clear_error: Callable[[], None] | None = None) -> bool:
     """Page-lock ``tensor``'s bytes in place (``cudaHostRegister``); True on success.
 
     On success the registration is undone (``cudaHostUnregister``) when ``tensor`` is
-    collected. ``cudart`` gives the CUDA runtime bindings (a parameter for tests).
+    collected: views of it must not outlive it (they would still work, unpinned). On
+    failure the CUDA runtime's last-error state is cleared, so that the next unrelated
+    CUDA call does not report this error. ``cudart`` gives the CUDA runtime bindings and
+    ``clear_error`` clears the error (parameters for tests).
     """
     ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return False
     try:
         runtime = cudart()
-        error = int(runtime.cudaHostRegister(ptr, nbytes, 0))
+        error = int(runtime.cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE))
     except Exception:  # no CUDA runtime bindings, or they refused: caller falls back
         logger.debug("cudaHostRegister unavailable", exc_info=True)
         return False
     if error != 0:
+        (clear_error or _clear_cuda_error)()
         logger.debug("cudaHostRegister(%d bytes) returned error %d", nbytes, error)
         return False
     weakref.finalize(tensor, _unregister, runtime, ptr)
     return True
+
+
+def _clear_cuda_error() -> None:
+    """Reset the calling thread's CUDA last-error state (``cudaGetLastError``), through the
+    CUDA runtime library torch already loaded (found in ``/proc/self/maps``)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        for path in sorted(paths):
+            ctypes.CDLL(path).cudaGetLastError()
+    except Exception:  # not Linux, or no runtime library mapped: nothing to clear
+        logger.debug("could not clear the CUDA error state", exc_info=True)
 
 
 def _unregister(runtime: Any, ptr: int) -> None:
@@ -57,16 +81,22 @@ def _unregister(runtime: Any, ptr: int) -> None:
         runtime.cudaHostUnregister(ptr)
 
 
-def allocate_arena(shape: tuple[int, int], pin: bool,
-                   cudart: Callable[[], Any] = _cudart) -> tuple[torch.Tensor, bool]:
+def allocate_arena(shape: tuple[int, int], pin: bool, device: torch.device | None = None,
+                   cudart: Callable[[], Any] = _cudart,
+                   clear_error: Callable[[], None] | None = None,
+                   ) -> tuple[torch.Tensor, bool]:
     """A uint8 tensor of ``shape``, page-locked when ``pin``: registered in place (exact
-    size), else by torch's pinned allocator (rounded up to a power of two). Returns the
-    tensor and whether it is page-locked."""
+    size) with ``device`` (a CUDA device: the caches') current, else by torch's pinned
+    allocator (rounded up to a power of two). Returns the tensor and whether it is
+    page-locked."""
     arena = torch.empty(shape, dtype=torch.uint8)
     if not pin:
         return arena, False
-    if register_pinned(arena, cudart):
-        return arena, True
+    on_device = torch.cuda.device(device) if device is not None and device.type == "cuda" \
+        else contextlib.nullcontext()
+    with on_device:  # registering creates a CUDA context: on the caches' device
+        if register_pinned(arena, cudart, clear_error):
+            return arena, True
     nbytes = shape[0] * shape[1]
     logger.warning("could not page-lock the %d-byte host arena in place; using torch's "
                    "pinned allocator, which may reserve up to twice that", nbytes)
@@ -103,7 +133,8 @@ class HostPool:
         self.num_slots = num_slots
         self.slot_bytes = layout.slot_bytes
         # (num_slots, slot_bytes) uint8; a slot is one row.
-        self.arena, self.pinned = allocate_arena((num_slots, self.slot_bytes), pin)
+        self.arena, self.pinned = allocate_arena((num_slots, self.slot_bytes), pin,
+                                                 layout.device)
 
     @property
     def nbytes(self) -> int:

@@ -148,9 +148,10 @@ class NativeQueue:
     def completed(self) -> int:
         """Sequence number of the last completed job; every job before it completed too.
         After ``close``, every pushed job has completed."""
-        if self._handle is None:
+        handle = self._handle  # read once: a close elsewhere sets it to None
+        if handle is None:
             return self._last_seq
-        completed = int(self._lib.completed(self._handle))
+        completed = int(self._lib.completed(handle))
         with self._unfinished_lock:
             unfinished = self._unfinished
             while unfinished and unfinished[0].seq <= completed:
@@ -160,9 +161,10 @@ class NativeQueue:
     def wait(self, seq: int) -> None:
         """Block (without the GIL) until job ``seq`` has completed (at once after
         ``close``). Not to be called while another thread closes the queue."""
-        if self._handle is None:
+        handle = self._handle
+        if handle is None:
             return
-        self._lib.wait(self._handle, seq)
+        self._lib.wait(handle, seq)
         self.completed()
 
     def hold(self, held: bool) -> None:
