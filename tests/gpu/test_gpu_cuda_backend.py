@@ -118,3 +118,19 @@ def test_two_ranks_on_one_device() -> None:
             assert torch.equal(shards[r][1].block(b), befores[r][1][a])
     for w in workers:
         w.shutdown()
+
+
+def test_the_host_arena_is_pinned_in_place_at_its_exact_size() -> None:
+    """Not through torch's caching host allocator, which would round 33 MiB + 33 bytes up
+    to 64 MiB: the arena is registered in place and copies to it run asynchronously."""
+    from kvoffload.worker.host_pool import allocate_arena
+
+    torch.cuda.init()
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    arena, pinned = allocate_arena((33, (1 << 20) + 1), True, torch.device(DEV))
+    assert pinned and arena.is_pinned()
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before
+    src = torch.randint(0, 256, arena.shape, dtype=torch.uint8, device=DEV)
+    arena.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(arena, src.cpu())
