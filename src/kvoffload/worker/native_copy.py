@@ -1,9 +1,10 @@
 """The CPU backend's native copy queue (``_copy.c``), when the install built it.
 
-Python pushes a job's pieces ``(destination, source, bytes)`` and returns at once; C
-threads copy them with no Python involved, so copies overlap the planning of the next
-jobs and several threads copy in parallel without handing the GIL back and forth between
-pages. Jobs complete in push order. Without the library (no C compiler at install, or
+Python pushes a job, as pages (block ids and slots, which C checks and turns into pieces)
+or as ready-made pieces ``(destination, source, bytes)``, and returns at once; C threads
+copy them with no Python involved, so copies overlap the planning of the next jobs and
+several threads copy in parallel without handing the GIL back and forth between pages.
+Jobs complete in push order. Without the library (no C compiler at install, or
 ``KVOFFLOAD_NATIVE_COPY=0``) the CPU backend copies piece by piece with ``ctypes.memmove``
 from Python threads: the same bytes, slower.
 """
