@@ -312,6 +312,7 @@ def _submit_direct(worker: TransferWorker, job: TransferJob) -> tuple[list[int],
     GroupTransfer(0, (1, -1), 0, (0, 1)),  # negative engine block
     GroupTransfer(0, (1, 2), 0, (0, 4)),  # slot past the end
     GroupTransfer(0, (1, 2, 3), 0, (0, 1)),  # too few slots
+    GroupTransfer(5, (1, 2), 0, (0, 1)),  # a group never registered
 ])
 def test_out_of_bounds_pages_fail_the_job_without_touching_memory(
         transfer: GroupTransfer, native: bool | None) -> None:

@@ -533,9 +533,3 @@ void kvoffload_queue_free(kvoffload_queue *q)
     pthread_mutex_unlock(&q->mutex);
     destroy_queue(q);
 }
-
-/* The number of copy threads the queue started. */
-int kvoffload_queue_threads(const kvoffload_queue *q)
-{
-    return q->nthreads;
-}

@@ -118,8 +118,6 @@ class _Entry:
     seconds: float = 0.0
     pieces: list[Piece] = field(default_factory=list)
     """The job's copies, planned at submit; released once the job is done."""
-    native_transfers: list[tuple[_Group, GroupTransfer]] = field(default_factory=list)
-    """The job's non-empty group transfers (native queue), until pushed."""
     pushed: list[PushedJob] = field(default_factory=list)
     """The job's parts in the native queue (one per group transfer) until it completes."""
     broken: bool = False
@@ -281,26 +279,24 @@ class CpuBackend(TransferBackend):
         if self._closed:
             raise RuntimeError("CpuBackend.submit after shutdown")
         page_bytes = self._page_bytes
-        entry = _Entry(job=job, nbytes=sum(len(t.block_ids) * page_bytes[t.group]
-                                           for t in job.groups))
+        entry = _Entry(job=job, nbytes=sum(len(t.block_ids) * page_bytes.get(t.group, 0)
+                                           for t in job.groups))  # unknown group: fails below
         # Planned here, on the caller's thread: the copy threads go from one job to the
         # next without a planning pause.
-        try:
-            if self._native_queues:  # the queue checks the pages and builds the pieces in C
-                groups = self._groups
-                entry.native_transfers = [(groups[t.group], t) for t in job.groups
-                                          if t.block_ids]
-            else:
+        # The native queue checks the pages and builds the pieces in C (``_push``).
+        if not self._native_queues:
+            try:
                 entry.pieces = self._pieces(job)
-            # Large pages are copied in ascending source address order, which reads memory
-            # front to back instead of in the scattered order of block ids: a few percent
-            # faster from 32 KiB pages; below that the sort costs more than it saves.
-            if entry.nbytes >= _SORTED_PIECE_BYTES * len(entry.pieces):
-                entry.pieces.sort(key=_source)
-        except Exception:
-            logger.warning("%s job %s cannot be copied; reporting it failed",
-                           job.direction.value, job.job_id, exc_info=True)
-            entry.done = True
+                # Large pages are copied in ascending source address order, which reads
+                # memory front to back instead of in the scattered order of block ids: a
+                # few percent faster from 32 KiB pages; below that the sort costs more
+                # than it saves (the native queue sorts the same way, in C).
+                if entry.nbytes >= _SORTED_PIECE_BYTES * len(entry.pieces):
+                    entry.pieces.sort(key=_source)
+            except Exception:
+                logger.warning("%s job %s cannot be copied; reporting it failed",
+                               job.direction.value, job.job_id, exc_info=True)
+                entry.done = True
         with self._lock:
             if job.job_id in self._in_flight:
                 raise RuntimeError(f"job {job.job_id} is already in flight")
@@ -325,7 +321,10 @@ class CpuBackend(TransferBackend):
                 self._storage_checked = True
             # An injected fault fails midway, like a real one: half the pages are written.
             entry.inject = self.fault_hook is not None and self.fault_hook(job)
-            for group, transfer in entry.native_transfers:
+            for transfer in job.groups:
+                if not transfer.block_ids:
+                    continue
+                group = self._groups[transfer.group]
                 entry.pushed.append(native.push_pages(
                     group.native_segments, array("q", transfer.block_ids),
                     array("q", transfer.slots), num_blocks=group.num_blocks,
@@ -340,7 +339,6 @@ class CpuBackend(TransferBackend):
                 entry.broken = True
             else:
                 entry.done = True
-        entry.native_transfers = []
         if not entry.pushed and not entry.done:  # nothing to copy
             entry.done, entry.ok = True, not entry.inject
 

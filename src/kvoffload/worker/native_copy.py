@@ -41,7 +41,6 @@ class _Library:
     """The loaded ``_copy`` library with its signatures declared."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
         # Only calls that block release the GIL (through a CDLL). The quick ones keep it
         # (through a PyDLL): a thread that releases the GIL for a microsecond many times a
         # second keeps resetting the switch timer of a thread waiting for it, and starved
@@ -56,7 +55,6 @@ class _Library:
         self.plan_pages = _declare(quick.kvoffload_plan_pages, [ptr, ptr, u64], u64)
         self.hold = _declare(quick.kvoffload_queue_hold, [ptr, ctypes.c_int], None)
         self.completed = _declare(quick.kvoffload_queue_completed, [ptr], u64)
-        self.threads = _declare(quick.kvoffload_queue_threads, [ptr], ctypes.c_int)
 
 
 def _declare(function: Any, argtypes: list[Any], restype: Any) -> Any:
@@ -91,7 +89,6 @@ class NativeQueue:
         if not handle:
             raise MemoryError("kvoffload_queue_new failed: no memory or threads left")
         self._handle: int | None = handle
-        self.threads = int(library.threads(handle))
         self._unfinished_lock = threading.Lock()
         self._unfinished: deque[PushedJob] = deque()
         self._last_seq = 0  # the last job pushed
@@ -216,7 +213,6 @@ class NativeCopy:
 
     def __init__(self, path: Path) -> None:
         self._lib = _Library(path)
-        self.path = path
 
     def plan_pages(self, segments: array[int], block_ids: array[int], slots: array[int], *,
                    num_blocks: int, num_slots: int, slot_bytes: int, factor: int, skip: int,
@@ -244,9 +240,9 @@ class NativeCopy:
 
 
 def _library_path() -> Path | None:
-    here = Path(__file__).with_name("_copy")
+    """The built ``_copy`` library next to this module, if any."""
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        candidate = here.with_name("_copy" + suffix)
+        candidate = Path(__file__).with_name("_copy" + suffix)
         if candidate.is_file():
             return candidate
     return None
