@@ -162,10 +162,11 @@ def test_byte_budget_charges_each_group_its_own_block_bytes(policy: str) -> None
     result = tier.prepare_store(small)
     assert result is not None and len(result.keys_to_store) == 8
     tier.complete_store(small)
+    assert not tier.is_full() and not tier.usage().is_full
     # 8 bytes held; a 4-byte window block fits, a second one needs 4 bytes evicted.
     assert tier.prepare_store([k(100, 1)]) is not None
     tier.complete_store([k(100, 1)])
-    assert tier.usage().is_full
+    assert tier.usage().is_full and tier.is_full()
     result = tier.prepare_store([k(101, 1)])
     assert result is not None and len(result.evicted) >= 4
     assert sum(tier.usage().bytes_by_group.values()) <= 12

@@ -199,6 +199,7 @@ class TierMachine(RuleBasedStateMachine):
     @invariant()
     def bookkeeping_is_consistent(self) -> None:
         self.tier.check_integrity()
+        assert self.tier.is_full() == self.tier.usage().is_full
 
     @invariant()
     def every_key_answers_as_the_model_says(self) -> None:

@@ -126,6 +126,8 @@ class ValuePolicyMachine(PlannerMachine):
         if hasattr(self, "engine") and self.engine.config.charges_bytes:
             usage = self.engine.tier.usage()
             assert sum(usage.bytes_by_group.values()) <= self.engine.config.host_capacity_bytes
+        if hasattr(self, "engine"):  # the quick answer admission asks, per candidate block
+            assert self.engine.tier.is_full() == self.engine.tier.usage().is_full
 
 
 ValuePolicyMachine.TestCase.settings = settings(

@@ -118,10 +118,7 @@ class Planner:
         self.stats.lookups += 1
         if st.jobs:
             return self._defer_or(st, 0)
-        for gs in st.groups:
-            gs.block_ids = []
-            gs.num_freed = 0
-        st.state_ends.clear()
+        st.reset_table()
         self._refresh_keys(st)
         st.num_local_tokens = num_computed_tokens
         end, deferred = self._lookup(st, num_computed_tokens)
@@ -350,10 +347,7 @@ class Planner:
             if st is None:
                 continue
             self._flush |= st.jobs
-            st.state_ends.clear()
-            for gs in st.groups:
-                gs.block_ids = []
-                gs.num_freed = 0
+            st.reset_table()
         stores: list[TransferJob] = []
         for sched in step.scheduled:
             job = self._schedule_request(sched)
@@ -390,10 +384,7 @@ class Planner:
             raise InvariantError(f"request {request.request_id!r} scheduled while its load "
                                  "is in flight; wait for finished_loads")
         if sched.resumed:
-            st.state_ends.clear()
-            for gs in st.groups:
-                gs.block_ids = []
-                gs.num_freed = 0
+            st.reset_table()
         self._refresh_keys(st)
         for gs, ids in zip(st.groups, sched.new_block_ids, strict=True):
             if ids:
@@ -748,7 +739,7 @@ class Planner:
             self.tier.demote(worthless)
 
     def _tier_has_room(self) -> bool:
-        return not self.tier.usage().is_full
+        return not self.tier.is_full()
 
     def take_events(self) -> list[TierEvent]:
         """Cache events (blocks stored or removed) since the last call, for routers."""

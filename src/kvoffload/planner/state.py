@@ -66,6 +66,14 @@ class RequestState:
     finished: bool = False
     state_ends: set[int] = field(default_factory=set)
 
+    def reset_table(self) -> None:
+        """Forget the engine's block table (and the step ends seen with it): a new lookup,
+        a preemption or a resume hands over a fresh one."""
+        for gs in self.groups:
+            gs.block_ids = []
+            gs.num_freed = 0
+        self.state_ends.clear()
+
 
 @dataclass
 class JobState:

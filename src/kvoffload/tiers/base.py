@@ -158,6 +158,12 @@ class Tier(ABC):
     def usage(self) -> TierUsage:
         """Occupancy snapshot."""
 
+    def is_full(self) -> bool:
+        """``usage().is_full`` (no room for one more block of the largest kind without
+        evicting); tiers may answer it without building the whole ``TierUsage``: admission
+        asks once per candidate block."""
+        return self.usage().is_full
+
     @abstractmethod
     def check_integrity(self) -> None:
         """Raise ``InvariantError`` if internal bookkeeping is inconsistent."""

@@ -297,6 +297,9 @@ class CascadeTier(Tier):
         """Host memory's occupancy (lower tiers report through their own stats)."""
         return self.host.usage()
 
+    def is_full(self) -> bool:
+        return self.host.is_full()
+
     def check_integrity(self) -> None:
         """Host and lower tiers consistent; every promote in flight holds a host slot
         being written; every pinned demote is matched by a host pin."""

@@ -88,6 +88,7 @@ class HostTier(Tier):
         self.stats = HostTierStats()
         capacity = config.num_host_slots
         self._block_bytes = tuple(g.block_bytes for g in config.resolved)
+        self._largest_block_bytes = max(self._block_bytes)
         self._policy: EvictionPolicy = make_policy(config.eviction_policy, capacity)
         self._slots = SlotAllocator(capacity)
         self._num_writing = 0
@@ -354,6 +355,13 @@ class HostTier(Tier):
         self._bytes_pinned = 0
         self._keys_per_group = [0] * len(self._block_bytes)
 
+    def is_full(self) -> bool:
+        if self._charges_bytes:  # as TierUsage.is_full, without building the usage
+            held = sum(n * b for n, b in zip(self._keys_per_group, self._block_bytes,
+                                               strict=True))
+            return held + self._largest_block_bytes > self._budget
+        return self._slots.num_used >= self._slots.capacity
+
     def usage(self) -> TierUsage:
         """Occupancy now; ``bytes_by_group`` counts ready and being-written keys."""
         return TierUsage(
@@ -364,7 +372,7 @@ class HostTier(Tier):
             bytes_by_group={g: n * self._block_bytes[g]
                             for g, n in enumerate(self._keys_per_group)},
             capacity_bytes=self._budget if self._charges_bytes else 0,
-            largest_block_bytes=max(self._block_bytes) if self._charges_bytes else 0,
+            largest_block_bytes=self._largest_block_bytes if self._charges_bytes else 0,
         )
 
     def check_integrity(self) -> None:

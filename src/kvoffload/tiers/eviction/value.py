@@ -104,11 +104,6 @@ class ValuePolicy(EvictionPolicy):
             self._heap = [(e.prio, e.seq, k) for k, e in self._entries.items()]
             heapq.heapify(self._heap)
 
-    def priority(self, key: OffloadKey) -> float | None:
-        """The key's priority now (lower goes first), ``None`` if absent."""
-        entry = self._entries.get(key)
-        return None if entry is None else entry.prio
-
     # -- EvictionPolicy -----------------------------------------------------------------
 
     def get(self, key: OffloadKey) -> BlockState | None:
