@@ -725,10 +725,7 @@ class ReferenceEngine:
             parked = sum(len(t) for o in self._parked.values()
                          for t in self.pool.block_table(o))
             self.metrics.parked_blocks_peak = max(self.metrics.parked_blocks_peak, parked)
-            req.status = Status.WAITING
-            req.num_computed = 0
-            req.send_full_table = True
-            self.waiting.appendleft(req)
+            self._back_to_waiting(req)
 
     @property
     def num_parked_loads(self) -> int:
@@ -769,6 +766,11 @@ class ReferenceEngine:
     def _requeue(self, req: EngineRequest) -> None:
         """Free a request whose load cannot be used and queue it to recompute."""
         self.pool.free(req.request_id)
+        self._back_to_waiting(req)
+
+    def _back_to_waiting(self, req: EngineRequest) -> None:
+        """Queue ``req`` first to recompute from scratch (its blocks already released or
+        parked)."""
         req.status = Status.WAITING
         req.num_computed = 0
         req.send_full_table = True

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from kvoffload.config import GroupKind, OffloadConfig
 from kvoffload.engine.executors import AccountingExecutor, TransferExecutor
@@ -37,6 +38,9 @@ from kvoffload.errors import ConfigError
 from kvoffload.tiers.base import Tier
 from kvoffload.tiers.config import DiskTierConfig, RemoteTierConfig, TierConfig
 from kvoffload.tiers.factory import make_tier
+
+if TYPE_CHECKING:
+    from kvoffload.engine.device import DeviceCaches, WorkerExecutor
 
 GiB = 1 << 30
 
@@ -181,6 +185,42 @@ def resolve(config: SimulationConfig, layout: ModelLayout) -> tuple[Capacities, 
     return Capacities(engine_blocks + 1, block_bytes, slots, real.slot_bytes), moved
 
 
+@dataclass(frozen=True)
+class EngineParts:
+    """What the engine of a ``SimulationConfig`` is built from (``engine_parts``)."""
+
+    layout: ModelLayout
+    capacities: Capacities
+    offload: OffloadConfig
+    engine: EngineConfig
+    tier: Tier | None
+    """The planner's tier with the lower tiers below host memory; None: a ``HostTier``."""
+    tiers: TierConfig | None
+    """The lower tiers the real worker reads and writes (bytes mode)."""
+
+
+def engine_parts(config: SimulationConfig, *, lower_tiers: bool = True,
+                 num_workers: int = 1, load_deadline_s: float | None = None) -> EngineParts:
+    """The layout, capacities and configurations of ``config``'s engine; the lower tiers
+    it asks for unless ``lower_tiers`` is False (the run without offloading)."""
+    layout = config.layout()
+    caps, offload_config = resolve(config, layout)
+    offload_config = replace(offload_config, num_workers=num_workers)
+    engine_config = EngineConfig(
+        num_blocks=caps.engine_blocks, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs, decode_tokens_per_step=config.decode_tokens_per_step,
+        sample_interval_s=config.sample_interval_s, check_integrity=config.check_integrity,
+        load_deadline_s=load_deadline_s)
+    tier = tiers = None
+    if lower_tiers and (config.disk_capacity_bytes or config.remote_capacity_bytes
+                        or config.disk_path or config.remote_url):
+        tiers = lower_tier_config(config, offload_config.slot_bytes / caps.host_slot_bytes)
+        tier = make_tier(offload_config, tiers, enable_events=False,
+                         accounting=config.mode is Mode.ACCOUNTING,
+                         remote_capacity_bytes=config.remote_capacity_bytes or 1)
+    return EngineParts(layout, caps, offload_config, engine_config, tier, tiers)
+
+
 def build_engine(config: SimulationConfig, *, offload: bool = True,
                  executor: TransferExecutor | None = None) -> ReferenceEngine:
     """The engine for ``config``; ``offload=False`` builds the no-offloading baseline.
@@ -188,22 +228,10 @@ def build_engine(config: SimulationConfig, *, offload: bool = True,
     In bytes mode (and with offloading) the engine gets real tensors and a
     ``WorkerExecutor`` unless ``executor`` is given.
     """
-    layout = config.layout()
-    caps, offload_config = resolve(config, layout)
-    engine_config = EngineConfig(
-        num_blocks=caps.engine_blocks, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs, decode_tokens_per_step=config.decode_tokens_per_step,
-        sample_interval_s=config.sample_interval_s, check_integrity=config.check_integrity)
-    tier = tiers = None
-    if offload and (config.disk_capacity_bytes or config.remote_capacity_bytes
-                    or config.disk_path or config.remote_url):
-        tiers = lower_tier_config(config, offload_config.slot_bytes / caps.host_slot_bytes)
-        tier = make_tier(offload_config, tiers, enable_events=False,
-                         accounting=config.mode is Mode.ACCOUNTING,
-                         remote_capacity_bytes=config.remote_capacity_bytes or 1)
-    return assemble(layout, engine_config, offload_config if offload else None,
-                    mode=config.mode, executor=executor, timing=config.timing, tier=tier,
-                    tiers=tiers)
+    parts = engine_parts(config, lower_tiers=offload)
+    return assemble(parts.layout, parts.engine, parts.offload if offload else None,
+                    mode=config.mode, executor=executor, timing=config.timing,
+                    tier=parts.tier, tiers=parts.tiers)
 
 
 def lower_tier_config(config: SimulationConfig, byte_scale: float = 1.0) -> TierConfig:
@@ -244,19 +272,26 @@ def lower_tier_config(config: SimulationConfig, byte_scale: float = 1.0) -> Tier
                       disk=disk, remote=remote)
 
 
+ExecutorWrap = Callable[[TransferExecutor, "DeviceCaches | None", "WorkerExecutor | None"],
+                        TransferExecutor]
+"""Wraps the executor ``assemble`` built (given the engine caches and the real worker in
+bytes mode), e.g. to inject faults."""
+
+
 def assemble(layout: ModelLayout, engine_config: EngineConfig,
              offload_config: OffloadConfig | None, *, mode: Mode = Mode.ACCOUNTING,
              executor: TransferExecutor | None = None,
              timing: TimingModel | None = None, tier: Tier | None = None,
-             tiers: TierConfig | None = None) -> ReferenceEngine:
+             tiers: TierConfig | None = None,
+             wrap_executor: ExecutorWrap | None = None) -> ReferenceEngine:
     """Wire an engine: ``offload_config`` None runs without offloading; bytes mode gives
     it real tensors over ``layout.specs`` pages, the real worker (unless ``executor`` is
     given) and a host auditor. ``tier``: the planner's tier (default a ``HostTier``);
-    ``tiers``: the lower tiers the real worker reads and writes (bytes mode)."""
+    ``tiers``: the lower tiers the real worker reads and writes (bytes mode);
+    ``wrap_executor``: applied to the executor before the engine gets it."""
     if offload_config is None:
         return ReferenceEngine(layout, engine_config, timing=timing)
-    device = None
-    auditor = None
+    device = worker = auditor = None
     if mode is Mode.BYTES:
         from kvoffload.engine.device import DeviceCaches, HostAuditor, WorkerExecutor
 
@@ -266,9 +301,12 @@ def assemble(layout: ModelLayout, engine_config: EngineConfig,
             auditor = HostAuditor(worker.worker.host_pool, layout.specs,
                                   offload_config.block_size_factor)
             executor = worker
+    executor = executor or AccountingExecutor(offload_config.num_workers)
+    if wrap_executor is not None:
+        executor = wrap_executor(executor, device, worker)
     return ReferenceEngine(layout, engine_config, offload=offload_config,
-                           executor=executor or AccountingExecutor(), device=device,
-                           auditor=auditor, timing=timing, tier=tier)
+                           executor=executor, device=device, auditor=auditor, timing=timing,
+                           tier=tier)
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvoffload.engine.executors import AccountingExecutor, TransferExecutor
+from kvoffload.engine.executors import TransferExecutor
 from kvoffload.engine.replay import replay
-from kvoffload.engine.scheduler import EngineConfig, ReferenceEngine
-from kvoffload.engine.simulation import Mode, SimulationConfig, lower_tier_config, resolve
+from kvoffload.engine.scheduler import ReferenceEngine
+from kvoffload.engine.simulation import SimulationConfig, assemble, engine_parts
 from kvoffload.engine.summary import summarize
 from kvoffload.engine.workloads.request import WorkloadRequest
 from kvoffload.errors import ConfigError
@@ -32,14 +32,13 @@ from kvoffload.faults.executor import FaultyExecutor, Garble
 from kvoffload.faults.plan import FaultPlan
 from kvoffload.faults.store import FaultyBlockStore, disk_tamper, redis_tamper
 from kvoffload.jobs import Direction, TransferJob
-from kvoffload.tiers.factory import make_tier
 from kvoffload.worker.block_store import BlockStore
 from kvoffload.worker.remote_store import RemoteStore
 
 if TYPE_CHECKING:  # bytes mode only: torch
     import torch
 
-    from kvoffload.engine.device import DeviceCaches
+    from kvoffload.engine.device import DeviceCaches, WorkerExecutor
 
 
 @dataclass(frozen=True)
@@ -186,44 +185,31 @@ def build_soak_engine(config: SoakConfig,
     """The engine of ``config.simulation`` with a load deadline and a faulty worker side;
     also the faulty lower-tier stores (``config.tier_faults``)."""
     sim = config.simulation
-    layout = sim.layout()
-    caps, offload = resolve(sim, layout)
-    offload = replace(offload, num_workers=config.num_workers)
-    engine_config = EngineConfig(
-        num_blocks=caps.engine_blocks, max_num_batched_tokens=sim.max_num_batched_tokens,
-        max_num_seqs=sim.max_num_seqs, decode_tokens_per_step=sim.decode_tokens_per_step,
-        sample_interval_s=sim.sample_interval_s, check_integrity=sim.check_integrity,
-        load_deadline_s=config.load_deadline_s)
-    tier = tiers = None
-    if (sim.disk_capacity_bytes or sim.remote_capacity_bytes or sim.disk_path
-            or sim.remote_url):
-        tiers = lower_tier_config(sim, offload.slot_bytes / caps.host_slot_bytes)
-        tier = make_tier(offload, tiers, enable_events=False,
-                         accounting=sim.mode is Mode.ACCOUNTING,
-                         remote_capacity_bytes=sim.remote_capacity_bytes or 1)
-    inner: TransferExecutor
-    garble: Garble | None = None
+    parts = engine_parts(sim, num_workers=config.num_workers,
+                         load_deadline_s=config.load_deadline_s)
     faulty_stores: list[FaultyBlockStore] = []
-    device = auditor = None
-    if sim.mode is Mode.BYTES:
-        from kvoffload.engine.device import DeviceCaches, HostAuditor, WorkerExecutor
+    wrapped: list[FaultyExecutor] = []
 
-        device = DeviceCaches(layout.specs, engine_config.num_blocks)
-        worker = WorkerExecutor(offload, device, tiers=tiers)
-        auditor = HostAuditor(worker.worker.host_pool, layout.specs, offload.block_size_factor)
-        garble = Garbler(device, worker.arena)
-        inner, mirror = worker, config.num_workers
-        if config.tier_faults > 0 and worker.worker.tier_io is not None:
-            stores = worker.worker.tier_io.stores
-            for name, store in stores.items():
-                wrapped = faulty_store(store, config.tier_faults, config.faults.seed)
-                stores[name] = wrapped
-                faulty_stores.append(wrapped)
-    else:
-        inner, mirror = AccountingExecutor(config.num_workers), 1
-    faulty = FaultyExecutor(inner, config.faults, mirror_ranks=mirror, garble=garble)
-    engine = ReferenceEngine(layout, engine_config, offload=offload, executor=faulty,
-                             device=device, auditor=auditor, timing=sim.timing, tier=tier)
+    def with_faults(inner: TransferExecutor, device: DeviceCaches | None,
+                    worker: WorkerExecutor | None) -> TransferExecutor:
+        garble: Garble | None = None
+        mirror = 1
+        if worker is not None and device is not None:  # bytes mode: the real worker
+            garble, mirror = Garbler(device, worker.arena), config.num_workers
+            tier_io = worker.worker.tier_io
+            if config.tier_faults > 0 and tier_io is not None:
+                for name, store in tier_io.stores.items():
+                    tier_io.stores[name] = faulty = faulty_store(store, config.tier_faults,
+                                                                 config.faults.seed)
+                    faulty_stores.append(faulty)
+        wrapped.append(FaultyExecutor(inner, config.faults, mirror_ranks=mirror,
+                                      garble=garble))
+        return wrapped[0]
+
+    engine = assemble(parts.layout, parts.engine, parts.offload, mode=sim.mode,
+                      timing=sim.timing, tier=parts.tier, tiers=parts.tiers,
+                      wrap_executor=with_faults)
+    faulty = wrapped[0]
     faulty.clock = lambda: engine.clock
     if config.tier_faults and not faulty_stores:
         raise ConfigError("tier_faults", "lower-tier faults need real tiers",
