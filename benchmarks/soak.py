@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from kvoffload.cli.common import parse_size
@@ -109,8 +110,7 @@ def main() -> int:
         return 2
     # Faults are injected on purpose: their warnings would drown the figures.
     logging.getLogger("kvoffload").setLevel(logging.ERROR)
-    plan = FaultPlan.parse(args.faults, seed=args.seed)
-    plan = FaultPlan(plan.rate, plan.kinds, seed=plan.seed, hang_s=args.hang)
+    plan = replace(FaultPlan.parse(args.faults, seed=args.seed), hang_s=args.hang)
     sim = SimulationConfig(
         preset=args.preset, mode=Mode(args.mode), block_size=64, block_size_factor=4,
         engine_capacity_bytes=parse_size(args.engine_capacity, "--engine-capacity"),

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TypeVar
 
 from kvoffload.errors import ConfigError
 
@@ -122,6 +124,22 @@ class FaultLog:
         return sum(self.injected.values())
 
 
+K = TypeVar("K")
+
+
+def draw_fault(rng: random.Random, rate: float, kinds: Sequence[K],
+               allowed: Container[K] | None = None) -> K | None:
+    """One fault decision: with probability ``rate`` a kind drawn evenly from ``kinds``
+    (those in ``allowed``, when given), else None; None too when no kind is allowed."""
+    if rng.random() >= rate:
+        return None
+    if allowed is not None:
+        kinds = [k for k in kinds if k in allowed]
+    if not kinds:
+        return None
+    return kinds[rng.randrange(len(kinds))]
+
+
 class FaultSchedule:
     """Draws one decision per job from a ``FaultPlan`` (deterministic for its seed)."""
 
@@ -132,10 +150,4 @@ class FaultSchedule:
     def decide(self, *, allowed: tuple[FaultKind, ...] | None = None) -> FaultKind | None:
         """The fault for the next job, or None. ``allowed`` narrows the kinds (a caller
         that cannot inject a kind now); when nothing is allowed, no fault."""
-        if self._rng.random() >= self.plan.rate:
-            return None
-        kinds = self.plan.kinds if allowed is None else tuple(
-            k for k in self.plan.kinds if k in allowed)
-        if not kinds:
-            return None
-        return kinds[self._rng.randrange(len(kinds))]
+        return draw_fault(self._rng, self.plan.rate, self.plan.kinds, allowed)

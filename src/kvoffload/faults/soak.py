@@ -234,11 +234,13 @@ def store_rank(store: BlockStore) -> int:
 class _Watch:
     """The per-step hook: samples held counts, resets on request, checks at intervals."""
 
-    def __init__(self, engine: ReferenceEngine, faulty: FaultyExecutor, report: SoakReport,
+    def __init__(self, engine: ReferenceEngine, faulty: FaultyExecutor,
                  interval: float) -> None:
-        self.engine, self.faulty, self.report = engine, faulty, report
+        self.engine, self.faulty = engine, faulty
         self.interval = interval
         self.next_check = interval
+        self.pinned, self.fenced, self.pending, self.parked = Held(), Held(), Held(), Held()
+        self.integrity_checks = 0
 
     def __call__(self) -> None:
         engine = self.engine
@@ -251,34 +253,26 @@ class _Watch:
             self.check()
 
     def sample(self) -> None:
-        engine, report = self.engine, self.report
+        engine = self.engine
         planner, host = engine.planner, engine.host
         assert planner is not None and host is not None
-        report.pinned.see(host.usage().pinned_slots)
-        report.fenced.see(planner.fence_size)
-        report.pending.see(planner.num_jobs + self.faulty.num_held)
-        report.parked.see(engine.num_parked_loads)
+        self.pinned.see(host.usage().pinned_slots)
+        self.fenced.see(planner.fence_size)
+        self.pending.see(planner.num_jobs + self.faulty.num_held)
+        self.parked.see(engine.num_parked_loads)
 
     def check(self) -> None:
         self.engine.check_integrity()
         self.engine.audit_host()
-        self.report.integrity_checks += 1
+        self.integrity_checks += 1
 
 
 def run_soak(config: SoakConfig, workload: Iterable[WorkloadRequest], *,
              progress: Callable[[int], None] | None = None) -> SoakReport:
     """Replay ``workload`` with faults; raise whatever an integrity check raises."""
     engine, faulty, faulty_stores = build_soak_engine(config)
-    report = SoakReport(
-        requests=0, requests_served=0, modelled_s=0.0, wall_s=0.0,
-        mode=config.simulation.mode.value, transfer_jobs=0, faults_injected=0, faults={},
-        wrong_bytes=0, verified_blocks=0, audited_host_blocks=0, recomputed_requests=0,
-        failed_loads=0, abandoned_loads=0, failed_stores=0, cache_resets=0,
-        stale_reports=0, duplicate_reports=0, deferral_timeouts=0, integrity_checks=0,
-        host_hit_rate=0.0, max_offload_wait_s=0.0, load_deadline_s=config.load_deadline_s,
-        max_step_s=0.0, deferral_give_ups=0)
     counted = _Counted(workload)
-    watch = _Watch(engine, faulty, report, config.check_interval_s)
+    watch = _Watch(engine, faulty, config.check_interval_s)
     start = time.perf_counter()
     try:
         metrics = replay(engine, counted, arrival=config.simulation.arrival,
@@ -294,35 +288,29 @@ def run_soak(config: SoakConfig, workload: Iterable[WorkloadRequest], *,
     planner = engine.planner
     assert planner is not None
     stats = planner.stats
-    report.requests = counted.count
-    report.requests_served = len(metrics.records)
-    report.modelled_s = engine.clock
-    report.wall_s = summary.wall_s
-    report.transfer_jobs = faulty.log.jobs
-    report.faults_injected = faulty.log.total
-    report.faults = dict(faulty.log.injected)
+    faults = dict(faulty.log.injected)
     for store in faulty_stores:
         for kind, n in store.injected.items():
             label = f"{store.name} {kind}"
-            report.faults[label] = report.faults.get(label, 0) + n
-            report.faults_injected += n
-    report.wrong_bytes = metrics.wrong_bytes
-    report.verified_blocks = metrics.verified_blocks
-    report.audited_host_blocks = metrics.audited_host_blocks
-    report.recomputed_requests = sum(1 for r in metrics.records
-                                     if r.failed_loads or r.corrupt_loads)
-    report.failed_loads = stats.failed_loads
-    report.abandoned_loads = metrics.abandoned_loads
-    report.failed_stores = stats.failed_stores
-    report.cache_resets = metrics.cache_resets
-    report.stale_reports = stats.stale_reports
-    report.duplicate_reports = stats.duplicate_reports
-    report.deferral_timeouts = stats.deferral_timeouts
-    report.host_hit_rate = summary.host_hit_rate
-    report.max_offload_wait_s = metrics.max_offload_wait_s
-    report.max_step_s = metrics.max_step_s
-    report.deferral_give_ups = metrics.deferral_give_ups
-    return report
+            faults[label] = faults.get(label, 0) + n
+    return SoakReport(
+        requests=counted.count, requests_served=len(metrics.records),
+        modelled_s=engine.clock, wall_s=summary.wall_s, mode=config.simulation.mode.value,
+        transfer_jobs=faulty.log.jobs,
+        faults_injected=faulty.log.total + sum(sum(s.injected.values()) for s in faulty_stores),
+        faults=faults, wrong_bytes=metrics.wrong_bytes,
+        verified_blocks=metrics.verified_blocks,
+        audited_host_blocks=metrics.audited_host_blocks,
+        recomputed_requests=sum(1 for r in metrics.records
+                                if r.failed_loads or r.corrupt_loads),
+        failed_loads=stats.failed_loads, abandoned_loads=metrics.abandoned_loads,
+        failed_stores=stats.failed_stores, cache_resets=metrics.cache_resets,
+        stale_reports=stats.stale_reports, duplicate_reports=stats.duplicate_reports,
+        deferral_timeouts=stats.deferral_timeouts, integrity_checks=watch.integrity_checks,
+        host_hit_rate=summary.host_hit_rate, max_offload_wait_s=metrics.max_offload_wait_s,
+        load_deadline_s=config.load_deadline_s, max_step_s=metrics.max_step_s,
+        deferral_give_ups=metrics.deferral_give_ups, pinned=watch.pinned,
+        fenced=watch.fenced, pending=watch.pending, parked=watch.parked)
 
 
 class _Counted:

@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvoffload.faults.plan import draw_fault
 from kvoffload.tiers.framing import BytesLike
 from kvoffload.tiers.naming import block_path, remote_key
 from kvoffload.worker.block_store import BlockStore, TierUnavailable
@@ -59,12 +60,9 @@ class FaultyBlockStore(BlockStore):
         if self._down_for > 0:
             self._down_for -= 1
             raise TierUnavailable(f"{self.name}: injected outage")
-        if self._rng.random() >= self.rate:
+        kind = draw_fault(self._rng, self.rate, self.kinds, allowed)
+        if kind is None:
             return None
-        kinds = [k for k in self.kinds if k in allowed]
-        if not kinds:
-            return None
-        kind = kinds[self._rng.randrange(len(kinds))]
         self.injected[kind] += 1
         if kind == "outage":
             self._down_for = self.outage_calls - 1
