@@ -257,10 +257,10 @@ class ReferenceEngine:
         self._parked: dict[JobId, str] = {}
         """Abandoned load -> the pool owner holding its request's blocks until it reports."""
         self._offload_since: dict[str, float] = {}
-        """When each request went onto the offload path (deferred, or loading)."""
+        """When each request went onto the offload path (deferred, or loading: for a
+        request in ``self.loading``, when its load started)."""
         self._deferred = False
         """Some lookup of the last step answered "ask again later"."""
-        self._load_started: dict[str, float] = {}
         if self.planner is not None:
             self.pool.avoid = self._used_by_overdue_job
 
@@ -294,9 +294,9 @@ class ReferenceEngine:
 
     def _next_deadline(self) -> float | None:
         deadline = self.config.load_deadline_s
-        if deadline is None or not self._load_started:
+        if deadline is None or not self.loading:
             return None
-        return min(self._load_started.values()) + deadline
+        return min(self._offload_since[rid] for rid in self.loading) + deadline
 
     def reset_cache(self) -> None:
         """Drop everything offloaded (``Planner.reset_cache``): loads in flight fail
@@ -505,7 +505,6 @@ class ReferenceEngine:
             req.pending_hits = (local, external)
             self.loading[rid] = req
             self._offload_since[rid] = self.clock  # the load's own wait starts
-            self._load_started[rid] = self.clock
             return _Admission.LOADING, 0
         count = self._chunk(req, local, budget)
         alloc = self.pool.allocate(rid, local + count, local, hit=hit)
@@ -653,7 +652,6 @@ class ReferenceEngine:
             req = self.loading.pop(rid, None)
             if req is None:
                 continue
-            self._load_started.pop(rid, None)
             self._off_offload_path(rid)
             job = self._load_jobs.pop(rid, None)
             if rid in failed:
@@ -706,9 +704,9 @@ class ReferenceEngine:
         deadline = self.config.load_deadline_s
         if deadline is None or self.planner is None:
             return
-        late = [rid for rid, t in self._load_started.items() if self.clock - t >= deadline]
+        late = [rid for rid in self.loading
+                if self.clock - self._offload_since[rid] >= deadline]
         for rid in late:
-            del self._load_started[rid]
             req = self.loading.pop(rid)
             self._load_jobs.pop(rid, None)
             self._off_offload_path(rid)
