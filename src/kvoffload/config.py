@@ -121,6 +121,19 @@ HOST_ACCOUNTING = ("slot", "bytes")
 """Accepted ``OffloadConfig.host_accounting`` values."""
 
 
+MAX_DEFERRAL_S = 60.0
+
+
+def checked_min_deferral_s(value: object, field: str = "min_deferral_s") -> float:
+    """``value`` as seconds a deferred lookup waits at least, in ``[0, MAX_DEFERRAL_S]``;
+    ``ConfigError`` naming ``field`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 <= value <= MAX_DEFERRAL_S:
+        raise ConfigError(field, f"must be seconds in [0, {MAX_DEFERRAL_S:g}], got {value!r}",
+                          "Use e.g. 0.5, or 0 to bound by steps only.")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """Everything the planner and the host tier need to know.
@@ -177,9 +190,7 @@ class OffloadConfig:
         if self.num_workers <= 0:
             raise ConfigError("num_workers", f"must be >= 1, got {self.num_workers}",
                               "Use the tensor-parallel size.")
-        if not 0 <= self.min_deferral_s <= 60:
-            raise ConfigError("min_deferral_s", f"must be in [0, 60] seconds, got "
-                              f"{self.min_deferral_s}", "Use e.g. 0.5, or 0 for steps only.")
+        checked_min_deferral_s(self.min_deferral_s)
         if self.max_deferred_steps <= 0:
             raise ConfigError("max_deferred_steps", f"must be >= 1, got {self.max_deferred_steps}",
                               "Bound how many steps a lookup may be deferred, e.g. 64.")

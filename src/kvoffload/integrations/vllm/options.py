@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvoffload.config import checked_min_deferral_s
 from kvoffload.errors import ConfigError
 from kvoffload.tiers.config import OPTION_HELP, TierConfig
 from kvoffload.tiers.eviction import registered_policies
@@ -96,16 +97,13 @@ class ConnectorOptions:
         deferred = _positive_int(extra.get("max_deferred_steps", 64),
                                  f"{PREFIX}.max_deferred_steps",
                                  "Use a small positive number of steps, e.g. 64.")
-        min_deferral = extra.get("min_deferral_s", 0.5)
-        if isinstance(min_deferral, bool) or not isinstance(min_deferral, (int, float)) \
-                or not 0 <= min_deferral <= 60:
-            raise ConfigError(f"{PREFIX}.min_deferral_s", f"must be seconds in [0, 60], got "
-                              f"{min_deferral!r}", "Use e.g. 0.5, or 0 to bound by steps only.")
+        min_deferral = checked_min_deferral_s(extra.get("min_deferral_s", 0.5),
+                                              f"{PREFIX}.min_deferral_s")
         tiers = _tiers(extra.get("tiers", ["host"]))
         tier_config = _tier_config(tiers, {k: v for k, v in extra.items() if k in TIER_OPTIONS})
         return cls(host_memory_bytes=memory, eviction_policy=policy,
                    block_size_factor=factor, tiers=tiers, max_deferred_steps=deferred,
-                   min_deferral_s=float(min_deferral),
+                   min_deferral_s=min_deferral,
                    tier_config=tier_config)
 
 
