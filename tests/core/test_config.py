@@ -52,6 +52,8 @@ CASES: list[tuple[str, Callable[[], object], str, str]] = [
     ("num_workers", lambda: cfg(FULL16, num_workers=0), "num_workers", "tensor-parallel size"),
     ("max_deferred_steps", lambda: cfg(FULL16, max_deferred_steps=0), "max_deferred_steps",
      "Bound how many steps"),
+    ("min_deferral_s", lambda: cfg(FULL16, min_deferral_s=61), "min_deferral_s",
+     "bound by steps only"),
     ("capacity", lambda: cfg(FULL16, host_capacity_bytes=127), "host_capacity_bytes",
      "at least 128 bytes"),
     # A group finer than the hash unit would get a hash factor of 0 (brief 8, #55038).

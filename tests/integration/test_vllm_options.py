@@ -80,6 +80,8 @@ def test_lower_tiers_follow_the_tiers_list() -> None:
     ({"host_memory_bytes": 1, "tier_order": "disk"}, "tier_order", "not a kvoffload"),
     ({"host_memory_bytes": 1, "min_deferral_s": -1}, "min_deferral_s", "seconds"),
     ({"host_memory_bytes": 1, "min_deferral_s": "soon"}, "min_deferral_s", "seconds"),
+    ({"host_memory_bytes": 1, "min_deferral_s": True}, "min_deferral_s", "seconds"),
+    ({"host_memory_bytes": 1, "min_deferral_s": 61}, "min_deferral_s", "seconds"),
     ({"host_memory_bytes": 1, "cpu_bytes_to_use": 5}, "cpu_bytes_to_use", "not a kvoffload"),
 ])
 def test_invalid_options_name_the_key_and_the_fix(extra: Any, field: str, hint: str) -> None:
