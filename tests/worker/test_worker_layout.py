@@ -75,6 +75,12 @@ def test_host_pool_addresses_pages_inside_slots() -> None:
     pool.page_view(3, 0, 1, 1).fill_(7)
     assert bool((pool.slot_view(3, 0)[3 * k_page : 4 * k_page] == 7).all())
     assert pool.slot_view(3, 1).numel() == layout.groups[1].block_bytes
+    buffer = pool.slot_buffer(3, 1)  # the same bytes, as a writable buffer for I/O
+    assert len(buffer) == layout.groups[1].block_bytes
+    buffer[:4] = b"\x01\x02\x03\x04"
+    assert pool.slot_view(3, 1)[:4].tolist() == [1, 2, 3, 4]
+    with pytest.raises(IndexError, match="slot -1"):
+        pool.slot_buffer(-1, 0)
     seg = pool.segment_view(1, 1)  # mamba ssm state pages
     assert seg.shape == (5, 2, 384)
     seg[4, 1].fill_(9)

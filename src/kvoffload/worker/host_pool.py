@@ -135,6 +135,7 @@ class HostPool:
         # (num_slots, slot_bytes) uint8; a slot is one row.
         self.arena, self.pinned = allocate_arena((num_slots, self.slot_bytes), pin,
                                                  layout.device)
+        self._array: Any = None  # numpy alias of the arena, made on first use
 
     @property
     def nbytes(self) -> int:
@@ -157,6 +158,14 @@ class HostPool:
         """
         self.check_slot(slot)
         return self.arena[slot, : self._group(group).block_bytes]  # (block_bytes,)
+
+    def slot_buffer(self, slot: int, group: int) -> memoryview:
+        """``slot_view`` as a writable buffer, for file and socket I/O: sliced from a
+        numpy alias of the arena, about 100x cheaper than slicing the tensor."""
+        self.check_slot(slot)
+        if self._array is None:
+            self._array = self.arena.numpy()
+        return memoryview(self._array[slot, : self._group(group).block_bytes])
 
     def page_offset(self, group: int, segment: int, sub_block: int) -> int:
         """Byte offset inside a slot of page ``sub_block`` of ``group``'s segment ``segment``."""
