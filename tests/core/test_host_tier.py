@@ -126,6 +126,18 @@ def test_prepare_store_never_evicts_its_own_input_keys() -> None:
     assert tier.lookup(k(1)) is LookupResult.HIT
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc", "value"])
+def test_protected_keys_are_never_evicted(policy: str) -> None:
+    """A cascade protects the keys requests wait for, besides the store's own keys."""
+    tier = make_tier(3, policy)
+    store(tier, 1, 2, 3)  # 1 is least recent
+    result = tier.prepare_store(keys(2, 9), protected=frozenset(keys(1)))
+    assert result is not None and result.evicted == (k(3),)  # neither 1 nor 2
+    assert tier.lookup(k(1)) is LookupResult.HIT
+    # Everything idle is protected or an input key: no room.
+    assert tier.prepare_store(keys(10), protected=frozenset(keys(1, 2, 3))) is None
+
+
 def test_pinned_and_writing_blocks_are_never_evicted() -> None:
     tier = make_tier(3)
     store(tier, 1, 2)
