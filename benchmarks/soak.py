@@ -59,31 +59,8 @@ def markdown(report: SoakReport, command: str) -> str:
         loads = report.faults.get(f"{kind.value}/load", 0)
         stores = report.faults.get(f"{kind.value}/store", 0)
         rows.append(f"| {kind.value} | {loads:,} | {stores:,} | {EXPECTED[kind]} |")
-    r = report
-    figures = [
-        "| figure | value |", "|---|---|",
-        f"| requests served | {r.requests_served:,} of {r.requests:,} |",
-        f"| modelled time | {r.modelled_s:,.0f} s ({r.mode} mode, {r.wall_s:,.0f} s wall) |",
-        f"| transfer jobs | {r.transfer_jobs:,} |",
-        f"| faults injected | {r.faults_injected:,} |",
-        f"| wrong bytes | **{r.wrong_bytes:,}** ({r.verified_blocks:,} loaded or cached "
-        f"blocks verified, {r.audited_host_blocks:,} host blocks audited) |",
-        f"| requests that fell back to recompute | {r.recomputed_requests:,} "
-        f"({r.failed_loads:,} failed loads, {r.abandoned_loads:,} given up at the deadline) |",
-        f"| failed stores (slots freed) | {r.failed_stores:,} |",
-        f"| cache resets / stale reports ignored | {r.cache_resets:,} / {r.stale_reports:,} |",
-        f"| duplicate reports detected and ignored | {r.duplicate_reports:,} |",
-        f"| integrity checks passed | {r.integrity_checks:,} |",
-        f"| pinned host keys, peak / final | {r.pinned.peak:,} / **{r.pinned.final}** |",
-        f"| fenced engine blocks, peak / final | {r.fenced.peak:,} / **{r.fenced.final}** |",
-        f"| jobs pending, peak / final | {r.pending.peak:,} / **{r.pending.final}** |",
-        f"| parked blocks of abandoned loads, peak / final | {r.parked.peak:,} / "
-        f"**{r.parked.final}** |",
-        f"| longest wait on the offload path | {r.max_offload_wait_s:.2f} s (deadline "
-        f"{r.load_deadline_s:.0f} s + longest step {r.max_step_s:.2f} s) |",
-        f"| offload hit rate | {r.host_hit_rate:.1%} |",
-        f"| verdict | {'clean' if r.ok else 'FAILED'} |",
-    ]
+    figures = ["| figure | value |", "|---|---|",
+               *(f"| {label} | {value} |" for label, value in report.figures())]
     return (f"Produced by `{command}`.\n\n" + "\n".join(rows) + "\n\n" + "\n".join(figures)
             + "\n")
 

@@ -66,6 +66,14 @@ def test_simulate_faults_prints_the_soak_figures(capsys: pytest.CaptureFixture[s
     assert status == 0 and data["ok"] is True, err
     assert data["wrong_bytes"] == 0 and data["faults_injected"] > 0
     assert data["pinned"]["final"] == 0 and data["pending"]["final"] == 0
+    # The text form shows the same figures, one per line, ending with the verdict.
+    status = main(["simulate", "--faults", "0.2", "--workload", "agentic", "--limit", "20",
+                   "--engine-tokens", "64k", "--load-deadline", "2", "--hang", "10"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert status == 0 and lines[0] == "soak:"
+    assert lines[-1].split() == ["verdict", "OK"]
+    wrong = next(line for line in lines if line.strip().startswith("wrong bytes"))
+    assert wrong.split()[2] == "0"
 
 
 @pytest.mark.parametrize("preset", ["gpt-oss-20b", "nemotron-h-8b"])

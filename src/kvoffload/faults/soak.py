@@ -132,36 +132,43 @@ class SoakReport:
         out["wait_bound_s"] = self.wait_bound_s
         return out
 
-    def text(self) -> str:
+    def figures(self) -> list[tuple[str, str]]:
+        """Every figure of the run as (label, value), in reading order."""
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.faults.items())) or "none"
-        lines = [
-            f"soak: {self.requests_served}/{self.requests} requests served in "
-            f"{self.modelled_s:,.0f} modelled s ({self.wall_s:,.0f} s wall, {self.mode} mode)",
-            f"  transfer jobs            {self.transfer_jobs:,}",
-            f"  faults injected          {self.faults_injected:,} ({kinds})",
-            f"  wrong bytes              {self.wrong_bytes:,} "
-            f"({self.verified_blocks:,} loaded/cached blocks verified, "
-            f"{self.audited_host_blocks:,} host blocks audited)",
-            f"  fell back to recompute   {self.recomputed_requests:,} requests "
-            f"({self.failed_loads:,} failed loads, {self.abandoned_loads:,} given up "
-            "past the deadline)",
-            f"  failed stores            {self.failed_stores:,}",
-            f"  cache resets             {self.cache_resets:,} "
-            f"(stale reports ignored: {self.stale_reports:,})",
-            f"  duplicate reports        {self.duplicate_reports:,} (detected, counted, ignored)",
-            f"  integrity checks         {self.integrity_checks:,} (all passed)",
-            f"  offload hit rate         {self.host_hit_rate:.1%}",
-            f"  longest offload wait     {self.max_offload_wait_s:.2f} s (bound: deadline "
-            f"{self.load_deadline_s:.1f} s + longest step {self.max_step_s:.2f} s; "
-            f"{self.deferral_give_ups:,} lookups deferred past the deadline ran without)",
-            "  held (peak / final)      "
-            f"pinned keys {self.pinned.peak}/{self.pinned.final}, "
-            f"fenced blocks {self.fenced.peak}/{self.fenced.final}, "
-            f"jobs pending {self.pending.peak}/{self.pending.final}, "
-            f"parked blocks {self.parked.peak}/{self.parked.final}",
-            f"  verdict                  {'OK' if self.ok else 'FAILED'}",
+        return [
+            ("requests served", f"{self.requests_served:,} of {self.requests:,}"),
+            ("modelled time", f"{self.modelled_s:,.0f} s ({self.mode} mode, "
+                              f"{self.wall_s:,.0f} s wall)"),
+            ("transfer jobs", f"{self.transfer_jobs:,}"),
+            ("faults injected", f"{self.faults_injected:,} ({kinds})"),
+            ("wrong bytes", f"{self.wrong_bytes:,} ({self.verified_blocks:,} loaded or "
+                            f"cached blocks verified, {self.audited_host_blocks:,} host "
+                            "blocks audited)"),
+            ("fell back to recompute", f"{self.recomputed_requests:,} requests "
+                                       f"({self.failed_loads:,} failed loads, "
+                                       f"{self.abandoned_loads:,} given up at the deadline)"),
+            ("failed stores (slots freed)", f"{self.failed_stores:,}"),
+            ("cache resets / stale reports ignored",
+             f"{self.cache_resets:,} / {self.stale_reports:,}"),
+            ("duplicate reports (detected, ignored)", f"{self.duplicate_reports:,}"),
+            ("integrity checks passed", f"{self.integrity_checks:,}"),
+            ("offload hit rate", f"{self.host_hit_rate:.1%}"),
+            ("longest offload wait", f"{self.max_offload_wait_s:.2f} s (bound: deadline "
+                                     f"{self.load_deadline_s:.1f} s + longest step "
+                                     f"{self.max_step_s:.2f} s; {self.deferral_give_ups:,} "
+                                     "lookups deferred past the deadline ran without)"),
+            ("pinned host keys, peak / final", f"{self.pinned.peak:,} / {self.pinned.final}"),
+            ("fenced engine blocks, peak / final",
+             f"{self.fenced.peak:,} / {self.fenced.final}"),
+            ("jobs pending, peak / final", f"{self.pending.peak:,} / {self.pending.final}"),
+            ("parked blocks of abandoned loads, peak / final",
+             f"{self.parked.peak:,} / {self.parked.final}"),
+            ("verdict", "OK" if self.ok else "FAILED"),
         ]
-        return "\n".join(lines)
+
+    def text(self) -> str:
+        return "soak:\n" + "\n".join(f"  {label:<47} {value}"
+                                       for label, value in self.figures())
 
 
 class Garbler:
