@@ -136,3 +136,43 @@ def test_learned_points_are_bounded() -> None:
     assert policy.num_learned == 2
     policy.learn_miss(hashes, 9)  # not aligned: ignored
     assert policy.num_learned == 2
+
+
+def chunk(planner: Planner, req: Req, ids: tuple[int, ...], computed: int,
+          scheduled: int) -> StepPlan:
+    """One prefill chunk: ``ids`` are the new blocks for tokens [computed, +scheduled)."""
+    if computed == 0:
+        planner.update_state_after_alloc(req, (ids, ids), 0)
+    return planner.build_step_plan(StepInput((ScheduledRequest(
+        req, (ids, ids), computed, scheduled, num_freed_blocks=(0, 0)),)))
+
+
+def test_a_prefill_stores_its_resume_point_and_demotes_it_once_past() -> None:
+    """A 32-token prompt computed 12 tokens at a time into a full tier. After the first
+    chunk, the window at 12 (blocks 1 and 2) is stored only because a preempted request
+    would resume there; after the second, the window at 24 (blocks 4 and 5; 5 also
+    serves the prompt end) is, and blocks 1 and 2 go to the front of the eviction order.
+    Preempted then, the request finds 24 tokens in the tier instead of none."""
+    hasher = BlockHasher(4)
+    cfg = config(slots=40)
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    complete(planner, prefill(planner, Req("fill", [99] * 80, hasher), 100))  # 40 slots
+    req = Req("a", list(range(32)), hasher)
+    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    first = chunk(planner, req, (1, 2, 3), 0, 12)
+    assert stored_window_blocks(first) == [1, 2]
+    complete(planner, first)
+    second = chunk(planner, req, (4, 5, 6), 12, 12)
+    assert stored_window_blocks(second) == [4, 5]
+    complete(planner, second)
+    window_key = {make_offload_key(req.block_hashes[k], 1): k for k in range(8)}
+    assert sorted(window_key.get(key, -1) for key in list(tier)[:2]) == [1, 2]
+    planner.build_step_plan(StepInput(preempted=("a",)))
+    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 24
+
+
+def test_resume_points_lie_inside_the_prompt() -> None:
+    policy = HitPointAdmission(4, 8, lambda: False)
+    assert [policy.resume_point(f, 40) for f in (4, 8, 13, 38, 39, 44)] == [0, 8, 8, 32, 0, 0]
+    assert StoreEverything().resume_point(13, 40) == 0

@@ -10,15 +10,17 @@ On top, every window block or Mamba state the planner asks the tier to store mus
 that can serve a hit under the policy's own rule: some aligned hit point whose window (or
 state) needs the block must be one the admission calls likely (the prompt's end, a point
 after the prompt, a multiple of the learned granule just before the prompt's end, or a
-learned miss point), unless the tier had free room when it was admitted (then the policy
-admits everything, as store-everything would).
+learned miss point), or, stored provisionally, the window or state of the request's resume
+point (the last aligned point of a prefill still inside its prompt), unless the tier had
+free room when it was admitted (then the policy admits everything, as store-everything
+would).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 from test_planner_state_machine import EXAMPLES, STEPS, PlannerMachine
@@ -66,10 +68,15 @@ class AdmissionAudit:
         self.groups = engine.config.resolved
         self.admitted: set[OffloadKey] = set()
         self.checked = 0
+        self.resumed = 0
+        """Blocks stored for a resume point."""
+        self._refused: tuple[int, int, Sequence[BlockHash]] = (-1, -1, ())
         admit = self.admission.admit
         self.has_room: Callable[[], bool] = self.admission._has_room
         self.admission.admit = self._admit  # type: ignore[method-assign]
         self._admit_inner = admit
+        self._resume_inner = self.admission.admit_for_resume
+        self.admission.admit_for_resume = self._admit_for_resume  # type: ignore[method-assign]
         store = engine.tier.prepare_store
         self._store_inner = store
         engine.tier.prepare_store = self._prepare_store  # type: ignore[method-assign]
@@ -97,11 +104,33 @@ class AdmissionAudit:
                 assert any(self._likely(p, hashes, num_prompt_tokens) for p in points), (
                     f"group {group.index} block {block} admitted with the tier full, but no "
                     f"likely hit point needs it (prompt {num_prompt_tokens})")
-            index = (block + 1) * group.hashes_per_block - 1
-            if index < len(hashes):
-                self.admitted.add(make_offload_key(hashes[index], group.index))
+            self._record(group, block, hashes)
+        self._refused = (group.index, block, hashes)
         self.checked += 1
         return result
+
+    def _admit_for_resume(self, group: ResolvedGroup, block: int, frontier: int,
+                          num_prompt_tokens: int) -> bool:
+        """A resume point is the last aligned point of a prefill still inside the prompt;
+        a block stored for it must be in that point's window (or be its state)."""
+        result = self._resume_inner(group, block, frontier, num_prompt_tokens)
+        if result:
+            point = frontier // self.alignment * self.alignment
+            assert 0 < point < num_prompt_tokens - 1, f"resume point {point} outside the prompt"
+            assert point in _hit_points(group, block, self.alignment), (
+                f"group {group.index} block {block} stored for a resume at {point}, "
+                "whose window does not need it")
+            refused_group, refused_block, hashes = self._refused
+            assert (refused_group, refused_block) == (group.index, block), \
+                "asked for a resume without being refused first"
+            self.resumed += 1
+            self._record(group, block, hashes)
+        return result
+
+    def _record(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash]) -> None:
+        index = (block + 1) * group.hashes_per_block - 1
+        if index < len(hashes):
+            self.admitted.add(make_offload_key(hashes[index], group.index))
 
     def _prepare_store(self, keys: Sequence[OffloadKey], **kwargs: object
                        ) -> PrepareStoreResult | None:
@@ -120,6 +149,12 @@ class ValuePolicyMachine(PlannerMachine):
         self.audit = (AdmissionAudit(self.engine)
                       if isinstance(self.engine.planner._admission,
                                     HitPointAdmission) else None)
+
+    def teardown(self) -> None:
+        if getattr(self, "audit", None) is not None:
+            assert self.audit is not None
+            event(f"blocks stored for a resume point: {'some' if self.audit.resumed else 'none'}")
+        super().teardown()
 
     @invariant()
     def byte_budget_holds(self) -> None:

@@ -26,6 +26,13 @@ stores window blocks and Mamba states only around *likely hit points*:
   one more multiple is kept (up to ``max_granule_points``); if fewer than
   ``SHRINK_SHARE`` did, one fewer (down to the initial count).
 
+Resume points. A request preempted during its prefill restarts from the last point it
+stored whole, so the point where its computed prefill stands is a certain hit point
+while it stands there: the planner stores that point's windows and state
+*provisionally*, and demotes them (evicts them first) once the prefill has moved past it
+and stored a later one, or the request finishes. Without this, a preempted request
+under selective admission recomputes its prompt from the last granule point.
+
 While the tier has free room it admits everything: selective admission only matters
 when memory is short, and must not lose hits that storing everything would have had.
 """
@@ -68,6 +75,20 @@ class AdmissionPolicy(ABC):
         """Blocks in ``[stored_from, stored_to)`` to demote when the request finishes."""
         del group, num_prompt_tokens, num_tokens
         return range(stored_from, stored_from)
+
+    def resume_point(self, frontier: int, num_prompt_tokens: int) -> int:
+        """The hit point (tokens) to store provisionally while a request's prefill stands
+        at ``frontier`` computed tokens, or 0 for none (module doc: resume points)."""
+        del frontier, num_prompt_tokens
+        return 0
+
+    def admit_for_resume(self, group: ResolvedGroup, block: int, frontier: int,
+                         num_prompt_tokens: int) -> bool:
+        """Whether ``block`` of window or Mamba group ``group`` belongs to the window or
+        state of the resume point at ``frontier`` (then it is stored provisionally)."""
+        point = self.resume_point(frontier, num_prompt_tokens)
+        end = point // group.offloaded_block_size
+        return point > 0 and end - (group.window_blocks or 1) <= block < end
 
 
 class StoreEverything(AdmissionPolicy):
@@ -197,6 +218,13 @@ class HitPointAdmission(AdmissionPolicy):
         self._learned.move_to_end(hashes[index])
         while len(self._learned) > self._max_learned:
             self._learned.popitem(last=False)
+
+    def resume_point(self, frontier: int, num_prompt_tokens: int) -> int:
+        """The last aligned point at or before ``frontier`` while the prompt is still being
+        computed (after it, every point is a hit point already)."""
+        if frontier >= num_prompt_tokens - 1:
+            return 0
+        return frontier // self._alignment * self._alignment
 
     def demote_on_finish(self, group: ResolvedGroup, stored_from: int, stored_to: int,
                          num_prompt_tokens: int, num_tokens: int) -> range:

@@ -415,6 +415,8 @@ class Planner:
         candidates: list[list[tuple[int, list[int]]]] = []
         keys: list[OffloadKey] = []
         request = st.request
+        resume = self._admission.resume_point(offloadable, request.num_prompt_tokens)
+        provisional: list[OffloadKey] = []
         for g, gs, limit in zip(self._groups, st.groups, limits, strict=True):
             entries = []
             first = gs.next_stored
@@ -431,10 +433,18 @@ class Planner:
                       else self._useful_blocks(g, first, limit))
             for k in blocks:
                 positions = self._store_positions(g, gs, k, st.state_ends)
-                if positions and (g.window_blocks is None or self._admission.admit(
-                        g, k, request.block_hashes, request.num_prompt_tokens)):
-                    entries.append((k, positions))
-                    keys.append(gs.keys[k])
+                if not positions:
+                    continue
+                if g.window_blocks is None or self._admission.admit(
+                        g, k, request.block_hashes, request.num_prompt_tokens):
+                    pass
+                elif self._admission.admit_for_resume(g, k, offloadable,
+                                                      request.num_prompt_tokens):
+                    provisional.append(gs.keys[k])
+                else:
+                    continue
+                entries.append((k, positions))
+                keys.append(gs.keys[k])
             candidates.append(entries)
         if not keys:
             self._advance(st, limits)
@@ -444,6 +454,7 @@ class Planner:
             self.stats.store_retries += 1
             return None
         self._advance(st, limits)
+        self._keep_resume_point(st, resume, provisional, result.keys_to_store)
         if not result.keys_to_store:
             return None
         slot_of = dict(zip(result.keys_to_store, result.slots, strict=True))
@@ -476,6 +487,18 @@ class Planner:
         st.jobs.add(job_id)
         self.stats.store_jobs += 1
         return TransferJob(job_id, Direction.STORE, rid, tuple(transfers))
+
+    def _keep_resume_point(self, st: RequestState, point: int,
+                           provisional: list[OffloadKey], stored: Sequence[OffloadKey]) -> None:
+        """Record the keys stored only for a resume at ``point``; demote those of an
+        earlier point, which a resume no longer needs (admission's resume points)."""
+        if point > st.resume_point and st.resume_keys:
+            self.tier.demote(st.resume_keys)
+            st.resume_keys = []
+        if provisional:
+            fresh = set(stored)
+            st.resume_keys.extend(key for key in provisional if key in fresh)
+            st.resume_point = point
 
     @staticmethod
     def _group_store_transfers(g: ResolvedGroup, gs: GroupState,
@@ -735,6 +758,8 @@ class Planner:
                                                       request.num_prompt_tokens,
                                                       request.num_tokens)
             worthless.extend(gs.keys[k] for k in blocks)
+        worthless.extend(st.resume_keys)
+        st.resume_keys = []
         if worthless:
             self.tier.demote(worthless)
 

@@ -65,6 +65,11 @@ class RequestState:
     deferred_since: float = 0.0
     finished: bool = False
     state_ends: set[int] = field(default_factory=set)
+    resume_point: int = 0
+    """The prefill point (tokens) whose windows and states ``resume_keys`` hold."""
+    resume_keys: list[OffloadKey] = field(default_factory=list)
+    """Keys stored only because a resume at ``resume_point`` needs them (provisional:
+    demoted once the request stores a later point or finishes)."""
 
     def reset_table(self) -> None:
         """Forget the engine's block table (and the step ends seen with it): a new lookup,
