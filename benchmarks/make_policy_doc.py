@@ -302,26 +302,41 @@ LRU.
 full-attention block it cannot serve without (its *anchor*). Evicting an anchor demotes
 its dependents to the front of the eviction order: they are worthless now.
 
+**Insertion that adapts to capacity.** Blocks are stored as they are computed, so under
+LRU insertion host memory holds the newest blocks, which the engine's own prefix cache
+still holds too. Where host memory is small against the distance at which prefixes come
+back (on the trace, below about twice the engine's cache), every block is gone before
+anyone asks for it again. Bimodal insertion (as in DIP, Qureshi et al. 2007) inserts
+most requests' blocks *cold*, first in line for eviction, and one request in eight
+normally, so that some prefixes stay long enough to come back; a block that is hit
+becomes normal. Which insertion is better depends on capacity, so two *shadow
+directories* (keys only, no data) at the tier's budget run both side by side on the same
+stores and lookups, and the policy inserts bimodally only while that directory would
+have served clearly more (1.25 times) full-attention tokens over the last few hundred
+lookups. A prefill's resume point is never inserted cold.
+
 **Memory per group in bytes.** Pages differ in size across groups (a Gemma 3 window
 block holds 52 layers, its full-attention block 10; a Nemotron-H Mamba state is about six
 times a full-attention block). With `host_accounting="bytes"` the host tier charges each
 block its own group's bytes against one budget. The sweeps below use it for every policy,
-so the comparison is about the policy alone. (The worker's host arena still gives every
-block a slot of the largest group's size; byte accounting is modelled, in the simulator,
-until the arena packs groups.)
+so the comparison is about the policy alone. The worker's host arena gives every block a
+slot of the largest group's size. In vLLM that is exact: its hybrid allocator gives every
+KV cache group's block the same page size (it splits layer types into groups of equal
+layer counts and pads pages to match), so the connector's slot accounting charges each
+block its bytes. For an engine whose groups differ in size, byte accounting is modelled
+in the simulator until the arena packs groups by size.
 
 ## Reading the results
 
 * *Host hit* counts prompt tokens loaded from host memory when a request first starts.
   *Prefill tokens saved* also counts work saved or lost after preemptions: a preempted
-  request reloads its own blocks from host memory under store-everything, while the
-  `value` policy stores fewer of its window blocks and states, so at small capacities it
-  can save fewer prefill tokens than LRU even where its host hit rate is higher.
+  request reloads its own blocks from host memory (its resume point, under `value`).
 * A goal marked "both 0" means neither policy had a single host hit at that capacity
   (the engine's own prefix cache serves what little reuse there is).
-* The byte accounting is modelled: the sweeps charge every block its group's real bytes,
-  while the worker's host arena (bytes mode and the vLLM connector) still backs every
-  block with a slot of the largest group's size.
+* The byte accounting is modelled: the sweeps charge every block its group's real bytes
+  (the presets keep each layer type in one group), while the worker's host arena backs
+  every block with a slot of the largest group's size (exact in vLLM, whose groups are
+  equal in size; see above).
 
 ## How the curves are made
 

@@ -21,6 +21,8 @@ class PlannerStats:
     stale_reports: int = 0
     duplicate_reports: int = 0
     abandoned_loads: int = 0
+    cold_stored_keys: int = 0
+    """Keys stored cold (bimodal insertion; see ``kvoffload.planner.insertion``)."""
     blocks_loaded: dict[int, int] = field(default_factory=dict)
     blocks_stored: dict[int, int] = field(default_factory=dict)
 

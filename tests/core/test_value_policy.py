@@ -299,3 +299,12 @@ def test_when_full_value_stores_windows_only_at_likely_hit_points() -> None:
     # Prompt end point 60: window blocks 13, 14; the granule (4 tokens, nothing learned
     # yet) adds point 56 (blocks 12, 13); decode frontier: block 15.
     assert window == [12, 13, 14, 15]
+
+
+def test_cold_keys_go_before_normal_ones_oldest_first_until_touched() -> None:
+    policy = filled(6)
+    policy.cool([k(4), k(1)])
+    policy.demote([k(5)])
+    assert [s.slot for _, s in policy.items()][:3] == [5, 1, 4]
+    policy.touch([k(1)])  # used: normal again, and the most recent
+    assert slots(policy.evict(6, set())) == [5, 4, 0, 2, 3, 1]

@@ -273,3 +273,14 @@ def test_accounting_mode_models_both_lower_tiers_without_io(tmp_path: Path) -> N
     (promote,) = only(tier.take_tier_work(), TierOp.PROMOTE)
     assert promote.tier == "disk"
     assert not missing.exists()
+
+
+def test_demotion_and_cold_insertion_hints_reach_host_memory(tmp_path: Path) -> None:
+    cfg = OffloadConfig(groups=config().groups, hash_block_size=4,
+                        host_capacity_bytes=300 * 4, eviction_policy="value")
+    disk = DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20), "ns")
+    tier = CascadeTier(HostTier(cfg), [disk])
+    store(tier, key(1), key(2), key(3))
+    tier.demote([key(3)])
+    tier.cool([key(2)])
+    assert list(tier.host)[:2] == [key(3), key(2)]

@@ -43,7 +43,7 @@ from kvoffload.jobs import (
     TransferJob,
     WorkerReport,
 )
-from kvoffload.keys import BlockHash, OffloadKey, make_offload_key
+from kvoffload.keys import BlockHash, OffloadKey, key_group, make_offload_key
 from kvoffload.metrics import PlannerStats
 from kvoffload.planner.admission import VALUE_AWARE_POLICIES, make_admission
 from kvoffload.planner.contract import (
@@ -55,6 +55,7 @@ from kvoffload.planner.contract import (
     StepInput,
 )
 from kvoffload.planner.fence import Fence
+from kvoffload.planner.insertion import InsertionDuel
 from kvoffload.planner.lookup import BlockReadable, GroupView, combined_hit_end, lookup_order
 from kvoffload.planner.state import GroupState, JobState, PlannedLoad, RequestState
 from kvoffload.planner.value import PrefillFlops, PrefixValuer
@@ -93,9 +94,19 @@ class Planner:
         self._full_views = [g for g in self._order if g.window_blocks is None]
         self._valuer = (PrefixValuer(config, prefill_flops)
                         if config.eviction_policy in VALUE_AWARE_POLICIES else None)
+        self._charge = [g.block_bytes if config.charges_bytes else 1 for g in self._groups]
+        self._insertion = (InsertionDuel(config.host_capacity_bytes if config.charges_bytes
+                                         else config.num_host_slots,
+                                         self._full_views[0].offloaded_block_size)
+                           if self._valuer is not None and self._full_views else None)
         self._key_suffix = [make_offload_key(BlockHash(b""), g.index) for g in self._groups]
         self._step_end_states = (not config.mamba_states_every_block
                                  and any(g.kind is GroupKind.MAMBA for g in self._groups))
+
+    @property
+    def insertion(self) -> InsertionDuel | None:
+        """The duel between LRU and bimodal insertion (value-aware policies only)."""
+        return self._insertion
 
     # ------------------------------------------------------------------ lookup
 
@@ -133,6 +144,10 @@ class Planner:
             st.first_hit_tokens = end
             for g, gs in zip(self._groups, st.groups, strict=True):
                 gs.num_hit_blocks = end // g.offloaded_block_size
+            if self._insertion is not None:
+                full = self._full_views[0]
+                self._insertion.observe_lookup(st.groups[full.index].keys,
+                                               num_computed_tokens // full.offloaded_block_size)
         self._touch(st)
         if hits > 0:
             st.planned = PlannedLoad(num_computed_tokens, end)
@@ -455,6 +470,8 @@ class Planner:
             return None
         self._advance(st, limits)
         self._keep_resume_point(st, resume, provisional, result.keys_to_store)
+        if self._insertion is not None:
+            self._insert(st.request.request_id, keys, result.keys_to_store, provisional)
         if not result.keys_to_store:
             return None
         slot_of = dict(zip(result.keys_to_store, result.slots, strict=True))
@@ -487,6 +504,21 @@ class Planner:
         st.jobs.add(job_id)
         self.stats.store_jobs += 1
         return TransferJob(job_id, Direction.STORE, rid, tuple(transfers))
+
+    def _insert(self, request_id: str, keys: Sequence[OffloadKey],
+                stored: Sequence[OffloadKey], provisional: Sequence[OffloadKey]) -> None:
+        """Show the insertion duel what was stored; insert cold if bimodal insertion is
+        ahead and the request is not one it keeps hot. Resume-point keys stay hot (a
+        preempted request needs them soon)."""
+        duel = self._insertion
+        assert duel is not None
+        charge = self._charge
+        duel.observe_store([(key, charge[key_group(key)]) for key in keys], request_id)
+        if stored and not duel.inserts_hot(request_id):
+            keep = set(provisional)
+            cold = [key for key in stored if key not in keep]
+            self.tier.cool(cold)
+            self.stats.cold_stored_keys += len(cold)
 
     def _keep_resume_point(self, st: RequestState, point: int,
                            provisional: list[OffloadKey], stored: Sequence[OffloadKey]) -> None:

@@ -135,6 +135,11 @@ class Tier(ABC):
         """Hint that present keys are worth little: evict them first. Default: ignored."""
         del keys
 
+    def cool(self, keys: Sequence[OffloadKey]) -> None:
+        """Hint that present keys were just inserted *cold*: evicted before every key
+        inserted or used normally, unless used first. Default: ignored."""
+        del keys
+
     @abstractmethod
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreResult | None:
         """Reserve slots for the keys not yet present, evicting if needed (atomic)."""

@@ -207,6 +207,14 @@ class CascadeTier(Tier):
         """Value hints go to host memory's policy."""
         self.host.set_values(values)
 
+    def demote(self, keys: Sequence[OffloadKey]) -> None:
+        """Demotion hints go to host memory's policy."""
+        self.host.demote(keys)
+
+    def cool(self, keys: Sequence[OffloadKey]) -> None:
+        """Cold-insertion hints go to host memory's policy."""
+        self.host.cool(keys)
+
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Recency in host memory and in every lower tier that keeps an order."""
         self.host.touch(keys)

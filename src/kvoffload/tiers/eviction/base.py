@@ -130,6 +130,11 @@ class EvictionPolicy(ABC):
         """Hint: present keys are worth little; evict them before others. Default: ignore."""
         del keys
 
+    def cool(self, keys: Sequence[OffloadKey]) -> None:
+        """Hint: present keys were inserted cold; evict them before every key inserted or
+        used normally, oldest first, unless they are used. Default: ignore."""
+        del keys
+
     @abstractmethod
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> Victims | None:
         """Remove and return ``n`` idle, unprotected keys; ``None`` (no change) if impossible."""

@@ -18,6 +18,10 @@ depends on (its *anchor*, ``ValueHint.anchor``). When an anchor is evicted (or r
 its dependents can no longer serve any hit, so they are demoted: evicted before any other
 key. Demotion hints (``demote``) do the same for keys the planner knows no likely hit uses.
 
+Cold insertion (``cool``): keys the planner inserts *cold* go below every key inserted or
+used normally, oldest first, until a touch makes them normal; demoted keys still go
+before them. This is bimodal insertion (see ``kvoffload.planner.insertion``).
+
 Victims are found through a heap of ``(priority, sequence, key)`` entries; an entry is live
 while its sequence is the key's current one (touches push new entries and leave the old
 ones to be skipped). The heap is rebuilt when stale entries outnumber live ones, so its
@@ -46,12 +50,17 @@ DEFAULT_WEIGHT = 0.25
 _DEMOTED = float("-inf")
 """Priority of a demoted key: below every live key."""
 
+_COLD = float(1 << 40)
+"""Subtracted from a cold key's priority: below every normally inserted or used key
+(the clock would need 2**40 ticks to catch up), above demoted ones."""
+
 
 class _Entry:
-    __slots__ = ("density", "prio", "seq", "stamp", "state")
+    __slots__ = ("cold", "density", "prio", "seq", "stamp", "state")
 
     def __init__(self, state: BlockState, stamp: int) -> None:
         self.state = state
+        self.cold = False  # inserted cold and not used since
         self.density = -1.0  # not valued yet
         self.prio = 0.0
         self.seq = 0  # the live heap entry's sequence number
@@ -93,7 +102,8 @@ class ValuePolicy(EvictionPolicy):
 
     def _priority(self, entry: _Entry) -> float:
         relative = 1.0 if entry.density < 0 else entry.density / self.reference_density
-        return entry.stamp + self.weight * len(self._entries) * relative
+        prio = entry.stamp + self.weight * len(self._entries) * relative
+        return prio - _COLD if entry.cold else prio
 
     def _push(self, key: OffloadKey, entry: _Entry, prio: float) -> None:
         self._seq += 1
@@ -136,6 +146,7 @@ class ValuePolicy(EvictionPolicy):
             if entry is not None and entry.prio != _DEMOTED:
                 self._clock += 1
                 entry.stamp = self._clock
+                entry.cold = False
                 self._push(key, entry, self._priority(entry))
 
     def demote(self, keys: Sequence[OffloadKey]) -> None:
@@ -144,6 +155,15 @@ class ValuePolicy(EvictionPolicy):
             entry = self._entries.get(key)
             if entry is not None:
                 self._push(key, entry, _DEMOTED)
+
+    def cool(self, keys: Sequence[OffloadKey]) -> None:
+        """Present keys go below every key inserted or used normally (oldest cold key
+        first) until they are touched; demoted keys stay demoted."""
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None and not entry.cold and entry.prio != _DEMOTED:
+                entry.cold = True
+                self._push(key, entry, self._priority(entry))
 
     def set_values(self, values: Sequence[ValueHint]) -> None:
         """Record densities (a key keeps the highest it was given) and anchors. The value
