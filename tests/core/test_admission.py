@@ -176,3 +176,30 @@ def test_resume_points_lie_inside_the_prompt() -> None:
     policy = HitPointAdmission(4, 8, lambda: False)
     assert [policy.resume_point(f, 40) for f in (4, 8, 13, 38, 39, 44)] == [0, 8, 8, 32, 0, 0]
     assert StoreEverything().resume_point(13, 40) == 0
+
+
+def test_a_resume_state_before_a_likely_hit_point_is_kept() -> None:
+    """Full attention + Mamba, states only where a step ended. A first request shares 16
+    tokens with the second, whose lookup then finds full attention to 16 but no state
+    there: 16 becomes a learned hit point. The second request's prefill runs in chunks
+    of 12: the state at 12 is the deepest one a hit at 16 can use, so it is kept when
+    the prefill moves on to 24, not demoted; a third request sharing 16 tokens hits 12."""
+    hasher = BlockHasher(4)
+    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
+                                GroupSpec(GroupKind.MAMBA, 4)),
+                        hash_block_size=4, host_capacity_bytes=40, eviction_policy="hybrid")
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    # 39 full-attention blocks and the state at the end: the tier is full.
+    complete(planner, prefill(planner, Req("fill", [99] * 156, hasher), 100))
+    assert tier.is_full()
+    shared = list(range(16))
+    complete(planner, prefill(planner, Req("s", [*shared, 1, 2, 3, 4], hasher), 300))
+    req = Req("a", [*shared, *range(50, 66)], hasher)
+    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 0  # learns 16
+    complete(planner, chunk(planner, req, (1, 2, 3), 0, 12))
+    complete(planner, chunk(planner, req, (4, 5, 6), 12, 12))
+    state_at_12 = make_offload_key(req.block_hashes[2], 1)
+    assert state_at_12 in list(tier) and next(iter(tier)) != state_at_12
+    third = Req("c", [*shared, 70, 71, 72, 73], hasher)
+    assert planner.get_num_new_matched_tokens(third, 0).num_tokens == 12

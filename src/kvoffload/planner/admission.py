@@ -30,8 +30,10 @@ Resume points. A request preempted during its prefill restarts from the last poi
 stored whole, so the point where its computed prefill stands is a certain hit point
 while it stands there: the planner stores that point's windows and state
 *provisionally*, and demotes them (evicts them first) once the prefill has moved past it
-and stored a later one, or the request finishes. Without this, a preempted request
-under selective admission recomputes its prompt from the last granule point.
+and stored a later one, or the request finishes. Without this, a preempted request under
+selective admission recomputes its prompt from the last granule point. A Mamba state
+exists only where a step ended, so a resume point's state is kept instead when a likely
+hit point lies between it and the next one: it is the deepest state a hit there can use.
 
 While the tier has free room it admits everything: selective admission only matters
 when memory is short, and must not lose hits that storing everything would have had.
@@ -81,6 +83,12 @@ class AdmissionPolicy(ABC):
         at ``frontier`` computed tokens, or 0 for none (module doc: resume points)."""
         del frontier, num_prompt_tokens
         return 0
+
+    def hit_point_between(self, start: int, stop: int, hashes: Sequence[BlockHash],
+                          num_prompt_tokens: int) -> bool:
+        """Whether a likely hit point lies in ``[start, stop)`` (tokens). Default: no."""
+        del start, stop, hashes, num_prompt_tokens
+        return False
 
     def admit_for_resume(self, group: ResolvedGroup, block: int, frontier: int,
                          num_prompt_tokens: int) -> bool:
@@ -225,6 +233,12 @@ class HitPointAdmission(AdmissionPolicy):
         if frontier >= num_prompt_tokens - 1:
             return 0
         return frontier // self._alignment * self._alignment
+
+    def hit_point_between(self, start: int, stop: int, hashes: Sequence[BlockHash],
+                          num_prompt_tokens: int) -> bool:
+        first = start + -start % self._alignment
+        return any(self.is_hit_point(p, hashes, num_prompt_tokens)
+                   for p in range(first, stop, self._alignment))
 
     def demote_on_finish(self, group: ResolvedGroup, stored_from: int, stored_to: int,
                          num_prompt_tokens: int, num_tokens: int) -> range:

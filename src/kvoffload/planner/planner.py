@@ -94,6 +94,8 @@ class Planner:
         self._full_views = [g for g in self._order if g.window_blocks is None]
         self._valuer = (PrefixValuer(config, prefill_flops)
                         if config.eviction_policy in VALUE_AWARE_POLICIES else None)
+        self._mamba_groups = frozenset(g.index for g in self._groups
+                                       if g.kind is GroupKind.MAMBA)
         self._charge = [g.block_bytes if config.charges_bytes else 1 for g in self._groups]
         self._insertion = (InsertionDuel(config.host_capacity_bytes if config.charges_bytes
                                          else config.num_host_slots,
@@ -523,9 +525,20 @@ class Planner:
     def _keep_resume_point(self, st: RequestState, point: int,
                            provisional: list[OffloadKey], stored: Sequence[OffloadKey]) -> None:
         """Record the keys stored only for a resume at ``point``; demote those of an
-        earlier point, which a resume no longer needs (admission's resume points)."""
+        earlier point, which a resume no longer needs (admission's resume points).
+
+        A Mamba state exists only where a step ended, so when a likely hit point lies
+        between the earlier point and ``point``, the earlier point's state is the last one
+        before it, the deepest any hit there can use: that state is kept, not demoted.
+        """
         if point > st.resume_point and st.resume_keys:
-            self.tier.demote(st.resume_keys)
+            request = st.request
+            if self._admission.hit_point_between(st.resume_point, point, request.block_hashes,
+                                                 request.num_prompt_tokens):
+                mamba = self._mamba_groups
+                self.tier.demote([k for k in st.resume_keys if key_group(k) not in mamba])
+            else:
+                self.tier.demote(st.resume_keys)
             st.resume_keys = []
         if provisional:
             fresh = set(stored)
