@@ -306,14 +306,17 @@ its dependents to the front of the eviction order: they are worthless now.
 LRU insertion host memory holds the newest blocks, which the engine's own prefix cache
 still holds too. Where host memory is small against the distance at which prefixes come
 back (on the trace, below about twice the engine's cache), every block is gone before
-anyone asks for it again. Bimodal insertion (as in DIP, Qureshi et al. 2007) inserts
-most requests' blocks *cold*, first in line for eviction, and one request in eight
-normally, so that some prefixes stay long enough to come back; a block that is hit
-becomes normal. Which insertion is better depends on capacity, so two *shadow
-directories* (keys only, no data) at the tier's budget run both side by side on the same
-stores and lookups, and the policy inserts bimodally only while that directory would
-have served clearly more (1.25 times) full-attention tokens over the last few hundred
-lookups. A prefill's resume point is never inserted cold.
+anyone asks for it again. Bimodal insertion (after DIP, Qureshi et al. 2007) makes most
+requests' blocks *cold* when the request finishes, first in line for eviction, and
+keeps one request in eight normal, so that some prefixes stay long enough to come back;
+a block that is hit becomes normal. (While a request runs its blocks stay normal: a
+preempted request reloads them. Making them cold as they are stored raised host hits at
+small capacities further, but cost time to first token wherever the engine preempts
+often.) Which insertion is better depends on capacity, so two *shadow directories* (keys
+only, no data) at the tier's budget run both side by side on the same stores, finishes
+and lookups, and the policy uses bimodal insertion only while that directory would have
+served clearly more (1.25 times) full-attention tokens over the last few hundred
+lookups. A prefill's resume point never goes cold.
 
 **Memory per group in bytes.** Pages differ in size across groups (a Gemma 3 window
 block holds 52 layers, its full-attention block 10; a Nemotron-H Mamba state is about six

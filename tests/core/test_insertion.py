@@ -25,28 +25,28 @@ def k(i: int) -> OffloadKey:
 
 def test_a_shadow_keeps_its_budget_and_evicts_cold_keys_first() -> None:
     shadow = ShadowDirectory(budget=10)
-    shadow.insert([(k(1), 4), (k(2), 4)], hot=True)
-    shadow.insert([(k(3), 2)], hot=False)
+    assert shadow.insert([(k(1), 4), (k(2), 4), (k(3), 2)]) == [k(1), k(2), k(3)]
+    shadow.cool([k(3)])
     assert shadow.used == 10
-    shadow.insert([(k(4), 2)], hot=True)  # room is made from the front: the cold key
+    assert shadow.insert([(k(4), 2), (k(1), 4)]) == [k(4)]  # room from the front: k(3)
     assert k(3) not in shadow and shadow.used == 10
-    shadow.insert([(k(5), 4)], hot=True)  # then the least recent hot key
+    shadow.insert([(k(5), 4)])  # then the least recent normal key
     assert k(1) not in shadow and k(2) in shadow and shadow.used == 10
-    shadow.insert([(k(6), 11)], hot=True)  # larger than the budget: never held
-    assert k(6) not in shadow
+    assert shadow.insert([(k(6), 11)]) == []  # larger than the budget: never held
 
 
 def test_a_shadow_lookup_counts_held_keys_in_a_row_and_refreshes_them() -> None:
     shadow = ShadowDirectory(budget=4)
-    shadow.insert([(k(i), 1) for i in range(4)], hot=True)
+    shadow.insert([(k(i), 1) for i in range(4)])
     assert shadow.lookup([k(0), k(1), k(9), k(3)], start=1) == 1
-    shadow.insert([(k(7), 1), (k(8), 1)], hot=True)  # evicts 2 and 3, not 0 and 1
+    shadow.insert([(k(7), 1), (k(8), 1)])  # evicts 2 and 3, not 0 and 1
     assert [key in shadow for key in (k(0), k(1), k(2), k(3))] == [True, True, False, False]
 
 
 def cycle(duel: InsertionDuel, prefixes: int, rounds: int) -> None:
     """Requests cycling over ``prefixes`` one-block prefixes, each stored after its
-    lookup; request ids make every HOT_EVERY-th request hot under bimodal insertion."""
+    lookup and finishing right after; request ids make every HOT_EVERY-th request hot
+    under bimodal insertion."""
     n = 0
     for _ in range(rounds):
         for p in range(prefixes):
@@ -55,6 +55,7 @@ def cycle(duel: InsertionDuel, prefixes: int, rounds: int) -> None:
             n += 1
             duel.observe_lookup([k(p)], 0)
             duel.observe_store([(k(p), 1)], rid)
+            duel.observe_finish(rid)
 
 
 def test_bimodal_insertion_wins_where_lru_insertion_thrashes() -> None:
@@ -79,10 +80,11 @@ def test_about_one_request_in_hot_every_is_hot() -> None:
     assert is_hot_request("req-7") == is_hot_request("req-7")
 
 
-def test_the_planner_inserts_cold_only_while_bimodal_insertion_leads() -> None:
+def test_the_planner_makes_a_cold_request_cold_when_it_finishes() -> None:
     """Full attention + a window of 8 tokens; a full value tier. With bimodal insertion
-    ahead, a cold request's new blocks go before the older normal ones; a hot request's
-    do not; with LRU insertion ahead nothing is cold."""
+    clearly ahead, a cold request's new blocks stay normal while it runs (a preemption
+    would reload them) and go before the older normal ones when it finishes; a hot
+    request's do not; without a clear lead nothing goes cold."""
     cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
                                 GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)),
                         hash_block_size=4, host_capacity_bytes=24, eviction_policy="value")
@@ -92,32 +94,41 @@ def test_the_planner_inserts_cold_only_while_bimodal_insertion_leads() -> None:
     duel = planner.insertion
     assert duel is not None
 
-    def run(rid: str, first_token: int, first_id: int) -> list[OffloadKey]:
-        tokens = list(range(first_token, first_token + 16))
+    class Req:
+        def __init__(self, rid: str, first_token: int) -> None:
+            self.request_id = rid
+            self.num_prompt_tokens = self.num_tokens = 16
+            self.block_hashes = hasher.hashes(list(range(first_token, first_token + 16)))
 
-        class Req:
-            request_id = rid
-            num_prompt_tokens = num_tokens = 16
-            block_hashes = hasher.hashes(tokens)
-
-        assert planner.get_num_new_matched_tokens(Req, 0).num_tokens == 0
+    def run(rid: str, first_token: int, first_id: int, finish: bool = True) -> Req:
+        req = Req(rid, first_token)
+        assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
         table = tuple(range(first_id, first_id + 4))
-        planner.update_state_after_alloc(Req, (table, table), 0)
+        planner.update_state_after_alloc(req, (table, table), 0)
         planner.build_step_plan(StepInput((ScheduledRequest(
-            Req, (table, table), 0, 16, num_freed_blocks=(0, 0)),)))
-        return [make_offload_key(h, 0) for h in Req.block_hashes]
+            req, (table, table), 0, 16, num_freed_blocks=(0, 0)),)))
+        if finish:
+            planner.request_finished(req)
+        return req
+
+    def front() -> set[OffloadKey]:
+        return set(list(tier)[:8])
+
+    def full_keys(req: Req) -> set[OffloadKey]:
+        return {make_offload_key(h, 0) for h in req.block_hashes}
 
     run("warm", 1000, 100)
     run("warm2", 2000, 200)  # the tier (24 keys) is full from here on
     cold_id = next(f"c{i}" for i in range(100) if not is_hot_request(f"c{i}"))
     hot_id = next(f"h{i}" for i in range(100) if is_hot_request(f"h{i}"))
     duel.lru_score, duel.bimodal_score = 0.0, 1.0  # bimodal clearly ahead
-    cold_keys = run(cold_id, 3000, 300)
-    assert planner.stats.cold_stored_keys > 0
-    assert set(cold_keys) & set(list(tier)[:8])
-    hot_keys = run(hot_id, 4000, 400)
-    assert not set(hot_keys) & set(list(tier)[:8])
+    cold = run(cold_id, 3000, 300, finish=False)
+    assert not full_keys(cold) & front() and planner.stats.cold_stored_keys == 0
+    planner.request_finished(cold)
+    assert full_keys(cold) & front() and planner.stats.cold_stored_keys > 0
+    hot = run(hot_id, 4000, 400)
+    assert not full_keys(hot) & front()
     before = planner.stats.cold_stored_keys
     duel.lru_score, duel.bimodal_score = 1.0, 1.0  # no clear lead: LRU insertion
-    run(cold_id + "-again", 5000, 500)
+    run(next(f"d{i}" for i in range(100) if not is_hot_request(f"d{i}")), 5000, 500)
     assert planner.stats.cold_stored_keys == before

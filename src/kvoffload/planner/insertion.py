@@ -7,20 +7,23 @@ than the engine's own prefix cache, because stores are written as blocks are com
 the blocks host memory holds are then the newest ones, which the engine still holds
 too, and they are gone before the engine drops its copies.
 
-Bimodal insertion (Qureshi et al., "Adaptive insertion policies for high performance
-caching", ISCA 2007) inserts the blocks of most requests *cold*, first in line for
-eviction, and those of one request in ``HOT_EVERY`` normally. The cold ones make room for
-each other; the hot ones stay long enough for their prefixes to come back, and a block
-that is hit becomes normal. When memory is plentiful, it loses hits LRU would have had.
+Bimodal insertion (after Qureshi et al., "Adaptive insertion policies for high
+performance caching", ISCA 2007) makes the blocks of most requests *cold*, first in line
+for eviction, and keeps those of one request in ``HOT_EVERY`` normal. The cold ones make
+room for each other; the hot ones stay long enough for their prefixes to come back, and
+a block that is hit becomes normal. A request's blocks go cold when it finishes, not when
+they are stored: while it runs, a preemption would reload them. When memory is
+plentiful, bimodal insertion loses hits LRU would have had.
 
 Which of the two is better depends on capacity against reuse distance, which nobody
 configures. So, as DIP does with set dueling, ``InsertionDuel`` keeps two *shadow
 directories* (keys and their charges only, no data) at the tier's budget, one inserting
-everything normally and one bimodally, fed the stores the planner makes and the lookups
-requests make. Each counts the full-attention tokens it would have served beyond the
-engine's own hit, with recent lookups weighing most; the planner inserts bimodally while
-that directory is clearly ahead (``LEAD``), normally otherwise. Hot or cold is decided
-per request (a stable hash of its id), so a request's prefix stays together.
+everything normally and one bimodally, fed the stores the planner makes, the requests
+that finish and the first lookup of every request. Each counts the full-attention tokens
+it would have served beyond the engine's own hit, with recent lookups weighing most; the
+planner uses bimodal insertion while that directory is clearly ahead (``LEAD``), LRU
+insertion otherwise. Hot or cold is decided per request (a stable hash of its id), so a
+request's prefix stays together.
 """
 
 from __future__ import annotations
@@ -69,10 +72,11 @@ class ShadowDirectory:
         """Charge units held."""
         return self._used
 
-    def insert(self, keys: Sequence[tuple[OffloadKey, int]], hot: bool) -> None:
-        """Insert (key, charge) pairs not held yet: room is made first (front first),
-        then each goes to the back (``hot``) or the front. Keys held already are left."""
+    def insert(self, keys: Sequence[tuple[OffloadKey, int]]) -> list[OffloadKey]:
+        """Insert (key, charge) pairs not held yet, as the most recent: room is made
+        first, from the front. Keys held already are left. Returns the keys inserted."""
         charges = self._charges
+        inserted = []
         for key, charge in keys:
             if key in charges or charge > self.budget:
                 continue
@@ -80,7 +84,14 @@ class ShadowDirectory:
                 self._used -= charges.popitem(last=False)[1]
             charges[key] = charge
             self._used += charge
-            if not hot:
+            inserted.append(key)
+        return inserted
+
+    def cool(self, keys: Sequence[OffloadKey]) -> None:
+        """Held keys go to the front (evicted first), the last one given first."""
+        charges = self._charges
+        for key in keys:
+            if key in charges:
                 charges.move_to_end(key, last=False)
 
     def lookup(self, keys: Sequence[OffloadKey], start: int) -> int:
@@ -109,6 +120,8 @@ class InsertionDuel:
     def __init__(self, budget: int, block_tokens: int) -> None:
         self.lru = ShadowDirectory(budget)
         self.bimodal = ShadowDirectory(budget)
+        self._cold: dict[str, list[OffloadKey]] = {}
+        """Per running cold request, the keys it inserted into ``bimodal``."""
         self._block_tokens = block_tokens
         self.lru_score = 0.0
         self.bimodal_score = 0.0
@@ -134,5 +147,11 @@ class InsertionDuel:
 
     def observe_store(self, keys: Sequence[tuple[OffloadKey, int]], request_id: str) -> None:
         """The planner stored ``keys`` (with their charges) for ``request_id``."""
-        self.lru.insert(keys, hot=True)
-        self.bimodal.insert(keys, hot=is_hot_request(request_id))
+        self.lru.insert(keys)
+        inserted = self.bimodal.insert(keys)
+        if inserted and not is_hot_request(request_id):
+            self._cold.setdefault(request_id, []).extend(inserted)
+
+    def observe_finish(self, request_id: str) -> None:
+        """``request_id`` finished: under bimodal insertion, its keys go cold now."""
+        self.bimodal.cool(self._cold.pop(request_id, ()))

@@ -55,7 +55,7 @@ from kvoffload.planner.contract import (
     StepInput,
 )
 from kvoffload.planner.fence import Fence
-from kvoffload.planner.insertion import InsertionDuel
+from kvoffload.planner.insertion import InsertionDuel, is_hot_request
 from kvoffload.planner.lookup import BlockReadable, GroupView, combined_hit_end, lookup_order
 from kvoffload.planner.state import GroupState, JobState, PlannedLoad, RequestState
 from kvoffload.planner.value import PrefillFlops, PrefixValuer
@@ -141,15 +141,16 @@ class Planner:
                 return result
         st.deferred_steps = 0
         hits = end - num_computed_tokens
-        if not st.looked_up:
+        first = not st.looked_up
+        if first:
             st.looked_up = True
             st.first_hit_tokens = end
             for g, gs in zip(self._groups, st.groups, strict=True):
                 gs.num_hit_blocks = end // g.offloaded_block_size
-            if self._insertion is not None:
-                full = self._full_views[0]
-                self._insertion.observe_lookup(st.groups[full.index].keys,
-                                               num_computed_tokens // full.offloaded_block_size)
+        if self._insertion is not None and first:
+            full = self._full_views[0]
+            self._insertion.observe_lookup(st.groups[full.index].keys,
+                                           num_computed_tokens // full.offloaded_block_size)
         self._touch(st)
         if hits > 0:
             st.planned = PlannedLoad(num_computed_tokens, end)
@@ -473,7 +474,7 @@ class Planner:
         self._advance(st, limits)
         self._keep_resume_point(st, resume, provisional, result.keys_to_store)
         if self._insertion is not None:
-            self._insert(st.request.request_id, keys, result.keys_to_store, provisional)
+            self._insert(st, keys, result.keys_to_store, provisional)
         if not result.keys_to_store:
             return None
         slot_of = dict(zip(result.keys_to_store, result.slots, strict=True))
@@ -507,20 +508,19 @@ class Planner:
         self.stats.store_jobs += 1
         return TransferJob(job_id, Direction.STORE, rid, tuple(transfers))
 
-    def _insert(self, request_id: str, keys: Sequence[OffloadKey],
+    def _insert(self, st: RequestState, keys: Sequence[OffloadKey],
                 stored: Sequence[OffloadKey], provisional: Sequence[OffloadKey]) -> None:
-        """Show the insertion duel what was stored; insert cold if bimodal insertion is
-        ahead and the request is not one it keeps hot. Resume-point keys stay hot (a
-        preempted request needs them soon)."""
+        """Show the insertion duel what was stored, and remember the new keys that go
+        cold when the request finishes if it is one bimodal insertion does not keep hot
+        (while it runs, a preemption would reload them). Resume-point keys never go cold."""
         duel = self._insertion
         assert duel is not None
         charge = self._charge
+        request_id = st.request.request_id
         duel.observe_store([(key, charge[key_group(key)]) for key in keys], request_id)
-        if stored and not duel.inserts_hot(request_id):
+        if stored and not is_hot_request(request_id):
             keep = set(provisional)
-            cold = [key for key in stored if key not in keep]
-            self.tier.cool(cold)
-            self.stats.cold_stored_keys += len(cold)
+            st.cold_keys.extend(key for key in stored if key not in keep)
 
     def _keep_resume_point(self, st: RequestState, point: int,
                            provisional: list[OffloadKey], stored: Sequence[OffloadKey]) -> None:
@@ -759,6 +759,12 @@ class Planner:
         self._touch(st)
         self._value_finished(st)
         self._demote_finished(st)
+        if self._insertion is not None:
+            self._insertion.observe_finish(request.request_id)
+            if st.cold_keys and not self._insertion.inserts_hot(request.request_id):
+                self.tier.cool(st.cold_keys)
+                self.stats.cold_stored_keys += len(st.cold_keys)
+            st.cold_keys = []
         if not st.jobs:
             del self._requests[request.request_id]
             return

@@ -70,6 +70,8 @@ class RequestState:
     resume_keys: list[OffloadKey] = field(default_factory=list)
     """Keys stored only because a resume at ``resume_point`` needs them (provisional:
     demoted once the request stores a later point or finishes)."""
+    cold_keys: list[OffloadKey] = field(default_factory=list)
+    """Keys the request stored that bimodal insertion makes cold when it finishes."""
 
     def reset_table(self) -> None:
         """Forget the engine's block table (and the step ends seen with it): a new lookup,
