@@ -55,8 +55,9 @@ def test_stats_are_increments_and_aggregate() -> None:
     assert first.data["group_counters"] == {"blocks_loaded": {"0": 2}}
     assert collector.take(stats, usage) is None  # nothing moved since
     stats.lookups += 3
+    stats.cold_stored_keys += 7
     second = collector.take(stats, usage)
-    assert second is not None and second.data["counters"] == {"lookups": 3}
+    assert second is not None and second.data["counters"] == {"lookups": 3, "cold_keys": 7}
     total = KVOffloadStats().aggregate(first).aggregate(second)
     assert isinstance(total, KVOffloadStats)
     reduced = total.reduce()

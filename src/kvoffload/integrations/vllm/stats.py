@@ -37,6 +37,8 @@ COUNTERS: dict[str, str] = {
     "failed_loads": "Loads that failed; vLLM recomputed those tokens.",
     "failed_stores": "Stores that failed; their host slots were freed.",
     "store_retries": "Stores postponed because the host tier had no evictable room.",
+    "cold_keys": "Host blocks made cold (first to evict) as their request finished, under "
+                 "the value policy's bimodal insertion.",
     "loaded_bytes": "Bytes copied host -> engine, summed over ranks.",
     "stored_bytes": "Bytes copied engine -> host, summed over ranks.",
     "load_seconds": "Seconds spent in loads, summed over ranks.",
@@ -134,6 +136,7 @@ class StatsCollector:
             "failed_loads": planner.failed_loads,
             "failed_stores": planner.failed_stores,
             "store_retries": planner.store_retries,
+            "cold_keys": planner.cold_stored_keys,
         }
         counters: dict[str, int | float] = {}
         for name, value in now.items():
