@@ -1,0 +1,164 @@
+"""Stateful property tests of cold insertion: the value policy's eviction order under
+random inserts, touches, cold and demotion hints, removals and evictions, and the shadow
+directories of the insertion duel under random inserts, cools and lookups.
+
+Value policy (weight 0, so value plays no part): the eviction order is always demoted
+keys (in the order they were demoted), then cold keys, then the rest, each by last
+insertion or touch; a touch makes a cold key normal and leaves a demoted key demoted.
+Shadow directory: it never holds more than its budget, what it holds is exactly what a
+plain list model holds, and a lookup counts held keys in a row.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvoffload.keys import BlockHash, OffloadKey, make_offload_key
+from kvoffload.planner.insertion import ShadowDirectory
+from kvoffload.tiers.eviction import BlockState, ValuePolicy
+
+KEYS = [make_offload_key(BlockHash(i.to_bytes(16, "big")), 0) for i in range(8)]
+EXAMPLES = int(os.environ.get("KVOFFLOAD_HYPOTHESIS_EXAMPLES", "50"))
+some_keys = st.lists(st.sampled_from(KEYS), max_size=5)
+
+
+class ValueOrderMachine(RuleBasedStateMachine):
+    """Model: ``demoted`` in demotion order; ``stamp`` per key; ``cold`` keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = ValuePolicy(len(KEYS), weight=0.0)
+        self.clock = 0
+        self.stamp: dict[OffloadKey, int] = {}
+        self.cold: set[OffloadKey] = set()
+        self.demoted: list[OffloadKey] = []
+
+    def order(self) -> list[OffloadKey]:
+        rest = sorted((k for k in self.stamp if k not in self.demoted),
+                      key=lambda k: (k not in self.cold, self.stamp[k]))
+        return self.demoted + rest
+
+    @rule(key=st.sampled_from(KEYS))
+    def insert(self, key: OffloadKey) -> None:
+        if key in self.stamp:
+            return
+        self.policy.insert(key, BlockState(slot=KEYS.index(key), ref=0))
+        self.clock += 1
+        self.stamp[key] = self.clock
+
+    @rule(keys=some_keys)
+    def touch(self, keys: list[OffloadKey]) -> None:
+        self.policy.touch(keys)
+        for key in reversed(keys):
+            if key in self.stamp and key not in self.demoted:
+                self.clock += 1
+                self.stamp[key] = self.clock
+                self.cold.discard(key)
+
+    @rule(keys=some_keys)
+    def cool(self, keys: list[OffloadKey]) -> None:
+        self.policy.cool(keys)
+        self.cold |= {k for k in keys if k in self.stamp and k not in self.demoted}
+
+    @rule(keys=some_keys)
+    def demote(self, keys: list[OffloadKey]) -> None:
+        self.policy.demote(keys)
+        for key in keys:
+            if key in self.stamp:
+                if key in self.demoted:
+                    self.demoted.remove(key)
+                self.demoted.append(key)
+
+    def forget(self, key: OffloadKey) -> None:
+        del self.stamp[key]
+        self.cold.discard(key)
+        if key in self.demoted:
+            self.demoted.remove(key)
+
+    @rule(key=st.sampled_from(KEYS))
+    def remove(self, key: OffloadKey) -> None:
+        if key in self.stamp:
+            self.policy.remove(key)
+            self.forget(key)
+
+    @rule(n=st.integers(0, 3))
+    def evict(self, n: int) -> None:
+        victims = self.policy.evict(n, set())
+        if n > len(self.stamp):
+            assert victims is None
+            return
+        assert victims is not None
+        expected = self.order()[:n]
+        assert [key for key, _ in victims] == expected
+        for key in expected:
+            self.forget(key)
+
+    @invariant()
+    def order_matches_the_model(self) -> None:
+        self.policy.check_integrity()
+        assert [key for key, _ in self.policy.items()] == self.order()
+
+
+class ShadowMachine(RuleBasedStateMachine):
+    """Model: a list, front evicted first, with each key's charge."""
+
+    @initialize(budget=st.integers(1, 12))
+    def setup(self, budget: int) -> None:
+        self.shadow = ShadowDirectory(budget)
+        self.budget = budget
+        self.model: list[OffloadKey] = []
+        self.charge: dict[OffloadKey, int] = {}
+
+    @rule(items=st.lists(st.tuples(st.sampled_from(KEYS), st.integers(1, 5)), max_size=4))
+    def insert(self, items: list[tuple[OffloadKey, int]]) -> None:
+        inserted = self.shadow.insert(items)
+        expected = []
+        for key, charge in items:
+            if key in self.charge or charge > self.budget:
+                continue
+            while sum(self.charge.values()) + charge > self.budget:
+                del self.charge[self.model.pop(0)]
+            self.model.append(key)
+            self.charge[key] = charge
+            expected.append(key)
+        assert inserted == expected
+
+    @rule(keys=some_keys)
+    def cool(self, keys: list[OffloadKey]) -> None:
+        self.shadow.cool(keys)
+        for key in keys:
+            if key in self.charge:
+                self.model.remove(key)
+                self.model.insert(0, key)
+
+    @rule(keys=some_keys, start=st.integers(0, 3))
+    def lookup(self, keys: list[OffloadKey], start: int) -> None:
+        found = self.shadow.lookup(keys, start)
+        run = 0
+        for key in keys[start:]:
+            if key not in self.charge:
+                break
+            run += 1
+        assert found == run
+        for key in reversed(keys[:start + run]):
+            if key in self.charge:
+                self.model.remove(key)
+                self.model.append(key)
+
+    @invariant()
+    def holds_what_the_model_holds_within_budget(self) -> None:
+        if not hasattr(self, "shadow"):
+            return
+        assert self.shadow.used == sum(self.charge.values()) <= self.budget
+        assert len(self.shadow) == len(self.model)
+        assert all(key in self.shadow for key in self.model)
+
+
+ValueOrderMachine.TestCase.settings = settings(max_examples=EXAMPLES, deadline=None)
+ShadowMachine.TestCase.settings = settings(max_examples=EXAMPLES, deadline=None)
+TestValueOrder = ValueOrderMachine.TestCase
+TestShadowDirectory = ShadowMachine.TestCase
