@@ -203,3 +203,85 @@ def test_a_resume_state_before_a_likely_hit_point_is_kept() -> None:
     assert state_at_12 in list(tier) and next(iter(tier)) != state_at_12
     third = Req("c", [*shared, 70, 71, 72, 73], hasher)
     assert planner.get_num_new_matched_tokens(third, 0).num_tokens == 12
+
+
+def test_a_resume_point_keeps_the_window_blocks_it_shares_with_the_last_one() -> None:
+    """Window of 8 tokens (2 blocks), prefill 4 tokens a step into a full tier: each new
+    resume point's window shares a block with the previous one's. Only the block the new
+    point does not need is demoted, so after other requests store a little, the
+    preempted request still resumes from its last point (20 tokens)."""
+    hasher = BlockHasher(4)
+    cfg = config(slots=40)
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    complete(planner, prefill(planner, Req("fill", [99] * 80, hasher), 100))  # 40 slots
+    req = Req("a", list(range(32)), hasher)
+    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    for step in range(5):
+        complete(planner, chunk(planner, req, (1 + step,), 4 * step, 4))
+    window_key = {make_offload_key(req.block_hashes[k], 1): k for k in range(8)}
+    held = [window_key.get(key) for key in tier]
+    assert held[0] == 2 and 3 in held[1:] and 4 in held[1:]  # 3 and 4: the window at 20
+    complete(planner, prefill(planner, Req("other", [98] * 12, hasher), 200))  # evicts 3+
+    planner.build_step_plan(StepInput(preempted=("a",)))
+    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 20
+
+
+def mamba_config(slots: int) -> OffloadConfig:
+    return OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
+                                 GroupSpec(GroupKind.MAMBA, 4)),
+                         hash_block_size=4, host_capacity_bytes=slots, eviction_policy="hybrid")
+
+
+def test_the_last_resume_state_before_the_prompt_end_point_is_kept_at_finish() -> None:
+    """Full attention + Mamba, a 32-token prompt computed in steps ending at 12, 24 and
+    32. A repeat of the prompt hits at 28, where no step ended: the state at 24 is the
+    deepest one it can use, so finishing the request does not demote it."""
+    hasher = BlockHasher(4)
+    cfg = mamba_config(40)
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    complete(planner, prefill(planner, Req("fill", [99] * 156, hasher), 100))  # full
+    req = Req("a", list(range(32)), hasher)
+    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    complete(planner, chunk(planner, req, (1, 2, 3), 0, 12))
+    complete(planner, chunk(planner, req, (4, 5, 6), 12, 12))
+    complete(planner, chunk(planner, req, (7, 8), 24, 8))
+    planner.request_finished(req)
+    state_at_24 = make_offload_key(req.block_hashes[5], 1)
+    state_at_12 = make_offload_key(req.block_hashes[2], 1)
+    assert state_at_24 in list(tier) and next(iter(tier)) != state_at_24
+    assert state_at_12 not in list(tier)  # superseded: demoted, then evicted first
+    again = Req("b", list(range(32)), hasher)
+    assert planner.get_num_new_matched_tokens(again, 0).num_tokens == 24
+
+
+def test_a_resume_point_needs_a_state_where_a_step_ended() -> None:
+    """Full attention + Mamba, steps ending at 12 and 18. There is no state at 16 (the
+    aligned point below 18), so 12 stays the resume point: its state is not demoted,
+    and the preempted request resumes from 12."""
+    hasher = BlockHasher(4)
+    cfg = mamba_config(40)
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    complete(planner, prefill(planner, Req("fill", [99] * 156, hasher), 100))  # full
+    req = Req("a", list(range(32)), hasher)
+    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    complete(planner, chunk(planner, req, (1, 2, 3), 0, 12))
+    complete(planner, chunk(planner, req, (4, 5), 12, 6))
+    state_at_12 = make_offload_key(req.block_hashes[2], 1)
+    assert state_at_12 in list(tier) and next(iter(tier)) != state_at_12
+    planner.build_step_plan(StepInput(preempted=("a",)))
+    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 12
+
+
+def test_reset_cache_starts_the_insertion_duel_afresh() -> None:
+    cfg = config(slots=40, policy="value")
+    planner = Planner(cfg, HostTier(cfg))
+    duel = planner.insertion
+    assert duel is not None
+    duel.bimodal_score = 5.0
+    duel.lru.insert([(make_offload_key(BlockHasher(4).hashes([1, 2, 3, 4])[0], 0), 1)])
+    planner.reset_cache()
+    fresh = planner.insertion
+    assert fresh is not None and fresh.bimodal_score == 0 and len(fresh.lru) == 0

@@ -4,9 +4,11 @@ directories of the insertion duel under random inserts, cools and lookups.
 
 Value policy (weight 0, so value plays no part): the eviction order is always demoted
 keys (in the order they were demoted), then cold keys, then the rest, each by last
-insertion or touch; a touch makes a cold key normal and leaves a demoted key demoted.
+insertion or touch; a touch makes a cold key normal and leaves a demoted key demoted; a
+key touched since its insertion is never made cold.
 Shadow directory: it never holds more than its budget, what it holds is exactly what a
-plain list model holds, and a lookup counts held keys in a row.
+plain list model holds, a lookup counts held keys in a row, and a key looked up since
+its insertion is never cooled.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class ValueOrderMachine(RuleBasedStateMachine):
         self.stamp: dict[OffloadKey, int] = {}
         self.cold: set[OffloadKey] = set()
         self.demoted: list[OffloadKey] = []
+        self.touched: set[OffloadKey] = set()  # since insertion
 
     def order(self) -> list[OffloadKey]:
         rest = sorted((k for k in self.stamp if k not in self.demoted),
@@ -58,11 +61,13 @@ class ValueOrderMachine(RuleBasedStateMachine):
                 self.clock += 1
                 self.stamp[key] = self.clock
                 self.cold.discard(key)
+                self.touched.add(key)
 
     @rule(keys=some_keys)
     def cool(self, keys: list[OffloadKey]) -> None:
         self.policy.cool(keys)
-        self.cold |= {k for k in keys if k in self.stamp and k not in self.demoted}
+        self.cold |= {k for k in keys if k in self.stamp and k not in self.demoted
+                      and k not in self.touched}
 
     @rule(keys=some_keys)
     def demote(self, keys: list[OffloadKey]) -> None:
@@ -76,6 +81,7 @@ class ValueOrderMachine(RuleBasedStateMachine):
     def forget(self, key: OffloadKey) -> None:
         del self.stamp[key]
         self.cold.discard(key)
+        self.touched.discard(key)
         if key in self.demoted:
             self.demoted.remove(key)
 
@@ -112,6 +118,7 @@ class ShadowMachine(RuleBasedStateMachine):
         self.budget = budget
         self.model: list[OffloadKey] = []
         self.charge: dict[OffloadKey, int] = {}
+        self.looked_up: set[OffloadKey] = set()  # since insertion
 
     @rule(items=st.lists(st.tuples(st.sampled_from(KEYS), st.integers(1, 5)), max_size=4))
     def insert(self, items: list[tuple[OffloadKey, int]]) -> None:
@@ -121,7 +128,9 @@ class ShadowMachine(RuleBasedStateMachine):
             if key in self.charge or charge > self.budget:
                 continue
             while sum(self.charge.values()) + charge > self.budget:
-                del self.charge[self.model.pop(0)]
+                victim = self.model.pop(0)
+                del self.charge[victim]
+                self.looked_up.discard(victim)
             self.model.append(key)
             self.charge[key] = charge
             expected.append(key)
@@ -131,7 +140,7 @@ class ShadowMachine(RuleBasedStateMachine):
     def cool(self, keys: list[OffloadKey]) -> None:
         self.shadow.cool(keys)
         for key in keys:
-            if key in self.charge:
+            if key in self.charge and key not in self.looked_up:
                 self.model.remove(key)
                 self.model.insert(0, key)
 
@@ -148,6 +157,7 @@ class ShadowMachine(RuleBasedStateMachine):
             if key in self.charge:
                 self.model.remove(key)
                 self.model.append(key)
+                self.looked_up.add(key)
 
     @invariant()
     def holds_what_the_model_holds_within_budget(self) -> None:

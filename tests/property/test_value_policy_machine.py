@@ -71,6 +71,7 @@ class AdmissionAudit:
         self.resumed = 0
         """Blocks stored for a resume point."""
         self._refused: tuple[int, int, Sequence[BlockHash]] = (-1, -1, ())
+        self._refused_prompt = 0
         admit = self.admission.admit
         self.has_room: Callable[[], bool] = self.admission._has_room
         self.admission.admit = self._admit  # type: ignore[method-assign]
@@ -106,21 +107,22 @@ class AdmissionAudit:
                     f"likely hit point needs it (prompt {num_prompt_tokens})")
             self._record(group, block, hashes)
         self._refused = (group.index, block, hashes)
+        self._refused_prompt = num_prompt_tokens
         self.checked += 1
         return result
 
-    def _admit_for_resume(self, group: ResolvedGroup, block: int, frontier: int,
-                          num_prompt_tokens: int) -> bool:
-        """A resume point is the last aligned point of a prefill still inside the prompt;
-        a block stored for it must be in that point's window (or be its state)."""
-        result = self._resume_inner(group, block, frontier, num_prompt_tokens)
+    def _admit_for_resume(self, group: ResolvedGroup, block: int, point: int) -> bool:
+        """A resume point is an aligned point of a prefill still inside the prompt; a
+        block stored for it must be in that point's window (or be its state)."""
+        result = self._resume_inner(group, block, point)
         if result:
-            point = frontier // self.alignment * self.alignment
-            assert 0 < point < num_prompt_tokens - 1, f"resume point {point} outside the prompt"
+            refused_group, refused_block, hashes = self._refused
+            prompt = self._refused_prompt
+            assert 0 < point < prompt - 1, f"resume point {point} outside the prompt"
+            assert point % self.alignment == 0, f"resume point {point} not aligned"
             assert point in _hit_points(group, block, self.alignment), (
                 f"group {group.index} block {block} stored for a resume at {point}, "
                 "whose window does not need it")
-            refused_group, refused_block, hashes = self._refused
             assert (refused_group, refused_block) == (group.index, block), \
                 "asked for a resume without being refused first"
             self.resumed += 1

@@ -284,3 +284,25 @@ def test_demotion_and_cold_insertion_hints_reach_host_memory(tmp_path: Path) -> 
     tier.demote([key(3)])
     tier.cool([key(2)])
     assert list(tier.host)[:2] == [key(3), key(2)]
+
+
+def test_a_demoted_key_is_not_written_back_when_host_memory_evicts_it(tmp_path: Path) -> None:
+    cfg = OffloadConfig(groups=config().groups, hash_block_size=4,
+                        host_capacity_bytes=300 * 4, num_workers=2, eviction_policy="value")
+    disk = DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20), "ns")
+    tier = CascadeTier(HostTier(cfg), [disk])
+    store(tier, key(0), key(1), key(2), key(3))
+    tier.demote([key(2)])
+    result = tier.prepare_store([key(4), key(5)])
+    assert result is not None and set(result.evicted) == {key(2), key(0)}
+    tier.complete_store(result.keys_to_store)
+    (demote,) = only(tier.take_tier_work(), TierOp.DEMOTE)
+    assert demote.key == key(0)  # the demoted key serves no likely hit: not written
+    assert tier.stats.worthless_not_demoted == 1
+    report(tier, (demote,))
+    store(tier, key(2))  # stored again, then evicted: written back as any other key
+    report(tier, tier.take_tier_work().jobs)
+    result = tier.prepare_store([key(6), key(7), key(8), key(9)])  # evicts all four
+    assert result is not None and key(2) in result.evicted
+    assert key(2) in {j.key for j in only(tier.take_tier_work(), TierOp.DEMOTE)}
+    tier.check_integrity()

@@ -49,6 +49,13 @@ from kvoffload.config import ResolvedGroup
 from kvoffload.keys import BlockHash
 
 
+def window_at(group: ResolvedGroup, point: int) -> range:
+    """The blocks of window or Mamba group ``group`` a hit at ``point`` tokens reads: its
+    last ``W`` blocks, or the one state (empty for point 0)."""
+    end = point // group.offloaded_block_size
+    return range(max(0, end - (group.window_blocks or 1)), end)
+
+
 class AdmissionPolicy(ABC):
     """Decides which window/Mamba blocks the planner stores. Full attention is not asked."""
 
@@ -90,13 +97,12 @@ class AdmissionPolicy(ABC):
         del start, stop, hashes, num_prompt_tokens
         return False
 
-    def admit_for_resume(self, group: ResolvedGroup, block: int, frontier: int,
-                         num_prompt_tokens: int) -> bool:
+    @staticmethod
+    def admit_for_resume(group: ResolvedGroup, block: int, point: int) -> bool:
         """Whether ``block`` of window or Mamba group ``group`` belongs to the window or
-        state of the resume point at ``frontier`` (then it is stored provisionally)."""
-        point = self.resume_point(frontier, num_prompt_tokens)
-        end = point // group.offloaded_block_size
-        return point > 0 and end - (group.window_blocks or 1) <= block < end
+        state of the resume point ``point`` (tokens; 0: none), so it is stored
+        provisionally."""
+        return block in window_at(group, point)
 
 
 class StoreEverything(AdmissionPolicy):

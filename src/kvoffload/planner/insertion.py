@@ -60,6 +60,7 @@ class ShadowDirectory:
         self.budget = budget
         self._charges: OrderedDict[OffloadKey, int] = OrderedDict()  # front: evicted first
         self._used = 0
+        self._used_keys: set[OffloadKey] = set()  # held keys looked up since insertion
 
     def __len__(self) -> int:
         return len(self._charges)
@@ -81,17 +82,20 @@ class ShadowDirectory:
             if key in charges or charge > self.budget:
                 continue
             while self._used + charge > self.budget:
-                self._used -= charges.popitem(last=False)[1]
+                victim, freed = charges.popitem(last=False)
+                self._used -= freed
+                self._used_keys.discard(victim)
             charges[key] = charge
             self._used += charge
             inserted.append(key)
         return inserted
 
     def cool(self, keys: Sequence[OffloadKey]) -> None:
-        """Held keys go to the front (evicted first), the last one given first."""
-        charges = self._charges
+        """Held keys not looked up since their insertion go to the front (evicted
+        first), the last one given first."""
+        charges, used = self._charges, self._used_keys
         for key in keys:
-            if key in charges:
+            if key in charges and key not in used:
                 charges.move_to_end(key, last=False)
 
     def lookup(self, keys: Sequence[OffloadKey], start: int) -> int:
@@ -106,6 +110,7 @@ class ShadowDirectory:
         for key in reversed(keys[:start + found]):
             if key in charges:
                 charges.move_to_end(key)
+                self._used_keys.add(key)
         return found
 
 
@@ -122,7 +127,7 @@ class InsertionDuel:
         self.bimodal = ShadowDirectory(budget)
         self._cold: dict[str, list[OffloadKey]] = {}
         """Per running cold request, the keys it inserted into ``bimodal``."""
-        self._block_tokens = block_tokens
+        self.block_tokens = block_tokens
         self.lru_score = 0.0
         self.bimodal_score = 0.0
 
@@ -139,7 +144,7 @@ class InsertionDuel:
     def observe_lookup(self, full_keys: Sequence[OffloadKey], engine_blocks: int) -> None:
         """A request's first lookup: ``full_keys`` are its full-attention keys, the first
         ``engine_blocks`` of which the engine has itself."""
-        tokens = self._block_tokens
+        tokens = self.block_tokens
         self.lru_score = self.lru_score * DECAY + tokens * self.lru.lookup(
             full_keys, engine_blocks)
         self.bimodal_score = self.bimodal_score * DECAY + tokens * self.bimodal.lookup(

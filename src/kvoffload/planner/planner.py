@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import cast
 
 from kvoffload.completion import count_rank_report
@@ -45,7 +46,7 @@ from kvoffload.jobs import (
 )
 from kvoffload.keys import BlockHash, OffloadKey, key_group, make_offload_key
 from kvoffload.metrics import PlannerStats
-from kvoffload.planner.admission import VALUE_AWARE_POLICIES, make_admission
+from kvoffload.planner.admission import VALUE_AWARE_POLICIES, make_admission, window_at
 from kvoffload.planner.contract import (
     LoadFailure,
     MatchResult,
@@ -232,13 +233,14 @@ class Planner:
             keys.extend(gs.keys[first:last])
         return keys
 
-    def _touch(self, st: RequestState) -> None:
+    def _touch(self, st: RequestState, skip: AbstractSet[OffloadKey] = frozenset()) -> None:
         """Keep warm what a future hit on this request's prefix needs (SYSTEM.md 2.4).
 
         Full attention: every key. Window and Mamba groups: the keys from the last W
         blocks of the first hit on -- of those, only blocks that some aligned hit can use:
         the others are never stored (``_useful_blocks``), so touching them would only
-        cost time (for a 16-block alignment, 15 of every 16 Mamba keys).
+        cost time (for a 16-block alignment, 15 of every 16 Mamba keys). Keys in ``skip``
+        are left as they are.
         """
         keys: list[OffloadKey] = []
         for g, gs in zip(self._groups, st.groups, strict=True):
@@ -249,6 +251,8 @@ class Planner:
                                          len(gs.keys))
             keys.extend(gs.keys[blocks.start:blocks.stop:blocks.step]
                         if isinstance(blocks, range) else [gs.keys[k] for k in blocks])
+        if skip:
+            keys = [key for key in keys if key not in skip]
         self.tier.touch(keys)
 
     # ------------------------------------------------------------------- loads
@@ -434,7 +438,9 @@ class Planner:
         keys: list[OffloadKey] = []
         request = st.request
         resume = self._admission.resume_point(offloadable, request.num_prompt_tokens)
-        provisional: list[OffloadKey] = []
+        if resume and self._step_end_states and resume not in st.state_ends:
+            resume = 0  # no Mamba state there: the last resume point stays the one
+        provisional: list[tuple[int, int, OffloadKey]] = []
         for g, gs, limit in zip(self._groups, st.groups, limits, strict=True):
             entries = []
             first = gs.next_stored
@@ -456,9 +462,8 @@ class Planner:
                 if g.window_blocks is None or self._admission.admit(
                         g, k, request.block_hashes, request.num_prompt_tokens):
                     pass
-                elif self._admission.admit_for_resume(g, k, offloadable,
-                                                      request.num_prompt_tokens):
-                    provisional.append(gs.keys[k])
+                elif self._admission.admit_for_resume(g, k, resume):
+                    provisional.append((g.index, k, gs.keys[k]))
                 else:
                     continue
                 entries.append((k, positions))
@@ -474,7 +479,7 @@ class Planner:
         self._advance(st, limits)
         self._keep_resume_point(st, resume, provisional, result.keys_to_store)
         if self._insertion is not None:
-            self._insert(st, keys, result.keys_to_store, provisional)
+            self._insert(st, keys, result.keys_to_store, [key for _, _, key in provisional])
         if not result.keys_to_store:
             return None
         slot_of = dict(zip(result.keys_to_store, result.slots, strict=True))
@@ -523,27 +528,36 @@ class Planner:
             st.cold_keys.extend(key for key in stored if key not in keep)
 
     def _keep_resume_point(self, st: RequestState, point: int,
-                           provisional: list[OffloadKey], stored: Sequence[OffloadKey]) -> None:
-        """Record the keys stored only for a resume at ``point``; demote those of an
-        earlier point, which a resume no longer needs (admission's resume points).
-
-        A Mamba state exists only where a step ended, so when a likely hit point lies
-        between the earlier point and ``point``, the earlier point's state is the last one
-        before it, the deepest any hit there can use: that state is kept, not demoted.
-        """
-        if point > st.resume_point and st.resume_keys:
-            request = st.request
-            if self._admission.hit_point_between(st.resume_point, point, request.block_hashes,
-                                                 request.num_prompt_tokens):
-                mamba = self._mamba_groups
-                self.tier.demote([k for k in st.resume_keys if key_group(k) not in mamba])
-            else:
-                self.tier.demote(st.resume_keys)
-            st.resume_keys = []
+                           provisional: list[tuple[int, int, OffloadKey]],
+                           stored: Sequence[OffloadKey]) -> None:
+        """Record the blocks stored only for a resume at ``point``; when the prefill moved
+        past the previous resume point, demote that point's blocks that ``point`` does not
+        need itself (admission's resume points), unless ``_keeps_resume_point``."""
+        if point > st.resume_point:
+            if st.resume_keys:
+                if self._keeps_resume_point(st, point):
+                    st.resume_keys = []
+                else:
+                    groups = self._groups
+                    still = [entry for entry in st.resume_keys
+                             if entry[1] in window_at(groups[entry[0]], point)]
+                    kept = {entry[2] for entry in still}
+                    self.tier.demote([entry[2] for entry in st.resume_keys
+                                      if entry[2] not in kept])
+                    st.resume_keys = still
+            st.resume_point = point
         if provisional:
             fresh = set(stored)
-            st.resume_keys.extend(key for key in provisional if key in fresh)
-            st.resume_point = point
+            st.resume_keys.extend(entry for entry in provisional if entry[2] in fresh)
+
+    def _keeps_resume_point(self, st: RequestState, stop: int) -> bool:
+        """Whether the blocks of the request's resume point stay (are not demoted) when
+        its prefill moves on to ``stop``: in a layout with Mamba groups, a state exists
+        only where a step ended, so when a likely hit point lies in ``[resume point,
+        stop)``, the resume point is the deepest one a hit there can use."""
+        request = st.request
+        return bool(self._mamba_groups) and self._admission.hit_point_between(
+            st.resume_point, stop, request.block_hashes, request.num_prompt_tokens)
 
     @staticmethod
     def _group_store_transfers(g: ResolvedGroup, gs: GroupState,
@@ -753,18 +767,23 @@ class Planner:
             return
         st.finished = True
         st.planned = None
+        # Bimodal insertion: what this request stored goes cold now (the tier leaves keys
+        # another request used meanwhile).
+        cold: list[OffloadKey] = []
+        if self._insertion is not None:
+            self._insertion.observe_finish(request.request_id)
+            if not self._insertion.inserts_hot(request.request_id):
+                cold = st.cold_keys
+            st.cold_keys = []
         # Refresh the whole prefix once, at the end: early blocks end most recent (they
         # serve the most future hits). Stores insert their keys as most recent already;
         # touching the whole prefix on every store would cost O(context) per block.
-        self._touch(st)
+        self._touch(st, frozenset(cold))
         self._value_finished(st)
         self._demote_finished(st)
-        if self._insertion is not None:
-            self._insertion.observe_finish(request.request_id)
-            if st.cold_keys and not self._insertion.inserts_hot(request.request_id):
-                self.tier.cool(st.cold_keys)
-                self.stats.cold_stored_keys += len(st.cold_keys)
-            st.cold_keys = []
+        if cold:
+            self.tier.cool(cold)
+            self.stats.cold_stored_keys += len(cold)
         if not st.jobs:
             del self._requests[request.request_id]
             return
@@ -809,7 +828,10 @@ class Planner:
                                                       request.num_prompt_tokens,
                                                       request.num_tokens)
             worthless.extend(gs.keys[k] for k in blocks)
-        worthless.extend(st.resume_keys)
+        # The last resume point: a hit at the prompt's end may need its state.
+        prompt_point = (request.num_prompt_tokens - 1) // self._alignment * self._alignment
+        if st.resume_keys and not self._keeps_resume_point(st, prompt_point + 1):
+            worthless.extend(entry[2] for entry in st.resume_keys)
         st.resume_keys = []
         if worthless:
             self.tier.demote(worthless)
@@ -842,8 +864,14 @@ class Planner:
         for st in self._requests.values():
             st.jobs.clear()
             st.planned = None
+            st.resume_point = 0
+            st.resume_keys = []
+            st.cold_keys = []
             for gs in st.groups:
                 gs.next_stored = 0
+        if self._insertion is not None:  # its directories modelled what is gone now
+            self._insertion = InsertionDuel(self._insertion.lru.budget,
+                                            self._insertion.block_tokens)
 
     def shutdown(self) -> None:
         """Forget every request; the tier keeps its contents until reset."""

@@ -67,9 +67,10 @@ class RequestState:
     state_ends: set[int] = field(default_factory=set)
     resume_point: int = 0
     """The prefill point (tokens) whose windows and states ``resume_keys`` hold."""
-    resume_keys: list[OffloadKey] = field(default_factory=list)
-    """Keys stored only because a resume at ``resume_point`` needs them (provisional:
-    demoted once the request stores a later point or finishes)."""
+    resume_keys: list[tuple[int, int, OffloadKey]] = field(default_factory=list)
+    """(group, offloaded block, key) stored only because a resume at ``resume_point``
+    needs them (provisional: demoted once a later resume point does not need them, or the
+    request finishes)."""
     cold_keys: list[OffloadKey] = field(default_factory=list)
     """Keys the request stored that bimodal insertion makes cold when it finishes."""
 

@@ -136,8 +136,8 @@ class Tier(ABC):
         del keys
 
     def cool(self, keys: Sequence[OffloadKey]) -> None:
-        """Hint that present keys were just inserted *cold*: evicted before every key
-        inserted or used normally, unless used first. Default: ignored."""
+        """Hint that present keys not used since their insertion are *cold*: evicted
+        before every key inserted or used normally, until used. Default: ignored."""
         del keys
 
     @abstractmethod

@@ -72,6 +72,8 @@ class CascadeStats:
         promoted / promote_failed: promotes that completed, by source tier.
         promote_no_room: wanted keys host memory had no slot for (answered MISS once).
         demoted / demote_failed: demotes that completed, by destination tier.
+        worthless_not_demoted: host evictions not written back because the planner had
+            demoted the key (no likely hit uses it).
         deleted: delete and purge jobs that completed, by tier.
         stale_reports / duplicate_reports: ignored tier-job reports.
     """
@@ -83,6 +85,7 @@ class CascadeStats:
     promote_no_room: int = 0
     demoted: dict[str, int] = field(default_factory=dict)
     demote_failed: dict[str, int] = field(default_factory=dict)
+    worthless_not_demoted: int = 0
     deleted: dict[str, int] = field(default_factory=dict)
     stale_reports: int = 0
     duplicate_reports: int = 0
@@ -140,6 +143,8 @@ class CascadeTier(Tier):
         self._no_room: set[OffloadKey] = set()
         self._no_room_next: set[OffloadKey] = set()
         self._origin: dict[OffloadKey, str] = {}
+        self._worthless: set[OffloadKey] = set()
+        """Host keys demoted (no likely hit uses them): never written back on eviction."""
         self._collect_deletes()
 
     # -- host delegation ----------------------------------------------------------------
@@ -208,8 +213,10 @@ class CascadeTier(Tier):
         self.host.set_values(values)
 
     def demote(self, keys: Sequence[OffloadKey]) -> None:
-        """Demotion hints go to host memory's policy."""
+        """Demotion hints go to host memory's policy; a demoted key serves no likely hit,
+        so it is not written back when host memory evicts it."""
         self.host.demote(keys)
+        self._worthless.update(key for key in keys if key in self.host)
 
     def cool(self, keys: Sequence[OffloadKey]) -> None:
         """Cold-insertion hints go to host memory's policy."""
@@ -228,6 +235,7 @@ class CascadeTier(Tier):
         result = self.host.prepare_store(keys)
         if result is not None:
             self._evicted(result)
+            self._worthless.difference_update(result.keys_to_store)
         return result
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
@@ -288,6 +296,7 @@ class CascadeTier(Tier):
         the workers; their reports are ignored). Lower tiers forget their in-flight work;
         the disk tier is purged, the shared remote store keeps its blocks."""
         self.host.reset()
+        self._worthless.clear()
         self._flush.extend(self._jobs)
         self._stale_below = self._next_id
         self._jobs.clear()
@@ -369,6 +378,10 @@ class CascadeTier(Tier):
         """Host memory evicted these keys: demote them to the write-back tiers."""
         for key, slot in zip(result.evicted, result.evicted_slots, strict=True):
             self._origin.pop(key, None)
+            if key in self._worthless:
+                self._worthless.discard(key)
+                self.stats.worthless_not_demoted += 1
+                continue
             for lower in self._write_back:
                 if lower.begin_write(key):
                     self._queue(TierOp.DEMOTE, lower, key, slot, snapshot=True)

@@ -131,8 +131,9 @@ class EvictionPolicy(ABC):
         del keys
 
     def cool(self, keys: Sequence[OffloadKey]) -> None:
-        """Hint: present keys were inserted cold; evict them before every key inserted or
-        used normally, oldest first, unless they are used. Default: ignore."""
+        """Hint: present keys not used since their insertion are cold: evict them before
+        every key inserted or used normally, oldest first, until they are used. Default:
+        ignore."""
         del keys
 
     @abstractmethod

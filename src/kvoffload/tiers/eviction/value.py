@@ -18,9 +18,10 @@ depends on (its *anchor*, ``ValueHint.anchor``). When an anchor is evicted (or r
 its dependents can no longer serve any hit, so they are demoted: evicted before any other
 key. Demotion hints (``demote``) do the same for keys the planner knows no likely hit uses.
 
-Cold insertion (``cool``): keys the planner inserts *cold* go below every key inserted or
+Cold insertion (``cool``): keys the planner makes *cold* go below every key inserted or
 used normally, oldest first, until a touch makes them normal; demoted keys still go
-before them. This is bimodal insertion (see ``kvoffload.planner.insertion``).
+before them, and a key touched since its insertion is not made cold. This is bimodal
+insertion (see ``kvoffload.planner.insertion``).
 
 Victims are found through a heap of ``(priority, sequence, key)`` entries; an entry is live
 while its sequence is the key's current one (touches push new entries and leave the old
@@ -56,7 +57,7 @@ _COLD = float(1 << 40)
 
 
 class _Entry:
-    __slots__ = ("cold", "density", "prio", "seq", "stamp", "state")
+    __slots__ = ("cold", "density", "inserted", "prio", "seq", "stamp", "state")
 
     def __init__(self, state: BlockState, stamp: int) -> None:
         self.state = state
@@ -65,6 +66,7 @@ class _Entry:
         self.prio = 0.0
         self.seq = 0  # the live heap entry's sequence number
         self.stamp = stamp  # the clock at the last insertion or touch
+        self.inserted = stamp  # the clock at insertion
 
 
 class ValuePolicy(EvictionPolicy):
@@ -157,11 +159,13 @@ class ValuePolicy(EvictionPolicy):
                 self._push(key, entry, _DEMOTED)
 
     def cool(self, keys: Sequence[OffloadKey]) -> None:
-        """Present keys go below every key inserted or used normally (oldest cold key
-        first) until they are touched; demoted keys stay demoted."""
+        """Present keys not touched since their insertion go below every key inserted or
+        used normally (oldest cold key first) until they are touched; demoted keys stay
+        demoted."""
         for key in keys:
             entry = self._entries.get(key)
-            if entry is not None and not entry.cold and entry.prio != _DEMOTED:
+            if (entry is not None and not entry.cold and entry.prio != _DEMOTED
+                    and entry.stamp == entry.inserted):
                 entry.cold = True
                 self._push(key, entry, self._priority(entry))
 
