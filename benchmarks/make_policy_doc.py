@@ -336,6 +336,13 @@ in the simulator until the arena packs groups by size.
   request reloads its own blocks from host memory (its resume point, under `value`).
 * A goal marked "both 0" means neither policy had a single host hit at that capacity
   (the engine's own prefix cache serves what little reuse there is).
+* The smallest capacities sit in the shadow of the engine's own prefix cache. On the
+  trace the engine holds 1M tokens: 48 GiB of KV for gpt-oss-20b, against 5 and 10 GiB of
+  host memory at 1 and 2 %. Every request that comes back within the engine's reach hits
+  the engine, not host memory, so at 1-5 % host hits are the few prefixes that outlive
+  the engine's copy. Halving the bytes a prefix needs there does not double the hits,
+  because the hit-rate curve is nearly flat below the engine's size; bimodal insertion
+  is what lifts the curve once host memory nears the engine's size (5-20 %).
 * The byte accounting is modelled: the sweeps charge every block its group's real bytes
   (the presets keep each layer type in one group), while the worker's host arena backs
   every block with a slot of the largest group's size (exact in vLLM, whose groups are
