@@ -147,19 +147,32 @@ def chunk(planner: Planner, req: Req, ids: tuple[int, ...], computed: int,
         req, (ids, ids), computed, scheduled, num_freed_blocks=(0, 0)),)))
 
 
+def window_planner_with_a_full_tier() -> tuple[BlockHasher, HostTier, Planner]:
+    """Full attention + a window of 8 tokens (``config``), and a tier of 40 keys filled
+    by an 80-token request."""
+    hasher = BlockHasher(4)
+    cfg = config(slots=40)
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    complete(planner, prefill(planner, Req("fill", [99] * 80, hasher), 100))
+    assert tier.is_full()
+    return hasher, tier, planner
+
+
+def looked_up(planner: Planner, req: Req) -> Req:
+    """``req`` after its first lookup (which must find nothing)."""
+    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    return req
+
+
 def test_a_prefill_stores_its_resume_point_and_demotes_it_once_past() -> None:
     """A 32-token prompt computed 12 tokens at a time into a full tier. After the first
     chunk, the window at 12 (blocks 1 and 2) is stored only because a preempted request
     would resume there; after the second, the window at 24 (blocks 4 and 5; 5 also
     serves the prompt end) is, and blocks 1 and 2 go to the front of the eviction order.
     Preempted then, the request finds 24 tokens in the tier instead of none."""
-    hasher = BlockHasher(4)
-    cfg = config(slots=40)
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
-    complete(planner, prefill(planner, Req("fill", [99] * 80, hasher), 100))  # 40 slots
-    req = Req("a", list(range(32)), hasher)
-    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    hasher, tier, planner = window_planner_with_a_full_tier()
+    req = looked_up(planner, Req("a", list(range(32)), hasher))
     first = chunk(planner, req, (1, 2, 3), 0, 12)
     assert stored_window_blocks(first) == [1, 2]
     complete(planner, first)
@@ -184,15 +197,7 @@ def test_a_resume_state_before_a_likely_hit_point_is_kept() -> None:
     there: 16 becomes a learned hit point. The second request's prefill runs in chunks
     of 12: the state at 12 is the deepest one a hit at 16 can use, so it is kept when
     the prefill moves on to 24, not demoted; a third request sharing 16 tokens hits 12."""
-    hasher = BlockHasher(4)
-    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
-                                GroupSpec(GroupKind.MAMBA, 4)),
-                        hash_block_size=4, host_capacity_bytes=40, eviction_policy="hybrid")
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
-    # 39 full-attention blocks and the state at the end: the tier is full.
-    complete(planner, prefill(planner, Req("fill", [99] * 156, hasher), 100))
-    assert tier.is_full()
+    hasher, tier, planner = mamba_planner_with_a_full_tier()
     shared = list(range(16))
     complete(planner, prefill(planner, Req("s", [*shared, 1, 2, 3, 4], hasher), 300))
     req = Req("a", [*shared, *range(50, 66)], hasher)
@@ -210,13 +215,8 @@ def test_a_resume_point_keeps_the_window_blocks_it_shares_with_the_last_one() ->
     resume point's window shares a block with the previous one's. Only the block the new
     point does not need is demoted, so after other requests store a little, the
     preempted request still resumes from its last point (20 tokens)."""
-    hasher = BlockHasher(4)
-    cfg = config(slots=40)
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
-    complete(planner, prefill(planner, Req("fill", [99] * 80, hasher), 100))  # 40 slots
-    req = Req("a", list(range(32)), hasher)
-    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    hasher, tier, planner = window_planner_with_a_full_tier()
+    req = looked_up(planner, Req("a", list(range(32)), hasher))
     for step in range(5):
         complete(planner, chunk(planner, req, (1 + step,), 4 * step, 4))
     window_key = {make_offload_key(req.block_hashes[k], 1): k for k in range(8)}
@@ -227,23 +227,26 @@ def test_a_resume_point_keeps_the_window_blocks_it_shares_with_the_last_one() ->
     assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 20
 
 
-def mamba_config(slots: int) -> OffloadConfig:
-    return OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
-                                 GroupSpec(GroupKind.MAMBA, 4)),
-                         hash_block_size=4, host_capacity_bytes=slots, eviction_policy="hybrid")
+def mamba_planner_with_a_full_tier() -> tuple[BlockHasher, HostTier, Planner]:
+    """Full attention + Mamba (states only where steps end) under hit-point admission,
+    and a tier of 40 keys filled by 39 full-attention blocks and a state."""
+    hasher = BlockHasher(4)
+    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
+                                GroupSpec(GroupKind.MAMBA, 4)),
+                        hash_block_size=4, host_capacity_bytes=40, eviction_policy="hybrid")
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    complete(planner, prefill(planner, Req("fill", [99] * 156, hasher), 100))
+    assert tier.is_full()
+    return hasher, tier, planner
 
 
 def test_the_last_resume_state_before_the_prompt_end_point_is_kept_at_finish() -> None:
     """Full attention + Mamba, a 32-token prompt computed in steps ending at 12, 24 and
     32. A repeat of the prompt hits at 28, where no step ended: the state at 24 is the
     deepest one it can use, so finishing the request does not demote it."""
-    hasher = BlockHasher(4)
-    cfg = mamba_config(40)
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
-    complete(planner, prefill(planner, Req("fill", [99] * 156, hasher), 100))  # full
-    req = Req("a", list(range(32)), hasher)
-    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    hasher, tier, planner = mamba_planner_with_a_full_tier()
+    req = looked_up(planner, Req("a", list(range(32)), hasher))
     complete(planner, chunk(planner, req, (1, 2, 3), 0, 12))
     complete(planner, chunk(planner, req, (4, 5, 6), 12, 12))
     complete(planner, chunk(planner, req, (7, 8), 24, 8))
@@ -260,13 +263,8 @@ def test_a_resume_point_needs_a_state_where_a_step_ended() -> None:
     """Full attention + Mamba, steps ending at 12 and 18. There is no state at 16 (the
     aligned point below 18), so 12 stays the resume point: its state is not demoted,
     and the preempted request resumes from 12."""
-    hasher = BlockHasher(4)
-    cfg = mamba_config(40)
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
-    complete(planner, prefill(planner, Req("fill", [99] * 156, hasher), 100))  # full
-    req = Req("a", list(range(32)), hasher)
-    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    hasher, tier, planner = mamba_planner_with_a_full_tier()
+    req = looked_up(planner, Req("a", list(range(32)), hasher))
     complete(planner, chunk(planner, req, (1, 2, 3), 0, 12))
     complete(planner, chunk(planner, req, (4, 5), 12, 6))
     state_at_12 = make_offload_key(req.block_hashes[2], 1)
