@@ -70,6 +70,8 @@ class RunSummary:
     ``prefill_tokens_saved`` is their sum in tokens. ``host_reserved_bytes_peak`` is the
     host memory the tier's slots take (every slot is as large as the largest group's
     offloaded block); ``host_bytes_peak`` counts only the blocks' own bytes.
+    ``cold_keys`` counts host blocks made cold as their request finished (the value
+    policy's bimodal insertion).
     """
 
     offload: bool
@@ -94,6 +96,7 @@ class RunSummary:
     store_link_s: float
     load_link_s: float
     flush_stall_s: float
+    cold_keys: int
     ttft: Percentiles
     clock_ttft: Percentiles
     makespan_s: float
@@ -189,6 +192,7 @@ def summarize(engine: ReferenceEngine, metrics: EngineMetrics, *, wall_s: float)
         store_link_s=engine.transfers.busy_seconds[Direction.STORE],
         load_link_s=engine.transfers.busy_seconds[Direction.LOAD],
         flush_stall_s=metrics.flush_stall_s,
+        cold_keys=engine.planner.stats.cold_stored_keys if engine.planner is not None else 0,
         ttft=Percentiles.of(ttft), clock_ttft=Percentiles.of(clock),
         makespan_s=max((r.finish_s or 0.0 for r in records), default=0.0),
         steps=metrics.steps, preemptions=metrics.preemptions,
