@@ -133,3 +133,31 @@ def test_the_planner_makes_a_cold_request_cold_when_it_finishes() -> None:
     duel.lru_score, duel.bimodal_score = 1.0, 1.0  # no clear lead: LRU insertion
     run(next(f"d{i}" for i in range(100) if not is_hot_request(f"d{i}")), 5000, 500)
     assert planner.stats.cold_stored_keys == before
+
+
+def test_the_directories_evict_first_what_the_planner_demotes() -> None:
+    """A request with 8 prompt and 32 generated tokens finishes: the decode blocks no
+    likely hit uses are demoted in the tier and in both shadow directories alike."""
+    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
+                                GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)),
+                        hash_block_size=4, host_capacity_bytes=100, eviction_policy="value")
+    hasher = BlockHasher(4)
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    duel = planner.insertion
+    assert duel is not None
+
+    class Req:
+        request_id = "a"
+        num_prompt_tokens, num_tokens = 8, 40
+        block_hashes = hasher.hashes(list(range(40)))
+
+    assert planner.get_num_new_matched_tokens(Req, 0).num_tokens == 0
+    table = tuple(range(1, 11))
+    planner.update_state_after_alloc(Req, (table, table), 0)
+    planner.build_step_plan(StepInput((ScheduledRequest(
+        Req, (table, table), 0, 40, num_freed_blocks=(0, 0)),)))
+    planner.request_finished(Req)
+    demoted = set(list(tier)[:5])
+    assert {make_offload_key(Req.block_hashes[k], 1) for k in range(2, 7)} == demoted
+    assert set(list(duel.lru)[:5]) == demoted == set(list(duel.bimodal)[:5])

@@ -7,8 +7,8 @@ keys (in the order they were demoted), then cold keys, then the rest, each by la
 insertion or touch; a touch makes a cold key normal and leaves a demoted key demoted; a
 key touched since its insertion is never made cold.
 Shadow directory: it never holds more than its budget, what it holds is exactly what a
-plain list model holds, a lookup counts held keys in a row, and a key looked up since
-its insertion is never cooled.
+plain list model holds, a lookup counts held keys in a row, a demoted key goes to the
+front, and a key looked up since its insertion is never cooled (but may be demoted).
 """
 
 from __future__ import annotations
@@ -141,6 +141,14 @@ class ShadowMachine(RuleBasedStateMachine):
         self.shadow.cool(keys)
         for key in keys:
             if key in self.charge and key not in self.looked_up:
+                self.model.remove(key)
+                self.model.insert(0, key)
+
+    @rule(keys=some_keys)
+    def demote(self, keys: list[OffloadKey]) -> None:
+        self.shadow.demote(keys)
+        for key in keys:
+            if key in self.charge:
                 self.model.remove(key)
                 self.model.insert(0, key)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvoffload.keys import OffloadKey
 
@@ -68,6 +68,10 @@ class ShadowDirectory:
     def __contains__(self, key: object) -> bool:
         return key in self._charges
 
+    def __iter__(self) -> Iterator[OffloadKey]:
+        """Held keys, the next to evict first."""
+        return iter(self._charges)
+
     @property
     def used(self) -> int:
         """Charge units held."""
@@ -90,13 +94,17 @@ class ShadowDirectory:
             inserted.append(key)
         return inserted
 
+    def demote(self, keys: Iterable[OffloadKey]) -> None:
+        """Held keys go to the front (evicted first), the last one given first."""
+        charges = self._charges
+        for key in keys:
+            if key in charges:
+                charges.move_to_end(key, last=False)
+
     def cool(self, keys: Sequence[OffloadKey]) -> None:
         """Held keys not looked up since their insertion go to the front (evicted
         first), the last one given first."""
-        charges, used = self._charges, self._used_keys
-        for key in keys:
-            if key in charges and key not in used:
-                charges.move_to_end(key, last=False)
+        self.demote(key for key in keys if key not in self._used_keys)
 
     def lookup(self, keys: Sequence[OffloadKey], start: int) -> int:
         """How many of ``keys[start:]`` are held in a row; the held keys of that prefix
@@ -156,6 +164,12 @@ class InsertionDuel:
         inserted = self.bimodal.insert(keys)
         if inserted and not is_hot_request(request_id):
             self._cold.setdefault(request_id, []).extend(inserted)
+
+    def observe_demote(self, keys: Sequence[OffloadKey]) -> None:
+        """The planner demoted ``keys`` (no likely hit uses them): both directories
+        evict them first, as the tier does."""
+        self.lru.demote(keys)
+        self.bimodal.demote(keys)
 
     def observe_finish(self, request_id: str) -> None:
         """``request_id`` finished: under bimodal insertion, its keys go cold now."""

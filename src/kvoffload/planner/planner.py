@@ -527,6 +527,13 @@ class Planner:
             keep = set(provisional)
             st.cold_keys.extend(key for key in stored if key not in keep)
 
+    def _demote(self, keys: list[OffloadKey]) -> None:
+        """Tell the tier (and the insertion duel's directories) that no likely hit uses
+        ``keys``."""
+        self.tier.demote(keys)
+        if self._insertion is not None:
+            self._insertion.observe_demote(keys)
+
     def _keep_resume_point(self, st: RequestState, point: int,
                            provisional: list[tuple[int, int, OffloadKey]],
                            stored: Sequence[OffloadKey]) -> None:
@@ -542,7 +549,7 @@ class Planner:
                     still = [entry for entry in st.resume_keys
                              if entry[1] in window_at(groups[entry[0]], point)]
                     kept = {entry[2] for entry in still}
-                    self.tier.demote([entry[2] for entry in st.resume_keys
+                    self._demote([entry[2] for entry in st.resume_keys
                                       if entry[2] not in kept])
                     st.resume_keys = still
             st.resume_point = point
@@ -834,7 +841,7 @@ class Planner:
             worthless.extend(entry[2] for entry in st.resume_keys)
         st.resume_keys = []
         if worthless:
-            self.tier.demote(worthless)
+            self._demote(worthless)
 
     def _tier_has_room(self) -> bool:
         return not self.tier.is_full()
