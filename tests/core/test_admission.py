@@ -283,3 +283,55 @@ def test_reset_cache_starts_the_insertion_duel_afresh() -> None:
     planner.reset_cache()
     fresh = planner.insertion
     assert fresh is not None and fresh.bimodal_score == 0 and len(fresh.lru) == 0
+
+
+def test_a_resume_point_whose_window_was_never_stored_is_not_taken() -> None:
+    """Full attention in 8-token blocks, a window of 8 tokens in 4-token blocks: hits
+    every 8 tokens. Steps end at 14 (resume point 8, window blocks 0 and 1) and at 17:
+    the point 16 needs window block 2, which was passed over when the step ended at 14,
+    so 8 stays the resume point and its blocks stay; the request resumes from 8."""
+    hasher = BlockHasher(4)
+    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 8),
+                                GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)),
+                        hash_block_size=4, host_capacity_bytes=30, eviction_policy="hybrid")
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    fill = looked_up(planner, Req("fill", [99] * 80, hasher))
+    fa, sw = tuple(range(100, 110)), tuple(range(200, 220))
+    planner.update_state_after_alloc(fill, (fa, sw), 0)
+    complete(planner, planner.build_step_plan(StepInput((ScheduledRequest(
+        fill, (fa, sw), 0, 80, num_freed_blocks=(0, 0)),))))
+    assert tier.is_full()
+    req = looked_up(planner, Req("a", list(range(64)), hasher))
+    fa, sw = (1, 2), (11, 12, 13, 14)
+    planner.update_state_after_alloc(req, (fa, sw), 0)
+    complete(planner, planner.build_step_plan(StepInput((ScheduledRequest(
+        req, (fa, sw), 0, 14, num_freed_blocks=(0, 0)),))))
+    complete(planner, planner.build_step_plan(StepInput((ScheduledRequest(
+        req, ((3,), (15,)), 14, 3, num_freed_blocks=(0, 0)),))))
+    window = {make_offload_key(req.block_hashes[k], 1) for k in (0, 1)}
+    assert window <= set(tier) and not window & set(list(tier)[:2])
+    planner.build_step_plan(StepInput(preempted=("a",)))
+    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 8
+
+
+def test_with_a_state_at_every_block_a_passed_resume_point_is_demoted() -> None:
+    """With ``mamba_states_every_block`` every block boundary has a state, so the state
+    at the last resume point (24) is demoted at finish: the state at 28 serves the
+    prompt's end."""
+    hasher = BlockHasher(4)
+    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
+                                GroupSpec(GroupKind.MAMBA, 4)),
+                        hash_block_size=4, host_capacity_bytes=40, eviction_policy="hybrid",
+                        mamba_states_every_block=True)
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    for i in range(6):
+        complete(planner, prefill(planner, Req(f"fill{i}", [90 + i] * 32, hasher), 100 + 10 * i))
+    assert tier.is_full()
+    req = looked_up(planner, Req("a", list(range(32)), hasher))
+    complete(planner, chunk(planner, req, (1, 2, 3), 0, 12))
+    complete(planner, chunk(planner, req, (4, 5, 6), 12, 12))
+    complete(planner, chunk(planner, req, (7, 8), 24, 8))
+    planner.request_finished(req)
+    assert next(iter(tier)) == make_offload_key(req.block_hashes[5], 1)  # the state at 24

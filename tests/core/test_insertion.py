@@ -7,6 +7,7 @@ never the blocks a preempted request would resume from."""
 from __future__ import annotations
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
+from kvoffload.jobs import WorkerReport
 from kvoffload.keys import BlockHash, BlockHasher, OffloadKey, make_offload_key
 from kvoffload.planner.contract import ScheduledRequest, StepInput
 from kvoffload.planner.insertion import (
@@ -161,3 +162,45 @@ def test_the_directories_evict_first_what_the_planner_demotes() -> None:
     demoted = set(list(tier)[:5])
     assert {make_offload_key(Req.block_hashes[k], 1) for k in range(2, 7)} == demoted
     assert set(list(duel.lru)[:5]) == demoted == set(list(duel.bimodal)[:5])
+
+
+def test_a_preempted_cold_request_still_goes_cold_and_only_cold_keys_are_counted() -> None:
+    """Bimodal insertion ahead; a cold request is preempted after 12 tokens and resumes
+    (its re-lookup must not count as a use of its own keys): at finish every key it
+    stored goes cold, and the count says so; cooling them again counts none."""
+    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
+                                GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)),
+                        hash_block_size=4, host_capacity_bytes=200, eviction_policy="value")
+    hasher = BlockHasher(4)
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    duel = planner.insertion
+    assert duel is not None
+    duel.lru_score, duel.bimodal_score = 0.0, 1.0
+    rid = next(f"c{i}" for i in range(100) if not is_hot_request(f"c{i}"))
+
+    class Req:
+        request_id = rid
+        num_prompt_tokens = num_tokens = 32
+        block_hashes = hasher.hashes(list(range(32)))
+
+    def run(step: StepInput) -> None:
+        plan = planner.build_step_plan(step)
+        planner.update_from_worker_reports(
+            [WorkerReport(0, tuple(j.job_id for j in plan.stores + plan.loads))])
+
+    def compute(ids: tuple[int, ...], computed: int, scheduled: int) -> None:
+        run(StepInput((ScheduledRequest(Req, (ids, ids), computed, scheduled,
+                                        num_freed_blocks=(0, 0)),)))
+
+    assert planner.get_num_new_matched_tokens(Req, 0).num_tokens == 0
+    planner.update_state_after_alloc(Req, ((1, 2, 3), (1, 2, 3)), 0)
+    compute((1, 2, 3), 0, 12)
+    planner.build_step_plan(StepInput(preempted=(rid,)))
+    assert planner.get_num_new_matched_tokens(Req, 0).num_tokens == 12
+    planner.update_state_after_alloc(Req, ((1, 2, 3), (1, 2, 3)), 12)
+    run(StepInput())  # the load
+    compute((4, 5, 6, 7, 8), 12, 20)
+    planner.request_finished(Req)
+    assert planner.stats.cold_stored_keys == len(tier) > 0  # every key it stored
+    assert tier.cool(list(tier)) == 0  # cold already

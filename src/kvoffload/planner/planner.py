@@ -152,7 +152,8 @@ class Planner:
             full = self._full_views[0]
             self._insertion.observe_lookup(st.groups[full.index].keys,
                                            num_computed_tokens // full.offloaded_block_size)
-        self._touch(st)
+        # A resumed request's cold keys stay unused: they go cold when it finishes.
+        self._touch(st, frozenset(st.cold_keys))
         if hits > 0:
             st.planned = PlannedLoad(num_computed_tokens, end)
             self.stats.lookup_hit_tokens += hits
@@ -477,6 +478,8 @@ class Planner:
             self.stats.store_retries += 1
             return None
         self._advance(st, limits)
+        if resume and not self._holds_window(st, resume):
+            resume = 0  # a block of its window (or its state) was never stored: keep the last
         self._keep_resume_point(st, resume, provisional, result.keys_to_store)
         if self._insertion is not None:
             self._insert(st, keys, result.keys_to_store, [key for _, _, key in provisional])
@@ -557,13 +560,21 @@ class Planner:
             fresh = set(stored)
             st.resume_keys.extend(entry for entry in provisional if entry[2] in fresh)
 
+    def _holds_window(self, st: RequestState, point: int) -> bool:
+        """Whether the tier holds (ready or being written) every window block and state a
+        hit at ``point`` reads: else ``point`` cannot be resumed from."""
+        tier = self.tier
+        return all(gs.keys[k] in tier
+                   for g, gs in zip(self._groups, st.groups, strict=True)
+                   if g.window_blocks is not None for k in window_at(g, point))
+
     def _keeps_resume_point(self, st: RequestState, stop: int) -> bool:
         """Whether the blocks of the request's resume point stay (are not demoted) when
         its prefill moves on to ``stop``: in a layout with Mamba groups, a state exists
         only where a step ended, so when a likely hit point lies in ``[resume point,
         stop)``, the resume point is the deepest one a hit there can use."""
         request = st.request
-        return bool(self._mamba_groups) and self._admission.hit_point_between(
+        return self._step_end_states and self._admission.hit_point_between(
             st.resume_point, stop, request.block_hashes, request.num_prompt_tokens)
 
     @staticmethod
@@ -789,8 +800,7 @@ class Planner:
         self._value_finished(st)
         self._demote_finished(st)
         if cold:
-            self.tier.cool(cold)
-            self.stats.cold_stored_keys += len(cold)
+            self.stats.cold_stored_keys += self.tier.cool(cold)
         if not st.jobs:
             del self._requests[request.request_id]
             return

@@ -135,10 +135,16 @@ class Tier(ABC):
         """Hint that present keys are worth little: evict them first. Default: ignored."""
         del keys
 
-    def cool(self, keys: Sequence[OffloadKey]) -> None:
+    def cool(self, keys: Sequence[OffloadKey]) -> int:
         """Hint that present keys not used since their insertion are *cold*: evicted
-        before every key inserted or used normally, until used. Default: ignored."""
+        before every key inserted or used normally, until used. Returns how many keys
+        went cold. Default: ignored (0)."""
         del keys
+        return 0
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is present, ready or being written (no lookup is counted)."""
 
     @abstractmethod
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreResult | None:

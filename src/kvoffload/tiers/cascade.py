@@ -195,8 +195,10 @@ class CascadeTier(Tier):
                     break
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
-        """``HostTier.prepare_load``; also counts each key's hit to the tier it came from."""
+        """``HostTier.prepare_load``; also counts each key's hit to the tier it came from.
+        A demoted key that is hit is worth writing back after all."""
         slots = self.host.prepare_load(keys)
+        self._worthless.difference_update(keys)
         by_group = self.stats.loaded_group_blocks
         for key in keys:
             tier = self._origin.pop(key, HOST)
@@ -218,9 +220,9 @@ class CascadeTier(Tier):
         self.host.demote(keys)
         self._worthless.update(key for key in keys if key in self.host)
 
-    def cool(self, keys: Sequence[OffloadKey]) -> None:
+    def cool(self, keys: Sequence[OffloadKey]) -> int:
         """Cold-insertion hints go to host memory's policy."""
-        self.host.cool(keys)
+        return self.host.cool(keys)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Recency in host memory and in every lower tier that keeps an order."""
@@ -240,6 +242,9 @@ class CascadeTier(Tier):
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         """``HostTier.complete_store``; keys that became readable are written through."""
+        if not success:
+            keys = list(keys)
+            self._worthless.difference_update(keys)  # gone from host memory
         if not (success and self._write_thru):
             self.host.complete_store(keys, success)
             return

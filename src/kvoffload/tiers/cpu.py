@@ -227,8 +227,8 @@ class HostTier(Tier):
     def demote(self, keys: Sequence[OffloadKey]) -> None:
         self._policy.demote(keys)
 
-    def cool(self, keys: Sequence[OffloadKey]) -> None:
-        self._policy.cool(keys)
+    def cool(self, keys: Sequence[OffloadKey]) -> int:
+        return self._policy.cool(keys)
 
     def set_values(self, values: Sequence[ValueHint]) -> None:
         """Hand (key, compute saved, bytes) hints to the eviction policy."""

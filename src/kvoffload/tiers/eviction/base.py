@@ -130,11 +130,12 @@ class EvictionPolicy(ABC):
         """Hint: present keys are worth little; evict them before others. Default: ignore."""
         del keys
 
-    def cool(self, keys: Sequence[OffloadKey]) -> None:
+    def cool(self, keys: Sequence[OffloadKey]) -> int:
         """Hint: present keys not used since their insertion are cold: evict them before
-        every key inserted or used normally, oldest first, until they are used. Default:
-        ignore."""
+        every key inserted or used normally, oldest first, until they are used. Returns
+        how many went cold. Default: ignore (0)."""
         del keys
+        return 0
 
     @abstractmethod
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> Victims | None:

@@ -158,16 +158,19 @@ class ValuePolicy(EvictionPolicy):
             if entry is not None:
                 self._push(key, entry, _DEMOTED)
 
-    def cool(self, keys: Sequence[OffloadKey]) -> None:
+    def cool(self, keys: Sequence[OffloadKey]) -> int:
         """Present keys not touched since their insertion go below every key inserted or
         used normally (oldest cold key first) until they are touched; demoted keys stay
-        demoted."""
+        demoted. Returns how many went cold."""
+        cooled = 0
         for key in keys:
             entry = self._entries.get(key)
             if (entry is not None and not entry.cold and entry.prio != _DEMOTED
                     and entry.stamp == entry.inserted):
                 entry.cold = True
                 self._push(key, entry, self._priority(entry))
+                cooled += 1
+        return cooled
 
     def set_values(self, values: Sequence[ValueHint]) -> None:
         """Record densities (a key keeps the highest it was given) and anchors. The value
