@@ -81,19 +81,25 @@ def test_about_one_request_in_hot_every_is_hot() -> None:
     assert is_hot_request("req-7") == is_hot_request("req-7")
 
 
+def value_planner(capacity: int) -> tuple[BlockHasher, HostTier, Planner, InsertionDuel]:
+    """Full attention + a window of 8 tokens under the value policy, a tier of
+    ``capacity`` keys, and the planner's insertion duel."""
+    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
+                                GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)),
+                        hash_block_size=4, host_capacity_bytes=capacity,
+                        eviction_policy="value")
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    assert planner.insertion is not None
+    return BlockHasher(4), tier, planner, planner.insertion
+
+
 def test_the_planner_makes_a_cold_request_cold_when_it_finishes() -> None:
     """Full attention + a window of 8 tokens; a full value tier. With bimodal insertion
     clearly ahead, a cold request's new blocks stay normal while it runs (a preemption
     would reload them) and go before the older normal ones when it finishes; a hot
     request's do not; without a clear lead nothing goes cold."""
-    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
-                                GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)),
-                        hash_block_size=4, host_capacity_bytes=24, eviction_policy="value")
-    hasher = BlockHasher(4)
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
-    duel = planner.insertion
-    assert duel is not None
+    hasher, tier, planner, duel = value_planner(24)
 
     class Req:
         def __init__(self, rid: str, first_token: int) -> None:
@@ -139,14 +145,7 @@ def test_the_planner_makes_a_cold_request_cold_when_it_finishes() -> None:
 def test_the_directories_evict_first_what_the_planner_demotes() -> None:
     """A request with 8 prompt and 32 generated tokens finishes: the decode blocks no
     likely hit uses are demoted in the tier and in both shadow directories alike."""
-    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
-                                GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)),
-                        hash_block_size=4, host_capacity_bytes=100, eviction_policy="value")
-    hasher = BlockHasher(4)
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
-    duel = planner.insertion
-    assert duel is not None
+    hasher, tier, planner, duel = value_planner(100)
 
     class Req:
         request_id = "a"
@@ -168,14 +167,7 @@ def test_a_preempted_cold_request_still_goes_cold_and_only_cold_keys_are_counted
     """Bimodal insertion ahead; a cold request is preempted after 12 tokens and resumes
     (its re-lookup must not count as a use of its own keys): at finish every key it
     stored goes cold, and the count says so; cooling them again counts none."""
-    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
-                                GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)),
-                        hash_block_size=4, host_capacity_bytes=200, eviction_policy="value")
-    hasher = BlockHasher(4)
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
-    duel = planner.insertion
-    assert duel is not None
+    hasher, tier, planner, duel = value_planner(200)
     duel.lru_score, duel.bimodal_score = 0.0, 1.0
     rid = next(f"c{i}" for i in range(100) if not is_hot_request(f"c{i}"))
 
