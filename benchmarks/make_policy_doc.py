@@ -42,9 +42,10 @@ DOCS = ROOT / "docs"
 DATA = DOCS / "policy_data.json"
 PRESETS = ("gpt-oss-20b", "gemma3-27b", "nemotron-h-8b", "llama3-8b")
 POLICIES = ("lru", "arc", "value")
-FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
+FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 1.0)
 """Host capacities as shares of the store-everything working set: 1-50 % for the curves,
-70 and 100 % so the memory to reach 90 % of the unbounded hit rate can be measured."""
+60-100 % so the memory to reach 90 % of the unbounded hit rate can be measured (40 and
+60 % because that memory is read between grid points)."""
 AGENTIC_SEEDS = (0, 1, 2, 3, 4)
 """The built-in agentic workload is small (a few agent sessions); figures are means over
 these seeds."""
@@ -353,8 +354,9 @@ in the simulator until the arena packs groups by size.
 `python benchmarks/make_policy_doc.py` regenerates this page. For each workload and
 preset it first runs store-everything LRU with unbounded host memory: its peak host
 memory is the *working set*, its host hit rate the *unbounded hit rate*. Then LRU, ARC
-and `value` run at 1, 2, 5, 10, 20, 30 and 50 % of that working set (and 70 and 100 %,
-so the memory to reach 90 % of the unbounded hit rate can be read), in the same
+and `value` run at 1, 2, 5, 10, 20, 30, 40 and 50 % of that working set (and 60, 70 and
+100 %, so the memory to reach 90 % of the unbounded hit rate can be read between close
+points), in the same
 `run_sweep` call that `kvoffload sweep --capacity-fraction` uses. *Host hit* is the share
 of prompt tokens loaded from host memory (the engine's own prefix cache is the same for
 every policy and is not counted); *prefill tokens saved* compares with a run without
@@ -365,7 +367,7 @@ loaded bytes at 25 GB/s). The same comparison by hand:
 kvoffload sweep --preset gpt-oss-20b,gemma3-27b,llama3-8b \\
     --block-size 64 --block-size-factor 4 \\
     --trace ../shared/traces/mooncake_conversation_trace.jsonl --limit LIMIT \\
-    --policy lru,arc,value --capacity-fraction 0.01,0.02,0.05,0.1,0.2,0.3,0.5,0.7,1 \\
+    --policy lru,arc,value --capacity-fraction 0.01,0.02,0.05,0.1,0.2,0.3,0.4,0.5,0.6,0.7,1 \\
     --host-accounting bytes
 kvoffload sweep --preset nemotron-h-8b ...same options without --block-size...
 kvoffload sweep --workload agentic ...same options...
