@@ -11,6 +11,7 @@ from kvoffload.jobs import WorkerReport
 from kvoffload.keys import BlockHash, BlockHasher, OffloadKey, make_offload_key
 from kvoffload.planner.contract import ScheduledRequest, StepInput
 from kvoffload.planner.insertion import (
+    DECAY,
     HOT_EVERY,
     InsertionDuel,
     ShadowDirectory,
@@ -54,7 +55,7 @@ def cycle(duel: InsertionDuel, prefixes: int, rounds: int) -> None:
             rid = next(f"r{n}-{j}" for j in range(10**6) if is_hot_request(f"r{n}-{j}")
                        == (p % HOT_EVERY == 0))
             n += 1
-            duel.observe_lookup([k(p)], 0)
+            duel.observe_lookup([k(p)], 0, served=0)
             duel.observe_store([(k(p), 1)], rid)
             duel.observe_finish(rid)
 
@@ -196,3 +197,18 @@ def test_a_preempted_cold_request_still_goes_cold_and_only_cold_keys_are_counted
     planner.request_finished(Req)
     assert planner.stats.cold_stored_keys == len(tier) > 0  # every key it stored
     assert tier.cool(list(tier)) == 0  # cold already
+
+
+def test_bimodal_insertion_must_also_beat_what_the_tier_itself_served() -> None:
+    """The LRU directory models plain LRU; the tier, inserting normally, also ranks by
+    value. What it served while inserting normally is a floor bimodal insertion must beat
+    by the same lead; it is only counted while insertion is normal."""
+    duel = InsertionDuel(budget=8, block_tokens=16)
+    duel.bimodal_score, duel.served_score = 2.0, 3.0
+    assert not duel.bimodal_ahead
+    duel.observe_lookup([k(0)], 0, served=5)  # normal insertion: counted
+    assert duel.served_score == 3.0 * DECAY + 5
+    duel.served_score = 1.0
+    assert duel.bimodal_ahead
+    duel.observe_lookup([k(0)], 0, served=100)  # bimodal insertion now: not counted
+    assert duel.served_score == 1.0

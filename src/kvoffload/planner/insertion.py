@@ -20,10 +20,11 @@ configures. So, as DIP does with set dueling, ``InsertionDuel`` keeps two *shado
 directories* (keys and their charges only, no data) at the tier's budget, one inserting
 everything normally and one bimodally, fed the stores the planner makes, the requests
 that finish and the first lookup of every request. Each counts the full-attention tokens
-it would have served beyond the engine's own hit, with recent lookups weighing most; the
-planner uses bimodal insertion while that directory is clearly ahead (``LEAD``), LRU
-insertion otherwise. Hot or cold is decided per request (a stable hash of its id), so a
-request's prefix stays together.
+it would have served beyond the engine's own hit, with recent lookups weighing most. The
+planner uses bimodal insertion while that directory is clearly ahead (``LEAD``) of the
+LRU one and of what the tier itself served while inserting normally (the directories
+model plain LRU; the tier also ranks by value), LRU insertion otherwise. Hot or cold is
+decided per request (a stable hash of its id), so a request's prefix stays together.
 """
 
 from __future__ import annotations
@@ -138,20 +139,27 @@ class InsertionDuel:
         self.block_tokens = block_tokens
         self.lru_score = 0.0
         self.bimodal_score = 0.0
+        self.served_score = 0.0
+        """What the tier itself served while inserting normally (it ranks by value, which
+        the LRU directory does not model): bimodal insertion must beat this too."""
 
     @property
     def bimodal_ahead(self) -> bool:
         """Whether bimodal insertion would have served clearly more tokens lately
         (``LEAD`` times LRU insertion's)."""
-        return self.bimodal_score > LEAD * self.lru_score
+        return self.bimodal_score > LEAD * max(self.lru_score, self.served_score)
 
     def inserts_hot(self, request_id: str) -> bool:
         """Whether ``request_id``'s blocks go in hot under the insertion ahead now."""
         return not self.bimodal_ahead or is_hot_request(request_id)
 
-    def observe_lookup(self, full_keys: Sequence[OffloadKey], engine_blocks: int) -> None:
+    def observe_lookup(self, full_keys: Sequence[OffloadKey], engine_blocks: int,
+                       served: int) -> None:
         """A request's first lookup: ``full_keys`` are its full-attention keys, the first
-        ``engine_blocks`` of which the engine has itself."""
+        ``engine_blocks`` of which the engine has itself; the tier served ``served``
+        tokens beyond them."""
+        if not self.bimodal_ahead:  # LRU insertion now: the tier itself shows what it serves
+            self.served_score = self.served_score * DECAY + served
         tokens = self.block_tokens
         self.lru_score = self.lru_score * DECAY + tokens * self.lru.lookup(
             full_keys, engine_blocks)

@@ -151,7 +151,8 @@ class Planner:
         if self._insertion is not None and first:
             full = self._full_views[0]
             self._insertion.observe_lookup(st.groups[full.index].keys,
-                                           num_computed_tokens // full.offloaded_block_size)
+                                           num_computed_tokens // full.offloaded_block_size,
+                                           hits)
         # A resumed request's cold keys stay unused: they go cold when it finishes.
         self._touch(st, frozenset(st.cold_keys))
         if hits > 0:
