@@ -317,7 +317,8 @@ often.) Which insertion is better depends on capacity, so two *shadow directorie
 only, no data) at the tier's budget run both side by side on the same stores, finishes
 and lookups, and the policy uses bimodal insertion only while that directory would have
 served clearly more (1.25 times) full-attention tokens over the last few hundred
-lookups. A prefill's resume point never goes cold.
+lookups than the LRU one, and than the tier itself served while inserting normally. A
+prefill's resume point never goes cold.
 
 **Memory per group in bytes.** Pages differ in size across groups (a Gemma 3 window
 block holds 52 layers, its full-attention block 10; a Nemotron-H Mamba state is about six
