@@ -68,19 +68,16 @@ def preset_config(preset: str, trace: bool) -> SimulationConfig:
         decode_tokens_per_step=16, baseline=False, host_accounting="bytes")
 
 
-def sweep(workload: str, limit: int | None, presets: tuple[str, ...] = PRESETS,
-          fractions: tuple[float, ...] = FRACTIONS) -> dict[str, Any]:
-    """One workload's grid (run in a worker process); plain data."""
+def sweep(workload: str, limit: int | None, preset: str) -> dict[str, Any]:
+    """One workload's grid for one preset (run in a worker process); plain data."""
     trace = TRACE if workload == "mooncake" else None
     spec = WorkloadSpec("agentic", trace, limit, 0)
     references: dict[str, Reference] = {}
     started = time.perf_counter()
-    points = []
-    for preset in presets:
-        points += run_sweep(preset_config(preset, trace is not None), spec, presets=(preset,),
-                            policies=POLICIES, capacities=(),
-                            seeds=(0,) if trace is not None else AGENTIC_SEEDS,
-                            fractions=fractions, references=references)
+    points = run_sweep(preset_config(preset, trace is not None), spec, presets=(preset,),
+                       policies=POLICIES, capacities=(),
+                       seeds=(0,) if trace is not None else AGENTIC_SEEDS,
+                       fractions=FRACTIONS, references=references)
     label = spec.label if trace is not None else (
         f"agentic, mean of seeds {', '.join(map(str, AGENTIC_SEEDS))}"
         + (f", first {limit}" if limit else ""))
@@ -398,7 +395,7 @@ def main() -> None:
         presets = tuple(p for p in args.presets.split(",") if p)
         with ProcessPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             # One job per workload and preset, longest (the trace) first.
-            jobs = {(workload, preset): pool.submit(sweep, workload, limit, (preset,))
+            jobs = {(workload, preset): pool.submit(sweep, workload, limit, preset)
                     for workload, limit in (("mooncake", args.limit),
                                             ("agentic", args.agentic_limit))
                     for preset in presets}

@@ -79,7 +79,9 @@ def test_lru_insertion_is_kept_when_everything_fits() -> None:
 def test_about_one_request_in_hot_every_is_hot() -> None:
     hot = sum(is_hot_request(f"req-{i}") for i in range(8000))
     assert abs(hot - 8000 / HOT_EVERY) < 150
-    assert is_hot_request("req-7") == is_hot_request("req-7")
+    # Stable across processes and runs (a CRC of the id, not Python's salted hash).
+    assert [i for i in range(64) if is_hot_request(f"req-{i}")] == [5, 10, 27, 33, 38, 46,
+                                                                      52, 59]
 
 
 def value_planner(capacity: int) -> tuple[BlockHasher, HostTier, Planner, InsertionDuel]:

@@ -190,7 +190,6 @@ class EngineParts:
     """What the engine of a ``SimulationConfig`` is built from (``engine_parts``)."""
 
     layout: ModelLayout
-    capacities: Capacities
     offload: OffloadConfig
     engine: EngineConfig
     tier: Tier | None
@@ -218,7 +217,7 @@ def engine_parts(config: SimulationConfig, *, lower_tiers: bool = True,
         tier = make_tier(offload_config, tiers, enable_events=False,
                          accounting=config.mode is Mode.ACCOUNTING,
                          remote_capacity_bytes=config.remote_capacity_bytes or 1)
-    return EngineParts(layout, caps, offload_config, engine_config, tier, tiers)
+    return EngineParts(layout, offload_config, engine_config, tier, tiers)
 
 
 def build_engine(config: SimulationConfig, *, offload: bool = True,

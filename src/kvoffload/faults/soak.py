@@ -195,7 +195,6 @@ def build_soak_engine(config: SoakConfig,
     parts = engine_parts(sim, num_workers=config.num_workers,
                          load_deadline_s=config.load_deadline_s)
     faulty_stores: list[FaultyBlockStore] = []
-    wrapped: list[FaultyExecutor] = []
 
     def with_faults(inner: TransferExecutor, device: DeviceCaches | None,
                     worker: WorkerExecutor | None) -> TransferExecutor:
@@ -209,14 +208,13 @@ def build_soak_engine(config: SoakConfig,
                     tier_io.stores[name] = faulty = faulty_store(store, config.tier_faults,
                                                                  config.faults.seed)
                     faulty_stores.append(faulty)
-        wrapped.append(FaultyExecutor(inner, config.faults, mirror_ranks=mirror,
-                                      garble=garble))
-        return wrapped[0]
+        return FaultyExecutor(inner, config.faults, mirror_ranks=mirror, garble=garble)
 
     engine = assemble(parts.layout, parts.engine, parts.offload, mode=sim.mode,
                       timing=sim.timing, tier=parts.tier, tiers=parts.tiers,
                       wrap_executor=with_faults)
-    faulty = wrapped[0]
+    faulty = engine.executor
+    assert isinstance(faulty, FaultyExecutor)
     faulty.clock = lambda: engine.clock
     if config.tier_faults and not faulty_stores:
         raise ConfigError("tier_faults", "lower-tier faults need real tiers",

@@ -95,8 +95,6 @@ class Planner:
         self._full_views = [g for g in self._order if g.window_blocks is None]
         self._valuer = (PrefixValuer(config, prefill_flops)
                         if config.eviction_policy in VALUE_AWARE_POLICIES else None)
-        self._mamba_groups = frozenset(g.index for g in self._groups
-                                       if g.kind is GroupKind.MAMBA)
         self._charge = [g.block_bytes if config.charges_bytes else 1 for g in self._groups]
         self._insertion = (InsertionDuel(config.host_capacity_bytes if config.charges_bytes
                                          else config.num_host_slots,
@@ -464,7 +462,7 @@ class Planner:
                 if g.window_blocks is None or self._admission.admit(
                         g, k, request.block_hashes, request.num_prompt_tokens):
                     pass
-                elif self._admission.admit_for_resume(g, k, resume):
+                elif resume and self._admission.admit_for_resume(g, k, resume):
                     provisional.append((g.index, k, gs.keys[k]))
                 else:
                     continue
@@ -546,16 +544,17 @@ class Planner:
         need itself (admission's resume points), unless ``_keeps_resume_point``."""
         if point > st.resume_point:
             if st.resume_keys:
-                if self._keeps_resume_point(st, point):
-                    st.resume_keys = []
-                else:
-                    groups = self._groups
-                    still = [entry for entry in st.resume_keys
-                             if entry[1] in window_at(groups[entry[0]], point)]
-                    kept = {entry[2] for entry in still}
-                    self._demote([entry[2] for entry in st.resume_keys
-                                      if entry[2] not in kept])
-                    st.resume_keys = still
+                still: list[tuple[int, int, OffloadKey]] = []
+                if not self._keeps_resume_point(st, point):
+                    passed: list[OffloadKey] = []
+                    for entry in st.resume_keys:
+                        group, block, key = entry
+                        if block in window_at(self._groups[group], point):
+                            still.append(entry)
+                        else:
+                            passed.append(key)
+                    self._demote(passed)
+                st.resume_keys = still
             st.resume_point = point
         if provisional:
             fresh = set(stored)
@@ -846,9 +845,10 @@ class Planner:
                                                       request.num_prompt_tokens,
                                                       request.num_tokens)
             worthless.extend(gs.keys[k] for k in blocks)
-        # The last resume point: a hit at the prompt's end may need its state.
-        prompt_point = (request.num_prompt_tokens - 1) // self._alignment * self._alignment
-        if st.resume_keys and not self._keeps_resume_point(st, prompt_point + 1):
+        # The last resume point lies at or before the prompt's end point, a likely hit
+        # point, so where states exist only at step ends (``_keeps_resume_point``) its
+        # state may be the deepest one a hit there can use: kept. Else it is worthless.
+        if not self._step_end_states:
             worthless.extend(entry[2] for entry in st.resume_keys)
         st.resume_keys = []
         if worthless:

@@ -361,9 +361,7 @@ class HostTier(Tier):
 
     def is_full(self) -> bool:
         if self._charges_bytes:  # as TierUsage.is_full, without building the usage
-            held = sum(n * b for n, b in zip(self._keys_per_group, self._block_bytes,
-                                               strict=True))
-            return held + self._largest_block_bytes > self._budget
+            return self._bytes_used() + self._largest_block_bytes > self._budget
         return self._slots.num_used >= self._slots.capacity
 
     def usage(self) -> TierUsage:

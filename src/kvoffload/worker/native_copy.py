@@ -162,8 +162,7 @@ class NativeQueue:
         handle = self._handle
         if handle is None:
             return
-        self._lib.wait(handle, seq)
-        self.completed()
+        self._lib.wait(handle, seq)  # the next ``completed`` lets go of finished jobs
 
     def hold(self, held: bool) -> None:
         """While held, the queue's threads take no new pieces (those taken are finished):
