@@ -235,7 +235,14 @@ def test_a_job_is_copied_in_source_address_order_if_its_pieces_are_large(
         assert sorted(pieces) == sorted(in_job_order)
         assert [src for _, src, _ in pieces] == sorted(src for _, src, _ in pieces)
     worker.shutdown()
-    # The native queue sorts the same way.
+
+
+def test_the_native_queue_sorts_large_pieces_by_source_address_too() -> None:
+    if cpu_module.load_native_copy() is None:
+        pytest.skip("native copy queue not built")
+    cache = kv_separate(40, torch.Generator().manual_seed(9), layers=2)
+    rng = random.Random(9)
+    job = store(0, rng.sample(range(1, 40), 8), rng.sample(range(20), 4))
     native = make_worker([cache], factor=2, num_slots=20, backend=CpuBackend(copy_threads=1))
     unsorted = _native_pieces(native, job)
     assert unsorted == _pieces(native, job)

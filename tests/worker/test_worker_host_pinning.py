@@ -32,9 +32,11 @@ class Runtime:
         return 0
 
 
-def test_the_arena_is_registered_at_its_exact_size_and_unregistered_when_collected() -> None:
+def test_the_arena_is_registered_at_its_exact_size_and_unregistered_when_collected(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     runtime = Runtime()
-    arena, pinned = allocate_arena((33, 4097), True, cudart=lambda: runtime)
+    monkeypatch.setattr(host_pool, "_cudart", lambda: runtime)
+    arena, pinned = allocate_arena((33, 4097), True)
     assert pinned and arena.shape == (33, 4097)
     ptr = arena.data_ptr()
     assert runtime.registered == [(ptr, 33 * 4097, 1)]  # exact (no power of two), portable
@@ -62,9 +64,10 @@ def test_without_registration_torch_pinned_allocation_is_used_and_said(
         return torch.zeros(shape, dtype=torch.uint8)
 
     monkeypatch.setattr(host_pool, "_torch_pinned", torch_pinned)
+    monkeypatch.setattr(host_pool, "_cudart", cudart)
+    monkeypatch.setattr(host_pool, "_clear_cuda_error", lambda: cleared.append(True))
     with caplog.at_level(logging.WARNING):
-        arena, pinned = allocate_arena((3, 5), True, cudart=cudart,
-                                       clear_error=lambda: cleared.append(True))
+        arena, pinned = allocate_arena((3, 5), True)
     assert pinned and fallback == [(3, 5)] and arena.shape == (3, 5)
     # A refused registration leaves an error behind in the runtime: it is cleared.
     assert cleared == ([True] if runtime == "error" else [])
@@ -72,8 +75,10 @@ def test_without_registration_torch_pinned_allocation_is_used_and_said(
     assert failing.unregistered == []
 
 
-def test_an_unpinned_arena_asks_nothing_of_the_runtime() -> None:
+def test_an_unpinned_arena_asks_nothing_of_the_runtime(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     runtime = Runtime()
-    arena, pinned = allocate_arena((2, 8), False, cudart=lambda: runtime)
+    monkeypatch.setattr(host_pool, "_cudart", lambda: runtime)
+    arena, pinned = allocate_arena((2, 8), False)
     assert not pinned and arena.shape == (2, 8) and runtime.registered == []
 

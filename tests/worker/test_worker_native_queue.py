@@ -8,7 +8,6 @@ fails there instead of quietly testing only the ``memmove`` path.
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import random
 import time
@@ -25,8 +24,8 @@ from worker_kit import (
     store,
 )
 
-from kvoffload.jobs import Direction, GroupTransfer, JobId, StepPlan, TransferJob
-from kvoffload.worker import CpuBackend, FailJobs, TransferWorker
+from kvoffload.jobs import Direction, GroupTransfer, StepPlan, TransferJob
+from kvoffload.worker import CpuBackend
 from kvoffload.worker.native_copy import DISABLE_ENV, NativeCopy, load_native_copy, pack
 
 NATIVE = load_native_copy()
@@ -85,7 +84,7 @@ def test_random_jobs_of_odd_sizes_and_alignments_copy_exactly_and_complete_in_or
     queue.wait(jobs[-1].seq)
     assert queue.completed() == jobs[-1].seq
     assert torch.equal(dst, expected)
-    assert all(j.seconds >= 0 for j in jobs)
+    assert all(j.seconds >= 0 for j in jobs) and sum(j.seconds for j in jobs) > 0
     queue.close()
     queue.close()  # idempotent
 
@@ -129,29 +128,6 @@ def test_waiting_for_a_job_never_pushed_returns() -> None:
 # -- the backend on the native queue ------------------------------------------------------
 
 
-def _held(worker: TransferWorker, direction: Direction, held: bool) -> None:
-    backend = worker.backend
-    assert isinstance(backend, CpuBackend) and backend.native_copy
-    backend.hold(direction, held)
-
-
-@needs_native
-def test_jobs_run_asynchronously_until_polled_and_are_reported_once() -> None:
-    cache = kv_separate(16, torch.Generator().manual_seed(1), layers=1)
-    worker = make_worker([cache])
-    _held(worker, Direction.STORE, True)
-    s = store(0, [1, 2], [0, 1])
-    worker.execute(StepPlan(stores=(s,)))
-    assert worker.poll().finished == ()
-    _held(worker, Direction.STORE, False)
-    worker.wait([s.job_id, JobId(10**9)])  # an unknown id is ignored
-    report = worker.poll()
-    assert report.finished == (s.job_id,) and report.stats.stored_bytes > 0
-    assert worker.poll().finished == ()
-    assert torch.equal(worker.host_pool.slot_view(0, 0), cache.block(1))
-    worker.shutdown()
-
-
 @needs_native
 def test_stores_and_loads_in_flight_together_round_trip_on_padded_mamba_pages() -> None:
     cache = mamba_raw_padded(40, torch.Generator().manual_seed(2), layers=2)
@@ -169,44 +145,6 @@ def test_stores_and_loads_in_flight_together_round_trip_on_padded_mamba_pages() 
     for b, expected in zip(range(20, 28), want, strict=True):
         assert torch.equal(cache.block(b), expected), b
     worker.shutdown()
-
-
-@needs_native
-def test_an_injected_fault_fails_only_its_job_and_is_logged(
-        caplog: pytest.LogCaptureFixture) -> None:
-    cache = kv_separate(20, torch.Generator().manual_seed(3), layers=1)
-    jobs = [store(0, [1 + i], [i]) for i in range(5)]
-    bad = jobs[2].job_id
-    worker = make_worker([cache], backend=CpuBackend(fault_hook=FailJobs([bad])),
-                         num_slots=8)
-    _held(worker, Direction.STORE, True)  # all five queue up behind each other
-    worker.execute(StepPlan(stores=tuple(jobs)))
-    _held(worker, Direction.STORE, False)
-    with caplog.at_level(logging.WARNING):
-        worker.wait([j.job_id for j in jobs])
-        report = worker.poll()
-    assert report.failed == (bad,)
-    assert report.finished == tuple(j.job_id for j in jobs if j.job_id != bad)
-    assert any(f"job {bad} failed" in r.getMessage() and r.exc_info for r in caplog.records)
-    for i, job in enumerate(jobs):
-        if job.job_id != bad:
-            assert torch.equal(worker.host_pool.slot_view(i, 0), cache.block(1 + i))
-    retry = store(0, [9], [2])  # the failed job's slot is reusable
-    assert run_all(worker, [retry]).finished == (retry.job_id,)
-    assert torch.equal(worker.host_pool.slot_view(2, 0), cache.block(9))
-    worker.shutdown()
-
-
-@needs_native
-def test_shutdown_copies_what_is_queued() -> None:
-    cache = kv_separate(16, torch.Generator().manual_seed(4), layers=1)
-    worker = make_worker([cache])
-    _held(worker, Direction.STORE, True)
-    s = store(0, [3, 4], [0, 1])
-    worker.execute(StepPlan(stores=(s,)))
-    worker.shutdown()
-    assert torch.equal(worker.host_pool.slot_view(1, 0), cache.block(4))
-
 
 
 @needs_native
@@ -245,7 +183,8 @@ def test_jobs_copied_at_shutdown_are_reported_by_the_next_poll() -> None:
     backend.hold(Direction.STORE)
     s = store(0, [3, 4], [0, 1])
     worker.execute(StepPlan(stores=(s,)))
-    worker.shutdown()
+    worker.shutdown()  # copies what is queued
+    assert torch.equal(worker.host_pool.slot_view(1, 0), cache.block(4))
     worker.wait([s.job_id])  # returns: the queue is closed and everything was copied
     assert worker.poll().finished == (s.job_id,)
 

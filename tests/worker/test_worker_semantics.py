@@ -27,6 +27,7 @@ from kvoffload.errors import InvariantError, LayoutError
 from kvoffload.jobs import Direction, GroupTransfer, JobId, StepPlan, TransferJob
 from kvoffload.worker import CpuBackend, CudaBackend, FailJobs, TransferWorker
 from kvoffload.worker.cpu import _Entry
+from kvoffload.worker.native_copy import load_native_copy
 
 SENTINEL = 0xEE
 
@@ -59,19 +60,30 @@ def _cache(num_blocks: int = 16, seed: int = 0) -> CacheSet:
     return kv_separate(num_blocks, torch.Generator().manual_seed(seed), layers=1)
 
 
-def test_stores_run_asynchronously_until_polled() -> None:
-    cache = _cache()
-    backend = GatedCpuBackend()
+COPY_PATHS = [
+    pytest.param(False, id="memmove"),
+    pytest.param(True, id="native", marks=pytest.mark.skipif(
+        load_native_copy() is None, reason="native copy queue not built")),
+]
+"""Both CPU copy paths; tests taking ``native`` hold jobs with ``CpuBackend.hold``."""
+
+
+@pytest.mark.parametrize("native", COPY_PATHS)
+def test_stores_run_asynchronously_until_polled(native: bool) -> None:
+    cache = _cache(seed=1)
+    backend = CpuBackend(native_copy=native)
     worker = make_worker([cache], backend=backend)
-    backend.gate.clear()
+    backend.hold(Direction.STORE)
     s = store(0, [1, 2], [0, 1])
     worker.execute(StepPlan(stores=(s,)))  # returns while the copy is held
     report = worker.poll()
     assert report.finished == () and report.failed == ()
-    backend.gate.set()
-    worker.wait([s.job_id])
-    assert worker.poll().finished == (s.job_id,)
+    backend.hold(Direction.STORE, False)
+    worker.wait([s.job_id, JobId(10**9)])  # an unknown id is ignored
+    report = worker.poll()
+    assert report.finished == (s.job_id,) and report.stats.stored_bytes > 0
     assert worker.poll().finished == ()  # reported exactly once
+    assert torch.equal(worker.host_pool.slot_view(0, 0), cache.block(1))
     worker.shutdown()
 
 
@@ -123,20 +135,21 @@ def test_completion_is_in_submission_order_per_direction() -> None:
     worker.shutdown()
 
 
-def test_loads_do_not_wait_behind_stores() -> None:
+@pytest.mark.parametrize("native", COPY_PATHS)
+def test_loads_do_not_wait_behind_stores(native: bool) -> None:
     cache = _cache()
-    backend = GatedCpuBackend()
+    backend = CpuBackend(native_copy=native)
     worker = make_worker([cache], backend=backend)
     first = store(0, [1], [0])
     assert run_all(worker, [first]).finished == (first.job_id,)
-    backend.gate.clear()  # holds stores only
+    backend.hold(Direction.STORE)  # holds stores only
     slow_store = store(0, [2], [1])
     worker.execute(StepPlan(stores=(slow_store,)))
     ld = load(0, [9], [0])
     worker.execute(StepPlan(loads=(ld,)))
     worker.wait([ld.job_id])
     assert worker.poll().finished == (ld.job_id,)
-    backend.gate.set()
+    backend.hold(Direction.STORE, False)
     worker.wait([slow_store.job_id])
     assert worker.poll().finished == (slow_store.job_id,)
     worker.shutdown()
@@ -239,15 +252,16 @@ def test_a_job_listed_in_the_wrong_direction_fails() -> None:
     worker.shutdown()
 
 
-def test_resubmitting_a_job_in_flight_is_a_planner_bug() -> None:
-    backend = GatedCpuBackend()
+@pytest.mark.parametrize("native", COPY_PATHS)
+def test_resubmitting_a_job_in_flight_is_a_planner_bug(native: bool) -> None:
+    backend = CpuBackend(native_copy=native)
     worker = make_worker([_cache()], backend=backend)
-    backend.gate.clear()
+    backend.hold(Direction.STORE)
     s = store(0, [1], [0])
     worker.execute(StepPlan(stores=(s,)))
     with pytest.raises(InvariantError, match=f"job {s.job_id} submitted while already"):
         worker.execute(StepPlan(stores=(s,)))
-    backend.gate.set()
+    backend.hold(Direction.STORE, False)
     worker.shutdown()
 
 
@@ -334,6 +348,32 @@ def test_a_failure_inside_a_batch_fails_only_its_own_job(kind: str) -> None:
     for i, job in enumerate(jobs):
         if job.job_id != bad:
             assert torch.equal(worker.host_pool.slot_view(i, 0), cache.block(1 + i))
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("native", COPY_PATHS)
+def test_an_injected_fault_fails_only_its_job_and_is_logged_on_either_copy_path(
+        native: bool, caplog: pytest.LogCaptureFixture) -> None:
+    cache = _cache(num_blocks=20, seed=3)
+    jobs = [store(0, [1 + i], [i]) for i in range(5)]
+    bad = jobs[2].job_id
+    backend = CpuBackend(fault_hook=FailJobs([bad]), native_copy=native)
+    worker = make_worker([cache], backend=backend, num_slots=8)
+    backend.hold(Direction.STORE)  # all five queue up behind each other
+    worker.execute(StepPlan(stores=tuple(jobs)))
+    backend.hold(Direction.STORE, False)
+    with caplog.at_level(logging.WARNING):
+        worker.wait([j.job_id for j in jobs])
+        report = worker.poll()
+    assert report.failed == (bad,)
+    assert report.finished == tuple(j.job_id for j in jobs if j.job_id != bad)
+    assert any(f"job {bad} failed" in r.getMessage() and r.exc_info for r in caplog.records)
+    for i, job in enumerate(jobs):
+        if job.job_id != bad:
+            assert torch.equal(worker.host_pool.slot_view(i, 0), cache.block(1 + i))
+    retry = store(0, [9], [2])  # the failed job's slot is reusable
+    assert run_all(worker, [retry]).finished == (retry.job_id,)
+    assert torch.equal(worker.host_pool.slot_view(2, 0), cache.block(9))
     worker.shutdown()
 
 

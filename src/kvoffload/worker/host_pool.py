@@ -19,7 +19,6 @@ import contextlib
 import ctypes
 import logging
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,27 +36,25 @@ _REGISTER_PORTABLE = 1
 """``cudaHostRegisterPortable``: pinned for every CUDA context, not only the current one."""
 
 
-def register_pinned(tensor: torch.Tensor, cudart: Callable[[], Any] = _cudart,
-                    clear_error: Callable[[], None] | None = None) -> bool:
+def register_pinned(tensor: torch.Tensor) -> bool:
     """Page-lock ``tensor``'s bytes in place (``cudaHostRegister``); True on success.
 
     On success the registration is undone (``cudaHostUnregister``) when ``tensor`` is
     collected: views of it must not outlive it (they would still work, unpinned). On
     failure the CUDA runtime's last-error state is cleared, so that the next unrelated
-    CUDA call does not report this error. ``cudart`` gives the CUDA runtime bindings and
-    ``clear_error`` clears the error (parameters for tests).
+    CUDA call does not report this error.
     """
     ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return False
     try:
-        runtime = cudart()
+        runtime = _cudart()
         error = int(runtime.cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE))
     except Exception:  # no CUDA runtime bindings, or they refused: caller falls back
         logger.debug("cudaHostRegister unavailable", exc_info=True)
         return False
     if error != 0:
-        (clear_error or _clear_cuda_error)()
+        _clear_cuda_error()
         logger.debug("cudaHostRegister(%d bytes) returned error %d", nbytes, error)
         return False
     weakref.finalize(tensor, _unregister, runtime, ptr)
@@ -82,8 +79,6 @@ def _unregister(runtime: Any, ptr: int) -> None:
 
 
 def allocate_arena(shape: tuple[int, int], pin: bool, device: torch.device | None = None,
-                   cudart: Callable[[], Any] = _cudart,
-                   clear_error: Callable[[], None] | None = None,
                    ) -> tuple[torch.Tensor, bool]:
     """A uint8 tensor of ``shape``, page-locked when ``pin``: registered in place (exact
     size) with ``device`` (a CUDA device: the caches') current, else by torch's pinned
@@ -95,7 +90,7 @@ def allocate_arena(shape: tuple[int, int], pin: bool, device: torch.device | Non
     on_device = torch.cuda.device(device) if device is not None and device.type == "cuda" \
         else contextlib.nullcontext()
     with on_device:  # registering creates a CUDA context: on the caches' device
-        if register_pinned(arena, cudart, clear_error):
+        if register_pinned(arena):
             return arena, True
     nbytes = shape[0] * shape[1]
     logger.warning("could not page-lock the %d-byte host arena in place; using torch's "
