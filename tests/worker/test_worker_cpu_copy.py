@@ -11,7 +11,6 @@ import ctypes
 import random
 import threading
 import time
-from array import array
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -114,19 +113,14 @@ def _pieces(worker: TransferWorker, job: TransferJob) -> list[tuple[int, int, in
 def _native_pieces(worker: TransferWorker, job: TransferJob, *,
                    sort_bytes: int = 1 << 62) -> list[tuple[int, int, int]]:
     """The pieces the native queue builds for ``job`` (unsorted unless ``sort_bytes``
-    says so), from the same checked pages the backend pushes."""
+    says so), from the very arguments the backend pushes."""
     backend = worker.backend
     assert isinstance(backend, CpuBackend) and backend._native is not None
+    store = job.direction is Direction.STORE
     out: list[tuple[int, int, int]] = []
     for transfer in job.groups:
-        group = backend._groups[transfer.group]
-        out += backend._native.plan_pages(
-            group.native_segments, array("q", transfer.block_ids), array("q", transfer.slots),
-            num_blocks=group.num_blocks, num_slots=backend._num_slots,
-            slot_bytes=backend._slot_bytes, factor=group.factor,
-            skip=transfer.first_block_index % group.factor,
-            store=job.direction is Direction.STORE, chunk=backend.chunk_bytes,
-            sort_bytes=sort_bytes)
+        out += backend._native.plan_pages(**backend._native_pages(transfer, store),
+                                          sort_bytes=sort_bytes)
     return out
 
 

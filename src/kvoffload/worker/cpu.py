@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from itertools import count, pairwise, repeat, starmap
 from operator import itemgetter
 from operator import sub as _minus
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -324,13 +324,8 @@ class CpuBackend(TransferBackend):
             for transfer in job.groups:
                 if not transfer.block_ids:
                     continue
-                group = self._groups[transfer.group]
                 entry.pushed.append(native.push_pages(
-                    group.native_segments, array("q", transfer.block_ids),
-                    array("q", transfer.slots), num_blocks=group.num_blocks,
-                    num_slots=self._num_slots, slot_bytes=self._slot_bytes,
-                    factor=group.factor, skip=transfer.first_block_index % group.factor,
-                    store=store, chunk=self.chunk_bytes, sort_bytes=_SORTED_PIECE_BYTES,
+                    **self._native_pages(transfer, store), sort_bytes=_SORTED_PIECE_BYTES,
                     fail_midway=entry.inject))
         except Exception:
             logger.warning("%s job %s cannot be copied; reporting it failed",
@@ -341,6 +336,17 @@ class CpuBackend(TransferBackend):
                 entry.done = True
         if not entry.pushed and not entry.done:  # nothing to copy
             entry.done, entry.ok = True, not entry.inject
+
+    def _native_pages(self, transfer: GroupTransfer, store: bool) -> dict[str, Any]:
+        """The pages of ``transfer`` as the native queue takes them (``push_pages`` and
+        ``plan_pages`` arguments, less the sort threshold)."""
+        group = self._groups[transfer.group]
+        return {"segments": group.native_segments,
+                "block_ids": array("q", transfer.block_ids),
+                "slots": array("q", transfer.slots), "num_blocks": group.num_blocks,
+                "num_slots": self._num_slots, "slot_bytes": self._slot_bytes,
+                "factor": group.factor, "skip": transfer.first_block_index % group.factor,
+                "store": store, "chunk": self.chunk_bytes}
 
     def _collect_native(self) -> None:
         """Mark done the entries the native queues completed (under the lock)."""
