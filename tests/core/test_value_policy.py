@@ -16,6 +16,7 @@ from kvoffload.planner.planner import Planner
 from kvoffload.planner.value import PrefixValuer, proxy_prefill_flops
 from kvoffload.tiers.cpu import HostTier
 from kvoffload.tiers.eviction import BlockState, ValueHint, ValuePolicy, make_policy
+from kvoffload.tiers.eviction.value import NORMAL_SHARE
 
 
 def k(i: int, group: int = 0) -> OffloadKey:
@@ -308,3 +309,26 @@ def test_cold_keys_go_before_normal_ones_oldest_first_until_touched() -> None:
     assert [s.slot for _, s in policy.items()][:3] == [5, 1, 4]
     policy.touch([k(1)])  # used: normal again, and the most recent
     assert slots(policy.evict(6, set())) == [5, 4, 0, 2, 3, 1]
+
+
+def test_normal_keys_go_first_while_they_are_more_than_their_share() -> None:
+    """normal_share 0.5: six normal keys and two cold ones; normal keys go first while
+    they are more than half of the keys left, then the two kinds take turns. A pinned
+    cold key is passed over for the next cold one, or a normal one when none is left."""
+    policy = ValuePolicy(100, weight=0.0, normal_share=0.5)
+    for i in range(8):
+        policy.insert(k(i), BlockState(slot=i, ref=1 if i == 6 else 0))
+    policy.cool([k(6), k(7)])
+    assert [s.slot for _, s in policy.items()] == [0, 1, 2, 3, 6, 4, 7, 5]
+    assert slots(policy.evict(5, set())) == [0, 1, 2, 3, 7]  # 6 is pinned
+    policy.check_integrity()
+    assert slots(policy.evict(1, set())) == [4]  # 2 normal of 3: more than half
+    assert slots(policy.evict(1, set())) == [5]  # no cold key is free
+    assert slots(policy.evict(1, set())) is None
+
+
+def test_the_normal_share_must_be_a_share() -> None:
+    assert ValuePolicy(10).normal_share == NORMAL_SHARE
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="normal_share"):
+            ValuePolicy(10, normal_share=bad)

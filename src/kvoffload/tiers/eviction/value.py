@@ -18,15 +18,17 @@ depends on (its *anchor*, ``ValueHint.anchor``). When an anchor is evicted (or r
 its dependents can no longer serve any hit, so they are demoted: evicted before any other
 key. Demotion hints (``demote``) do the same for keys the planner knows no likely hit uses.
 
-Cold insertion (``cool``): keys the planner makes *cold* go below every key inserted or
-used normally, oldest first, until a touch makes them normal; demoted keys still go
-before them, and a key touched since its insertion is not made cold. This is bimodal
-insertion (see ``kvoffload.planner.insertion``).
+Cold insertion (``cool``): keys the planner makes *cold* (bimodal insertion, see
+``kvoffload.planner.insertion``) are evicted before normal ones while normal keys are at
+most ``normal_share`` of the keys held, and after them otherwise: however many keys go in
+normally, the newest cold ones keep some room. Demoted keys go before both. A touch
+makes a cold key normal; a key touched since its insertion is not made cold.
 
-Victims are found through a heap of ``(priority, sequence, key)`` entries; an entry is live
-while its sequence is the key's current one (touches push new entries and leave the old
-ones to be skipped). The heap is rebuilt when stale entries outnumber live ones, so its
-size stays linear in the keys held.
+Victims are found through two heaps of ``(priority, sequence, key)`` entries, one for
+normal keys and one for cold and demoted keys; an entry is live while its sequence is the
+key's current one (touches push new entries and leave the old ones to be skipped). The
+heaps are rebuilt when stale entries outnumber live ones, so their size stays linear in
+the keys held.
 """
 
 from __future__ import annotations
@@ -51,17 +53,24 @@ DEFAULT_WEIGHT = 0.25
 _DEMOTED = float("-inf")
 """Priority of a demoted key: below every live key."""
 
-_COLD = float(1 << 40)
-"""Subtracted from a cold key's priority: below every normally inserted or used key
-(the clock would need 2**40 ticks to catch up), above demoted ones."""
+NORMAL_SHARE = 0.9
+"""While cold keys are held, normal keys are evicted before them once they are more than
+this share of the keys held (``ValuePolicy.normal_share``): the newest cold keys are the
+stores of running requests, which a preempted request reloads (chosen on the sweeps in
+docs/policy.md)."""
+
+
+_Heap = list[tuple[float, int, OffloadKey]]
+"""``(priority, sequence, key)`` entries, lowest first."""
 
 
 class _Entry:
-    __slots__ = ("cold", "density", "inserted", "prio", "seq", "stamp", "state")
+    __slots__ = ("cold", "density", "inserted", "low", "prio", "seq", "stamp", "state")
 
     def __init__(self, state: BlockState, stamp: int) -> None:
         self.state = state
         self.cold = False  # inserted cold and not used since
+        self.low = False  # cold or demoted: its live heap entry is in the low heap
         self.density = -1.0  # not valued yet
         self.prio = 0.0
         self.seq = 0  # the live heap entry's sequence number
@@ -77,17 +86,25 @@ class ValuePolicy(EvictionPolicy):
         weight: how much value counts against recency: a key of twice the mean density
             survives about ``weight`` more generations of the cache than a mean one.
             ``0`` is LRU with demotion hints and anchor consistency.
+        normal_share: while cold keys are held, normal keys are evicted first once they
+            are more than this share of the keys held (module doc).
     """
 
     name = "value"
 
-    def __init__(self, capacity: int, weight: float = DEFAULT_WEIGHT) -> None:
+    def __init__(self, capacity: int, weight: float = DEFAULT_WEIGHT,
+                 normal_share: float = NORMAL_SHARE) -> None:
         super().__init__(capacity)
         if weight < 0:
             raise ValueError(f"value weight must be >= 0, got {weight}")
+        if not 0 < normal_share <= 1:
+            raise ValueError(f"value normal_share must be in (0, 1], got {normal_share}")
         self.weight = weight
+        self.normal_share = normal_share
         self._entries: dict[OffloadKey, _Entry] = {}
-        self._heap: list[tuple[float, int, OffloadKey]] = []
+        self._heap: _Heap = []  # normal keys
+        self._low_heap: _Heap = []  # cold and demoted keys
+        self._num_low = 0
         self._seq = 0
         self._clock = 0
         self._density_sum = 0.0
@@ -104,17 +121,24 @@ class ValuePolicy(EvictionPolicy):
 
     def _priority(self, entry: _Entry) -> float:
         relative = 1.0 if entry.density < 0 else entry.density / self.reference_density
-        prio = entry.stamp + self.weight * len(self._entries) * relative
-        return prio - _COLD if entry.cold else prio
+        return entry.stamp + self.weight * len(self._entries) * relative
 
     def _push(self, key: OffloadKey, entry: _Entry, prio: float) -> None:
         self._seq += 1
         entry.prio = prio
         entry.seq = self._seq
-        heapq.heappush(self._heap, (prio, self._seq, key))
-        if len(self._heap) > 2 * len(self._entries) + 64:
-            self._heap = [(e.prio, e.seq, k) for k, e in self._entries.items()]
-            heapq.heapify(self._heap)
+        low = entry.cold or prio == _DEMOTED
+        self._num_low += low - entry.low
+        entry.low = low
+        heapq.heappush(self._low_heap if low else self._heap, (prio, self._seq, key))
+        if len(self._heap) + len(self._low_heap) > 2 * len(self._entries) + 64:
+            self._rebuild_heaps()
+
+    def _rebuild_heaps(self) -> None:
+        self._heap = [(e.prio, e.seq, k) for k, e in self._entries.items() if not e.low]
+        self._low_heap = [(e.prio, e.seq, k) for k, e in self._entries.items() if e.low]
+        heapq.heapify(self._heap)
+        heapq.heapify(self._low_heap)
 
     # -- EvictionPolicy -----------------------------------------------------------------
 
@@ -124,6 +148,11 @@ class ValuePolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def is_cold(self, key: OffloadKey) -> bool:
+        """Whether ``key`` is held cold (inserted cold, not used since, not demoted)."""
+        entry = self._entries.get(key)
+        return entry is not None and entry.cold and entry.prio != _DEMOTED
 
     def insert(self, key: OffloadKey, state: BlockState) -> None:
         if key in self._entries:
@@ -137,6 +166,7 @@ class ValuePolicy(EvictionPolicy):
         entry = self._entries.pop(key, None)
         if entry is None:
             raise InvariantError(f"value: remove of an absent key ({key.hex()})")
+        self._num_low -= entry.low
         self._forget(key)
         return entry.state
 
@@ -218,38 +248,70 @@ class ValuePolicy(EvictionPolicy):
 
     def _take(self, done: Callable[[Victims, int], bool], protected: AbstractSet[OffloadKey],
               size_of: Callable[[OffloadKey], int] | None) -> Victims | None:
-        """Pop victims, lowest priority first, until ``done``; all or nothing."""
-        heap = self._heap
+        """Pop victims until ``done``, in eviction order (``_next_heap``); all or nothing."""
         entries = self._entries
         victims: Victims = []
-        popped: list[tuple[float, int, OffloadKey]] = []
+        popped: list[tuple[_Heap, tuple[float, int, OffloadKey]]] = []
         freed = 0
+        total = len(entries)
+        normal = total - self._num_low
         while not done(victims, freed):
-            if not heap:
-                for item in popped:
-                    heapq.heappush(heap, item)
+            heap = self._next_heap(normal, total)
+            if heap is None:
+                for source, item in popped:
+                    heapq.heappush(source, item)
                 return None
             item = heapq.heappop(heap)
-            _prio, seq, key = item
-            entry = entries.get(key)
-            if entry is None or entry.seq != seq:
-                continue  # stale
-            popped.append(item)
+            popped.append((heap, item))
+            key = item[2]
+            entry = entries[key]
             if entry.state.ref != 0 or key in protected:
                 continue
             victims.append((key, entry.state))
+            total -= 1
+            normal -= not entry.low
             if size_of is not None:
                 freed += size_of(key)
         # Commit: victims leave, skipped live entries go back.
         chosen = {key for key, _ in victims}
-        for item in popped:
+        for source, item in popped:
             if item[2] not in chosen:
-                heapq.heappush(heap, item)
+                heapq.heappush(source, item)
         for key, _ in victims:
-            del entries[key]
+            self._num_low -= entries.pop(key).low
         for key, _ in victims:
             self._forget(key)
         return victims
+
+    def _next_heap(self, normal: int, total: int) -> _Heap | None:
+        """The heap whose top is evicted next (``None``: both empty), given ``normal`` of
+        ``total`` keys left are normal."""
+        low = self._live_top(self._low_heap)
+        high = self._live_top(self._heap)
+        if low is None:
+            return self._heap if high is not None else None
+        return self._low_heap if self._low_first(low[0], high is not None, normal,
+                                                 total) else self._heap
+
+    def _low_first(self, low_priority: float, has_normal: bool, normal: int,
+                   total: int) -> bool:
+        """Whether the next victim is the lowest cold or demoted key (of priority
+        ``low_priority``) rather than the lowest normal one, ``normal`` of ``total`` keys
+        left being normal: demoted keys first, then normal keys while they are more
+        than ``normal_share`` of the keys, cold keys otherwise."""
+        return (not has_normal or low_priority == _DEMOTED
+                or normal <= self.normal_share * total)
+
+    def _live_top(self, heap: _Heap) -> tuple[float, int, OffloadKey] | None:
+        """The heap's lowest live entry (stale ones above it are dropped)."""
+        entries = self._entries
+        while heap:
+            item = heap[0]
+            entry = entries.get(item[2])
+            if entry is not None and entry.seq == item[1]:
+                return item
+            heapq.heappop(heap)
+        return None
 
     def _forget(self, key: OffloadKey) -> None:
         """Drop a departed key's anchor links; demote what depended on it."""
@@ -267,12 +329,27 @@ class ValuePolicy(EvictionPolicy):
             self.demote([d for d in dependents if d in self._entries])
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockState]]:
-        ordered = sorted(self._entries.items(), key=lambda kv: (kv[1].prio, kv[1].seq))
-        return ((key, entry.state) for key, entry in ordered)
+        """Every key in the order evictions would take them (none pinned)."""
+        def by_priority(low: bool) -> list[tuple[OffloadKey, _Entry]]:
+            return sorted(((k, e) for k, e in self._entries.items() if e.low == low),
+                          key=lambda kv: (kv[1].prio, kv[1].seq), reverse=True)
+
+        high, low = by_priority(False), by_priority(True)  # next victim last
+        total = len(self._entries)
+        normal = len(high)
+        while high or low:
+            take_low = bool(low) and self._low_first(low[-1][1].prio, bool(high), normal,
+                                                     total)
+            key, entry = low.pop() if take_low else high.pop()
+            normal -= not take_low
+            total -= 1
+            yield key, entry.state
 
     def clear(self) -> None:
         self._entries.clear()
         self._heap.clear()
+        self._low_heap.clear()
+        self._num_low = 0
         self._dependents.clear()
         self._anchor_of.clear()
         self._density_sum = 0.0
@@ -286,9 +363,12 @@ class ValuePolicy(EvictionPolicy):
 
     def check_integrity(self) -> None:
         super().check_integrity()
-        live = {(e.prio, e.seq, k) for k, e in self._entries.items()}
-        if not live <= set(self._heap):
-            raise InvariantError("value: a key has no live heap entry")
+        for low in (False, True):
+            live = {(e.prio, e.seq, k) for k, e in self._entries.items() if e.low == low}
+            if not live <= set(self._low_heap if low else self._heap):
+                raise InvariantError("value: a key has no live heap entry")
+        if self._num_low != sum(e.low for e in self._entries.values()):
+            raise InvariantError("value: the count of cold and demoted keys is off")
         for dep, anchor in self._anchor_of.items():
             if dep not in self._entries or anchor not in self._entries:
                 raise InvariantError("value: an anchor link names an absent key")
