@@ -304,18 +304,25 @@ its dependents to the front of the eviction order: they are worthless now.
 LRU insertion host memory holds the newest blocks, which the engine's own prefix cache
 still holds too. Where host memory is small against the distance at which prefixes come
 back (on the trace, below about twice the engine's cache), every block is gone before
-anyone asks for it again. Bimodal insertion (after DIP, Qureshi et al. 2007) makes most
-requests' blocks *cold* when the request finishes, first in line for eviction, and
-keeps one request in eight normal, so that some prefixes stay long enough to come back;
-a block that is hit becomes normal. (While a request runs its blocks stay normal: a
-preempted request reloads them. Making them cold as they are stored raised host hits at
-small capacities further, but cost time to first token wherever the engine preempts
-often.) Which insertion is better depends on capacity, so two *shadow directories* (keys
-only, no data) at the tier's budget run both side by side on the same stores, finishes
-and lookups, and the policy uses bimodal insertion only while that directory would have
-served clearly more (1.25 times) full-attention tokens over the last few hundred
-lookups than the LRU one, and than the tier itself served while inserting normally. A
-prefill's resume point never goes cold.
+anyone asks for it again; at the smallest capacities the blocks of the requests running
+at once are already more than host memory holds. Bimodal insertion (after DIP, Qureshi
+et al. 2007) stores the blocks of most requests *cold*, first in line for eviction, as
+they are written, so that the others stay long enough for their prefixes to come back;
+a block that is hit becomes normal. Stored normally all the same are one request in
+eight, a request that continues an earlier prefix (half its prompt or more was cached
+when it arrived: a conversation or an agent that came back once comes back again), and
+a prefill's resume point. Three rules keep its cost small:
+
+* Normal blocks are evicted before cold ones once they are more than 90 % of the blocks
+  held, so the newest cold blocks (those of running requests) always keep some room.
+* When the engine preempts a request, its cold blocks become normal: it reloads them
+  when it resumes.
+* Which insertion is better depends on capacity, so two *shadow directories* (keys
+  only, no data) at the tier's budget run LRU and bimodal insertion side by side on the
+  same stores, demotions, preemptions and lookups. Requests are stored cold only while
+  the bimodal directory would have served clearly more (1.25 times) full-attention
+  tokens over the last few hundred lookups than the LRU one, and than the tier itself
+  served while inserting normally.
 
 **Memory per group in bytes.** Pages differ in size across groups (a Gemma 3 window
 block holds 52 layers, its full-attention block 10; a Nemotron-H Mamba state is about six

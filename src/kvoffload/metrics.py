@@ -22,8 +22,7 @@ class PlannerStats:
     duplicate_reports: int = 0
     abandoned_loads: int = 0
     cold_stored_keys: int = 0
-    """Keys that went cold when their request finished (bimodal insertion; see
-    ``kvoffload.planner.insertion``)."""
+    """Keys stored cold (bimodal insertion; see ``kvoffload.planner.insertion``)."""
     blocks_loaded: dict[int, int] = field(default_factory=dict)
     blocks_stored: dict[int, int] = field(default_factory=dict)
 

@@ -1,8 +1,9 @@
 """Bimodal insertion and the duel that chooses it (``kvoffload.planner.insertion``):
-shadow directories keep their budget and order, bimodal insertion survives a cyclic
-pattern that thrashes LRU insertion, the duel picks the directory that serves more, and
-the planner inserts a request's blocks cold only while bimodal insertion is clearly ahead,
-never the blocks a preempted request would resume from."""
+shadow directories keep their budget and order, the duel picks the directory that serves
+more, and while bimodal insertion is clearly ahead the planner stores the blocks of most
+requests cold (not one in ``HOT_EVERY``, not a continuing request's, not a resume
+point's); a preemption makes a request's cold blocks normal; a cyclic pattern that
+thrashes LRU insertion gets hits."""
 
 from __future__ import annotations
 
@@ -11,14 +12,25 @@ from kvoffload.jobs import WorkerReport
 from kvoffload.keys import BlockHash, BlockHasher, OffloadKey, make_offload_key
 from kvoffload.planner.contract import ScheduledRequest, StepInput
 from kvoffload.planner.insertion import (
+    CONTINUES,
     DECAY,
     HOT_EVERY,
     InsertionDuel,
     ShadowDirectory,
+    inserts_cold,
     is_hot_request,
 )
 from kvoffload.planner.planner import Planner
 from kvoffload.tiers.cpu import HostTier
+from kvoffload.tiers.eviction import ValuePolicy
+
+
+def test_about_one_request_in_hot_every_is_hot() -> None:
+    hot = sum(is_hot_request(f"req-{i}") for i in range(8000))
+    assert abs(hot - 8000 / HOT_EVERY) < 150
+    # Stable across processes and runs (a CRC of the id, not Python's salted hash).
+    assert [i for i in range(64) if is_hot_request(f"req-{i}")] == [5, 10, 27, 33, 38, 46,
+                                                                      52, 59]
 
 
 def k(i: int) -> OffloadKey:
@@ -27,14 +39,27 @@ def k(i: int) -> OffloadKey:
 
 def test_a_shadow_keeps_its_budget_and_evicts_cold_keys_first() -> None:
     shadow = ShadowDirectory(budget=10)
-    assert shadow.insert([(k(1), 4), (k(2), 4), (k(3), 2)]) == [k(1), k(2), k(3)]
-    shadow.cool([k(3)])
-    assert shadow.used == 10
-    assert shadow.insert([(k(4), 2), (k(1), 4)]) == [k(4)]  # room from the front: k(3)
+    shadow.insert([(k(1), 4), (k(2), 4)])
+    shadow.insert([(k(3), 2)], cold=True)
+    assert shadow.used == 10 and list(shadow) == [k(3), k(1), k(2)]
+    shadow.insert([(k(4), 2), (k(1), 4)])  # room from the front: the cold k(3)
     assert k(3) not in shadow and shadow.used == 10
     shadow.insert([(k(5), 4)])  # then the least recent normal key
     assert k(1) not in shadow and k(2) in shadow and shadow.used == 10
-    assert shadow.insert([(k(6), 11)]) == []  # larger than the budget: never held
+    shadow.insert([(k(6), 11)])  # larger than the budget: never held
+    assert k(6) not in shadow
+
+
+def test_a_shadow_evicts_normal_keys_first_while_they_are_more_than_their_share() -> None:
+    shadow = ShadowDirectory(budget=4, normal_share=0.5)
+    shadow.insert([(k(0), 1), (k(1), 1), (k(2), 1)])
+    shadow.insert([(k(3), 1)], cold=True)
+    assert list(shadow) == [k(0), k(1), k(3), k(2)]  # normal first while more than half
+    shadow.insert([(k(4), 1)], cold=True)
+    assert k(0) not in shadow
+    shadow.demote([k(2)])
+    shadow.warm([k(4)])
+    assert list(shadow) == [k(2), k(1), k(3), k(4)]
 
 
 def test_a_shadow_lookup_counts_held_keys_in_a_row_and_refreshes_them() -> None:
@@ -47,158 +72,23 @@ def test_a_shadow_lookup_counts_held_keys_in_a_row_and_refreshes_them() -> None:
 
 def cycle(duel: InsertionDuel, prefixes: int, rounds: int) -> None:
     """Requests cycling over ``prefixes`` one-block prefixes, each stored after its
-    lookup and finishing right after; request ids make every HOT_EVERY-th request hot
-    under bimodal insertion."""
-    n = 0
+    lookup; every HOT_EVERY-th is stored normally by bimodal insertion."""
     for _ in range(rounds):
         for p in range(prefixes):
-            rid = next(f"r{n}-{j}" for j in range(10**6) if is_hot_request(f"r{n}-{j}")
-                       == (p % HOT_EVERY == 0))
-            n += 1
             duel.observe_lookup([k(p)], 0, served=0)
-            duel.observe_store([(k(p), 1)], rid)
-            duel.observe_finish(rid)
+            duel.observe_store([(k(p), 1)], cold=p % HOT_EVERY != 0)
 
 
 def test_bimodal_insertion_wins_where_lru_insertion_thrashes() -> None:
     duel = InsertionDuel(budget=8, block_tokens=16)
     cycle(duel, prefixes=32, rounds=20)  # reuse distance 32 blocks, room for 8
-    assert duel.lru_score == 0
-    assert duel.bimodal_ahead
-    assert not duel.inserts_hot(next(f"x{i}" for i in range(100)
-                                     if not is_hot_request(f"x{i}")))
+    assert duel.lru_score == 0 and duel.bimodal_ahead
 
 
 def test_lru_insertion_is_kept_when_everything_fits() -> None:
     duel = InsertionDuel(budget=64, block_tokens=16)
     cycle(duel, prefixes=32, rounds=20)
     assert duel.lru_score > 0 and not duel.bimodal_ahead
-    assert all(duel.inserts_hot(f"x{i}") for i in range(50))
-
-
-def test_about_one_request_in_hot_every_is_hot() -> None:
-    hot = sum(is_hot_request(f"req-{i}") for i in range(8000))
-    assert abs(hot - 8000 / HOT_EVERY) < 150
-    # Stable across processes and runs (a CRC of the id, not Python's salted hash).
-    assert [i for i in range(64) if is_hot_request(f"req-{i}")] == [5, 10, 27, 33, 38, 46,
-                                                                      52, 59]
-
-
-def value_planner(capacity: int) -> tuple[BlockHasher, HostTier, Planner, InsertionDuel]:
-    """Full attention + a window of 8 tokens under the value policy, a tier of
-    ``capacity`` keys, and the planner's insertion duel."""
-    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
-                                GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)),
-                        hash_block_size=4, host_capacity_bytes=capacity,
-                        eviction_policy="value")
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
-    assert planner.insertion is not None
-    return BlockHasher(4), tier, planner, planner.insertion
-
-
-def test_the_planner_makes_a_cold_request_cold_when_it_finishes() -> None:
-    """Full attention + a window of 8 tokens; a full value tier. With bimodal insertion
-    clearly ahead, a cold request's new blocks stay normal while it runs (a preemption
-    would reload them) and go before the older normal ones when it finishes; a hot
-    request's do not; without a clear lead nothing goes cold."""
-    hasher, tier, planner, duel = value_planner(24)
-
-    class Req:
-        def __init__(self, rid: str, first_token: int) -> None:
-            self.request_id = rid
-            self.num_prompt_tokens = self.num_tokens = 16
-            self.block_hashes = hasher.hashes(list(range(first_token, first_token + 16)))
-
-    def run(rid: str, first_token: int, first_id: int, finish: bool = True) -> Req:
-        req = Req(rid, first_token)
-        assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
-        table = tuple(range(first_id, first_id + 4))
-        planner.update_state_after_alloc(req, (table, table), 0)
-        planner.build_step_plan(StepInput((ScheduledRequest(
-            req, (table, table), 0, 16, num_freed_blocks=(0, 0)),)))
-        if finish:
-            planner.request_finished(req)
-        return req
-
-    def front() -> set[OffloadKey]:
-        return set(list(tier)[:8])
-
-    def full_keys(req: Req) -> set[OffloadKey]:
-        return {make_offload_key(h, 0) for h in req.block_hashes}
-
-    run("warm", 1000, 100)
-    run("warm2", 2000, 200)  # the tier (24 keys) is full from here on
-    cold_id = next(f"c{i}" for i in range(100) if not is_hot_request(f"c{i}"))
-    hot_id = next(f"h{i}" for i in range(100) if is_hot_request(f"h{i}"))
-    duel.lru_score, duel.bimodal_score = 0.0, 1.0  # bimodal clearly ahead
-    cold = run(cold_id, 3000, 300, finish=False)
-    assert not full_keys(cold) & front() and planner.stats.cold_stored_keys == 0
-    planner.request_finished(cold)
-    n = planner.stats.cold_stored_keys
-    assert n >= 4 and full_keys(cold) <= set(list(tier)[:n])  # all of it, at the front
-    hot = run(hot_id, 4000, 400)
-    assert not full_keys(hot) & front()
-    before = planner.stats.cold_stored_keys
-    duel.lru_score, duel.bimodal_score = 1.0, 1.0  # no clear lead: LRU insertion
-    run(next(f"d{i}" for i in range(100) if not is_hot_request(f"d{i}")), 5000, 500)
-    assert planner.stats.cold_stored_keys == before
-
-
-def test_the_directories_evict_first_what_the_planner_demotes() -> None:
-    """A request with 8 prompt and 32 generated tokens finishes: the decode blocks no
-    likely hit uses are demoted in the tier and in both shadow directories alike."""
-    hasher, tier, planner, duel = value_planner(100)
-
-    class Req:
-        request_id = "a"
-        num_prompt_tokens, num_tokens = 8, 40
-        block_hashes = hasher.hashes(list(range(40)))
-
-    assert planner.get_num_new_matched_tokens(Req, 0).num_tokens == 0
-    table = tuple(range(1, 11))
-    planner.update_state_after_alloc(Req, (table, table), 0)
-    planner.build_step_plan(StepInput((ScheduledRequest(
-        Req, (table, table), 0, 40, num_freed_blocks=(0, 0)),)))
-    planner.request_finished(Req)
-    demoted = set(list(tier)[:5])
-    assert {make_offload_key(Req.block_hashes[k], 1) for k in range(2, 7)} == demoted
-    assert set(list(duel.lru)[:5]) == demoted == set(list(duel.bimodal)[:5])
-
-
-def test_a_preempted_cold_request_still_goes_cold_and_only_cold_keys_are_counted() -> None:
-    """Bimodal insertion ahead; a cold request is preempted after 12 tokens and resumes
-    (its re-lookup must not count as a use of its own keys): at finish every key it
-    stored goes cold, and the count says so; cooling them again counts none."""
-    hasher, tier, planner, duel = value_planner(200)
-    duel.lru_score, duel.bimodal_score = 0.0, 1.0
-    rid = next(f"c{i}" for i in range(100) if not is_hot_request(f"c{i}"))
-
-    class Req:
-        request_id = rid
-        num_prompt_tokens = num_tokens = 32
-        block_hashes = hasher.hashes(list(range(32)))
-
-    def run(step: StepInput) -> None:
-        plan = planner.build_step_plan(step)
-        planner.update_from_worker_reports(
-            [WorkerReport(0, tuple(j.job_id for j in plan.stores + plan.loads))])
-
-    def compute(ids: tuple[int, ...], computed: int, scheduled: int) -> None:
-        run(StepInput((ScheduledRequest(Req, (ids, ids), computed, scheduled,
-                                        num_freed_blocks=(0, 0)),)))
-
-    assert planner.get_num_new_matched_tokens(Req, 0).num_tokens == 0
-    planner.update_state_after_alloc(Req, ((1, 2, 3), (1, 2, 3)), 0)
-    compute((1, 2, 3), 0, 12)
-    planner.build_step_plan(StepInput(preempted=(rid,)))
-    assert planner.get_num_new_matched_tokens(Req, 0).num_tokens == 12
-    planner.update_state_after_alloc(Req, ((1, 2, 3), (1, 2, 3)), 12)
-    run(StepInput())  # the load
-    compute((4, 5, 6, 7, 8), 12, 20)
-    planner.request_finished(Req)
-    assert planner.stats.cold_stored_keys == len(tier) > 0  # every key it stored
-    assert tier.cool(list(tier)) == 0  # cold already
 
 
 def test_bimodal_insertion_must_also_beat_what_the_tier_itself_served() -> None:
@@ -214,3 +104,175 @@ def test_bimodal_insertion_must_also_beat_what_the_tier_itself_served() -> None:
     assert duel.bimodal_ahead
     duel.observe_lookup([k(0)], 0, served=100)  # bimodal insertion now: not counted
     assert duel.served_score == 1.0
+
+
+def test_only_fresh_requests_not_kept_hot_are_cold_candidates() -> None:
+    cold, hot = "c0", next(f"h{i}" for i in range(100) if is_hot_request(f"h{i}"))
+    assert not is_hot_request(cold)
+    assert inserts_cold(cold, 0.0) and inserts_cold(cold, CONTINUES - 0.01)
+    assert not inserts_cold(cold, CONTINUES) and not inserts_cold(hot, 0.0)
+
+
+def cold_id(prefix: str) -> str:
+    return next(f"{prefix}{i}" for i in range(100) if not is_hot_request(f"{prefix}{i}"))
+
+
+def hot_id(prefix: str) -> str:
+    return next(f"{prefix}{i}" for i in range(100) if is_hot_request(f"{prefix}{i}"))
+
+
+class Req:
+    def __init__(self, hasher: BlockHasher, rid: str, tokens: list[int],
+                 num_prompt_tokens: int | None = None) -> None:
+        self.request_id = rid
+        self.num_tokens = len(tokens)
+        self.num_prompt_tokens = num_prompt_tokens or len(tokens)
+        self.block_hashes = hasher.hashes(tokens)
+
+
+class Harness:
+    """A planner over a host tier of ``capacity`` keys (``groups`` of 4-token blocks,
+    ``policy``), whose jobs complete at the end of every step."""
+
+    def __init__(self, capacity: int, policy: str = "value", window: bool = True) -> None:
+        groups = [GroupSpec(GroupKind.FULL_ATTENTION, 4)]
+        if window:
+            groups.append(GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8))
+        cfg = OffloadConfig(groups=tuple(groups), hash_block_size=4,
+                            host_capacity_bytes=capacity, eviction_policy=policy)
+        self.hasher = BlockHasher(4)
+        self.tier = HostTier(cfg)
+        self.planner = Planner(cfg, self.tier)
+        self.num_groups = len(groups)
+
+    def bimodal_ahead(self, ahead: bool = True) -> None:
+        """Make the duel say bimodal insertion is (or is not) clearly ahead."""
+        duel = self.planner.insertion
+        assert duel is not None
+        duel.lru_score, duel.bimodal_score = (0.0, 1.0) if ahead else (1.0, 1.0)
+
+    def step(self, step: StepInput) -> None:
+        plan = self.planner.build_step_plan(step)
+        self.planner.update_from_worker_reports(
+            [WorkerReport(0, tuple(j.job_id for j in plan.stores + plan.loads))])
+
+    def compute(self, req: Req, ids: tuple[int, ...], computed: int, scheduled: int) -> None:
+        self.step(StepInput((ScheduledRequest(req, (ids,) * self.num_groups, computed,
+                                              scheduled,
+                                              num_freed_blocks=(0,) * self.num_groups),)))
+
+    def run(self, req: Req, first_id: int, finish: bool = True) -> int:
+        """Look ``req`` up, load its hit, compute the rest; the tokens it hit."""
+        hit = self.planner.get_num_new_matched_tokens(req, 0).num_tokens
+        assert hit is not None
+        ids = tuple(range(first_id, first_id + -(-req.num_tokens // 4)))
+        self.planner.update_state_after_alloc(req, (ids,) * self.num_groups, hit)
+        if hit:
+            self.step(StepInput())  # the load
+        self.compute(req, ids, hit, req.num_tokens - hit)
+        if finish:
+            self.planner.request_finished(req)
+        return hit
+
+    def cold(self) -> set[OffloadKey]:
+        policy = self.tier.policy
+        assert isinstance(policy, ValuePolicy)
+        return {key for key in self.tier if policy.is_cold(key)}
+
+
+def full_keys(req: Req) -> set[OffloadKey]:
+    return {make_offload_key(h, 0) for h in req.block_hashes}
+
+
+def test_a_cold_request_stores_cold_and_a_hot_one_normally() -> None:
+    """A cold request's blocks are cold as soon as they are stored and stay cold when it
+    finishes; a hot request's are normal, and so are those of a cold request that
+    continues a cached prefix; a hit by another request makes cold blocks normal."""
+    h = Harness(200)
+    h.bimodal_ahead()
+    cold = Req(h.hasher, cold_id("c"), list(range(16)))
+    h.run(cold, 100, finish=False)
+    assert full_keys(cold) <= h.cold()
+    assert h.planner.stats.cold_stored_keys == len(h.cold()) >= 4
+    h.planner.request_finished(cold)
+    assert full_keys(cold) <= h.cold()
+    hot = Req(h.hasher, hot_id("h"), list(range(1000, 1016)))
+    h.run(hot, 200)
+    assert not full_keys(hot) & h.cold()
+    again = Req(h.hasher, cold_id("a"), [*range(16), *range(2000, 2016)])
+    assert h.run(again, 300) == 16
+    assert not full_keys(cold) & h.cold()  # hit
+    assert not full_keys(again) & h.cold()  # half its prompt was cached
+
+
+def test_nothing_is_stored_cold_without_a_clear_lead() -> None:
+    h = Harness(200)
+    h.bimodal_ahead(False)
+    h.run(Req(h.hasher, cold_id("c"), list(range(16))), 100)
+    assert h.planner.stats.cold_stored_keys == 0 and not h.cold()
+
+
+def test_lru_and_arc_store_nothing_cold() -> None:
+    for policy in ("lru", "arc"):
+        h = Harness(200, policy=policy)
+        h.run(Req(h.hasher, cold_id("c"), list(range(16))), 100)
+        assert h.planner.stats.cold_stored_keys == 0
+
+
+def test_a_resume_point_is_not_stored_cold_and_a_preemption_warms_the_rest() -> None:
+    """A full tier; a cold request is computed 12 tokens at a time: its resume point's
+    window blocks are stored normally, its full-attention blocks cold. When it is
+    preempted its cold blocks become normal (it reloads them on resuming); what it
+    stores after resuming is cold again."""
+    h = Harness(24)
+    h.bimodal_ahead()
+    h.run(Req(h.hasher, hot_id("f"), list(range(500, 548))), 100)  # 24 keys: full
+    assert len(h.tier) == 24 and not h.cold()
+    rid = cold_id("c")
+    req = Req(h.hasher, rid, list(range(32)))
+    assert h.planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    h.planner.update_state_after_alloc(req, ((1, 2, 3), (1, 2, 3)), 0)
+    h.compute(req, (1, 2, 3), 0, 12)
+    resume_window = {make_offload_key(req.block_hashes[k], 1) for k in (1, 2)}
+    assert resume_window <= set(h.tier) and not resume_window & h.cold()
+    first_three = {make_offload_key(req.block_hashes[k], 0) for k in range(3)}
+    assert h.cold() == first_three
+    h.step(StepInput(preempted=(rid,)))
+    assert not h.cold() and first_three <= set(h.tier)
+    assert h.planner.get_num_new_matched_tokens(req, 0).num_tokens == 12
+    h.planner.update_state_after_alloc(req, ((1, 2, 3), (1, 2, 3)), 12)
+    h.step(StepInput())  # the load
+    h.compute(req, (1, 2, 3, 4, 5, 6, 7, 8), 12, 20)
+    h.planner.request_finished(req)
+    later = {make_offload_key(req.block_hashes[k], 0) for k in range(3, 7)}
+    assert later & set(h.tier) and later & set(h.tier) <= h.cold()
+    assert not first_three & h.cold()
+
+
+def test_bimodal_insertion_gets_hits_where_lru_insertion_thrashes() -> None:
+    """32 two-block prefixes requested in turn, 12 rounds, room for 8 prefixes: LRU
+    evicts every prefix before it comes back; bimodal insertion keeps the hot ones."""
+    def hits(policy: str) -> int:
+        h = Harness(16, policy=policy, window=False)
+        total = 0
+        for r in range(12):
+            for p in range(32):
+                tokens = [p * 100 + i for i in range(8)] + [r]
+                total += h.run(Req(h.hasher, f"r{r}-p{p}", tokens, 8), 1 + 3 * p)
+        return total
+
+    assert hits("lru") == 0
+    assert hits("value") >= 8 * 20
+
+
+def test_the_directories_evict_first_what_the_planner_demotes() -> None:
+    """A request with 8 prompt and 32 generated tokens finishes: the decode blocks no
+    likely hit uses are demoted in the tier and in both shadow directories alike."""
+    h = Harness(100)
+    req = Req(h.hasher, "a", list(range(40)), num_prompt_tokens=8)
+    h.run(req, 1)
+    demoted = set(list(h.tier)[:5])
+    assert {make_offload_key(req.block_hashes[k], 1) for k in range(2, 7)} == demoted
+    duel = h.planner.insertion
+    assert duel is not None
+    assert set(list(duel.lru)[:5]) == demoted == set(list(duel.bimodal)[:5])

@@ -94,8 +94,8 @@ def simulation_text(result: SimulationResult, workload_label: str) -> str:
                  f"loads {format_seconds(o.load_link_s)}; flush stalls "
                  f"{format_seconds(o.flush_stall_s)}")
     if o.cold_keys:
-        lines.append(f"  bimodal insertion: {o.cold_keys:,} host blocks went cold (first to "
-                     "evict) as their request finished")
+        lines.append(f"  bimodal insertion: {o.cold_keys:,} host blocks stored cold (first "
+                     "to evict)")
     if cfg.mode.value == "bytes":
         lines.append(f"  worker moved {format_bytes(o.moved_stored_bytes)} to host and "
                      f"{format_bytes(o.moved_loaded_bytes)} back in "

@@ -70,8 +70,8 @@ class RunSummary:
     ``prefill_tokens_saved`` is their sum in tokens. ``host_reserved_bytes_peak`` is the
     host memory the tier's slots take (every slot is as large as the largest group's
     offloaded block); ``host_bytes_peak`` counts only the blocks' own bytes.
-    ``cold_keys`` counts host blocks made cold as their request finished (the value
-    policy's bimodal insertion).
+    ``cold_keys`` counts host blocks stored cold (the value policy's bimodal
+    insertion).
     """
 
     offload: bool

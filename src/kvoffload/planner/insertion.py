@@ -5,43 +5,59 @@ small against the distance at which prefixes come back, that thrashes: every blo
 evicted before it is asked for again. It is the common case for a host tier smaller
 than the engine's own prefix cache, because stores are written as blocks are computed:
 the blocks host memory holds are then the newest ones, which the engine still holds
-too, and they are gone before the engine drops its copies.
+too, and they are gone before the engine drops its copies. At the smallest capacities
+the blocks of the requests running at once are already more than host memory holds.
 
 Bimodal insertion (after Qureshi et al., "Adaptive insertion policies for high
-performance caching", ISCA 2007) makes the blocks of most requests *cold*, first in line
-for eviction, and keeps those of one request in ``HOT_EVERY`` normal. The cold ones make
-room for each other; the hot ones stay long enough for their prefixes to come back, and
-a block that is hit becomes normal. A request's blocks go cold when it finishes, not when
-they are stored: while it runs, a preemption would reload them. When memory is
-plentiful, bimodal insertion loses hits LRU would have had.
+performance caching", ISCA 2007) stores the blocks of most requests *cold*, first in line
+for eviction, as they are written. The cold ones make room for each other; the others
+stay long enough for their prefixes to come back, and a block that is hit becomes
+normal. Stored normally all the same are:
 
-Which of the two is better depends on capacity against reuse distance, which nobody
-configures. So, as DIP does with set dueling, ``InsertionDuel`` keeps two *shadow
-directories* (keys and their charges only, no data) at the tier's budget, one inserting
-everything normally and one bimodally, fed the stores the planner makes, the requests
-that finish and the first lookup of every request. Each counts the full-attention tokens
-it would have served beyond the engine's own hit, with recent lookups weighing most. The
-planner uses bimodal insertion while that directory is clearly ahead (``LEAD``) of the
-LRU one and of what the tier itself served while inserting normally (the directories
-model plain LRU; the tier also ranks by value), LRU insertion otherwise. Hot or cold is
-decided per request (a stable hash of its id), so a request's prefix stays together.
+* one request in ``HOT_EVERY`` (a stable hash of its id, so a prefix stays together);
+* a request that *continues* an earlier prefix (at least ``CONTINUES`` of its prompt
+  cached when it arrived): a conversation or an agent that came back once is likely to
+  come back again;
+* a request's resume point (the planner's), which a preemption reloads.
+
+Three rules keep what it costs small:
+
+* The value policy evicts normal keys before cold ones while normal keys are more than
+  ``NORMAL_SHARE`` of the keys held (``ValuePolicy.normal_share``), so the newest cold
+  stores, which running requests reload after a preemption, always keep some room.
+* A preempted request's cold blocks become normal when the engine preempts it: it will
+  reload them when it resumes.
+* Which insertion is better depends on capacity against reuse distance, which nobody
+  configures. So, as DIP does with set dueling, ``InsertionDuel`` keeps two *shadow
+  directories* (keys and their charges only, no data) at the tier's budget, one
+  inserting everything normally and one bimodally, fed the stores the planner makes, its
+  demotions and preemptions, and the first lookup of every request. Each counts the
+  full-attention tokens it would have served beyond the engine's own hit, recent
+  lookups weighing most. The planner stores requests cold only while the bimodal
+  directory is clearly ahead (``LEAD``) of the LRU one and of what the tier itself
+  served while inserting normally (the directories model neither value ranking nor
+  blocks pinned while they are written). A request is hot or cold from its arrival on.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from kvoffload.keys import OffloadKey
+from kvoffload.tiers.eviction.value import NORMAL_SHARE
 
 HOT_EVERY = 8
-"""Under bimodal insertion, one request in this many is inserted hot."""
+"""Under bimodal insertion, one request in this many is inserted normally."""
+
+CONTINUES = 0.5
+"""A request whose prompt was at least this share cached when it arrived continues an
+earlier prefix: it is stored normally."""
 
 LEAD = 1.25
-"""Bimodal insertion is used only while its directory scores this many times LRU's: the
-directories model plain LRU, while the tier's own policy also ranks by value, so a small
-lead is not a reason to leave normal insertion (chosen on the sweeps in docs/policy.md)."""
+"""Bimodal insertion is used only while its directory scores this many times LRU's
+(chosen on the sweeps in docs/policy.md)."""
 
 DECAY = 0.995
 """Per lookup, how much each directory's past score still counts (about the last 200
@@ -53,73 +69,105 @@ def is_hot_request(request_id: str) -> bool:
     return zlib.crc32(request_id.encode()) % HOT_EVERY == 0
 
 
-class ShadowDirectory:
-    """Which keys a tier of ``budget`` charge units would hold under one insertion rule:
-    an LRU order with cold keys inserted at its front. No data, only keys and charges."""
+def inserts_cold(request_id: str, cached_share: float) -> bool:
+    """Whether bimodal insertion stores the blocks of a request that arrived with
+    ``cached_share`` of its prompt cached (engine or tier) cold."""
+    return cached_share < CONTINUES and not is_hot_request(request_id)
 
-    def __init__(self, budget: int) -> None:
+
+class ShadowDirectory:
+    """Which keys a tier of ``budget`` charge units would hold, ordered as the value
+    policy orders them with value weight 0: demoted keys first (in the order demoted),
+    then normal keys while they are more than ``normal_share`` of the keys held, cold
+    keys otherwise, each kind least recent first. No data, only keys and charges."""
+
+    def __init__(self, budget: int, normal_share: float = NORMAL_SHARE) -> None:
         self.budget = budget
-        self._charges: OrderedDict[OffloadKey, int] = OrderedDict()  # front: evicted first
+        self.normal_share = normal_share
+        self._normal: OrderedDict[OffloadKey, int] = OrderedDict()  # front: evicted first
+        self._cold: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._demoted: OrderedDict[OffloadKey, int] = OrderedDict()
         self._used = 0
-        self._used_keys: set[OffloadKey] = set()  # held keys looked up since insertion
 
     def __len__(self) -> int:
-        return len(self._charges)
+        return len(self._normal) + len(self._cold) + len(self._demoted)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._charges
+        return key in self._normal or key in self._cold or key in self._demoted
 
     def __iter__(self) -> Iterator[OffloadKey]:
         """Held keys, the next to evict first."""
-        return iter(self._charges)
+        yield from self._demoted
+        normal, cold = list(self._normal), list(self._cold)
+        n = c = 0
+        while n < len(normal) or c < len(cold):
+            normal_left, cold_left = len(normal) - n, len(cold) - c
+            if cold_left and (not normal_left or normal_left <= self.normal_share * (
+                    normal_left + cold_left)):
+                yield cold[c]
+                c += 1
+            else:
+                yield normal[n]
+                n += 1
 
     @property
     def used(self) -> int:
         """Charge units held."""
         return self._used
 
-    def insert(self, keys: Sequence[tuple[OffloadKey, int]]) -> list[OffloadKey]:
-        """Insert (key, charge) pairs not held yet, as the most recent: room is made
-        first, from the front. Keys held already are left. Returns the keys inserted."""
-        charges = self._charges
-        inserted = []
+    def _evict_one(self) -> None:
+        if self._demoted:
+            segment = self._demoted
+        elif self._cold and (not self._normal
+                             or len(self._normal) <= self.normal_share * len(self)):
+            segment = self._cold
+        else:
+            segment = self._normal
+        _, freed = segment.popitem(last=False)
+        self._used -= freed
+
+    def insert(self, keys: Sequence[tuple[OffloadKey, int]], cold: bool = False) -> None:
+        """Insert (key, charge) pairs not held yet as the most recent normal (or cold)
+        keys, making room first in eviction order. Keys held already, and keys larger
+        than the budget, are left."""
+        segment = self._cold if cold else self._normal
         for key, charge in keys:
-            if key in charges or charge > self.budget:
+            if key in self or charge > self.budget:
                 continue
             while self._used + charge > self.budget:
-                victim, freed = charges.popitem(last=False)
-                self._used -= freed
-                self._used_keys.discard(victim)
-            charges[key] = charge
+                self._evict_one()
+            segment[key] = charge
             self._used += charge
-            inserted.append(key)
-        return inserted
 
-    def demote(self, keys: Iterable[OffloadKey]) -> None:
-        """Held keys go to the front (evicted first), the last one given first."""
-        charges = self._charges
+    def warm(self, keys: Sequence[OffloadKey]) -> None:
+        """Held cold keys become the most recent normal ones, the first one last."""
+        for key in reversed(keys):
+            if key in self._cold:
+                self._normal[key] = self._cold.pop(key)
+
+    def demote(self, keys: Sequence[OffloadKey]) -> None:
+        """Held keys are evicted before any other, in the order given."""
         for key in keys:
-            if key in charges:
-                charges.move_to_end(key, last=False)
-
-    def cool(self, keys: Sequence[OffloadKey]) -> None:
-        """Held keys not looked up since their insertion go to the front (evicted
-        first), the last one given first."""
-        self.demote(key for key in keys if key not in self._used_keys)
+            for segment in (self._normal, self._cold):
+                if key in segment:
+                    self._demoted[key] = segment.pop(key)
+                    break
 
     def lookup(self, keys: Sequence[OffloadKey], start: int) -> int:
         """How many of ``keys[start:]`` are held in a row; the held keys of that prefix
-        (``keys[:start]`` too) become the most recent, the first one last."""
-        charges = self._charges
+        (``keys[:start]`` too) become the most recent normal keys, the first one last
+        (demoted keys stay demoted)."""
         found = 0
         for key in keys[start:]:
-            if key not in charges:
+            if key not in self:
                 break
             found += 1
+        normal, cold = self._normal, self._cold
         for key in reversed(keys[:start + found]):
-            if key in charges:
-                charges.move_to_end(key)
-                self._used_keys.add(key)
+            if key in normal:
+                normal.move_to_end(key)
+            elif key in cold:
+                normal[key] = cold.pop(key)
         return found
 
 
@@ -134,8 +182,6 @@ class InsertionDuel:
     def __init__(self, budget: int, block_tokens: int) -> None:
         self.lru = ShadowDirectory(budget)
         self.bimodal = ShadowDirectory(budget)
-        self._cold: dict[str, list[OffloadKey]] = {}
-        """Per running cold request, the keys it inserted into ``bimodal``."""
         self.block_tokens = block_tokens
         self.lru_score = 0.0
         self.bimodal_score = 0.0
@@ -146,12 +192,8 @@ class InsertionDuel:
     @property
     def bimodal_ahead(self) -> bool:
         """Whether bimodal insertion would have served clearly more tokens lately
-        (``LEAD`` times LRU insertion's)."""
+        (``LEAD`` times LRU insertion's, and what the tier served inserting normally)."""
         return self.bimodal_score > LEAD * max(self.lru_score, self.served_score)
-
-    def inserts_hot(self, request_id: str) -> bool:
-        """Whether ``request_id``'s blocks go in hot under the insertion ahead now."""
-        return not self.bimodal_ahead or is_hot_request(request_id)
 
     def observe_lookup(self, full_keys: Sequence[OffloadKey], engine_blocks: int,
                        served: int) -> None:
@@ -166,12 +208,11 @@ class InsertionDuel:
         self.bimodal_score = self.bimodal_score * DECAY + tokens * self.bimodal.lookup(
             full_keys, engine_blocks)
 
-    def observe_store(self, keys: Sequence[tuple[OffloadKey, int]], request_id: str) -> None:
-        """The planner stored ``keys`` (with their charges) for ``request_id``."""
+    def observe_store(self, keys: Sequence[tuple[OffloadKey, int]], cold: bool) -> None:
+        """The planner stored ``keys`` (with their charges) for a request that bimodal
+        insertion stores ``cold``."""
         self.lru.insert(keys)
-        inserted = self.bimodal.insert(keys)
-        if inserted and not is_hot_request(request_id):
-            self._cold.setdefault(request_id, []).extend(inserted)
+        self.bimodal.insert(keys, cold)
 
     def observe_demote(self, keys: Sequence[OffloadKey]) -> None:
         """The planner demoted ``keys`` (no likely hit uses them): both directories
@@ -179,6 +220,6 @@ class InsertionDuel:
         self.lru.demote(keys)
         self.bimodal.demote(keys)
 
-    def observe_finish(self, request_id: str) -> None:
-        """``request_id`` finished: under bimodal insertion, its keys go cold now."""
-        self.bimodal.cool(self._cold.pop(request_id, ()))
+    def observe_preempt(self, keys: Sequence[OffloadKey]) -> None:
+        """A request holding ``keys`` was preempted: its cold keys become normal."""
+        self.bimodal.warm(keys)

@@ -56,7 +56,7 @@ from kvoffload.planner.contract import (
     StepInput,
 )
 from kvoffload.planner.fence import Fence
-from kvoffload.planner.insertion import InsertionDuel, is_hot_request
+from kvoffload.planner.insertion import InsertionDuel, inserts_cold
 from kvoffload.planner.lookup import BlockReadable, GroupView, combined_hit_end, lookup_order
 from kvoffload.planner.state import GroupState, JobState, PlannedLoad, RequestState
 from kvoffload.planner.value import PrefillFlops, PrefixValuer
@@ -146,13 +146,14 @@ class Planner:
             st.first_hit_tokens = end
             for g, gs in zip(self._groups, st.groups, strict=True):
                 gs.num_hit_blocks = end // g.offloaded_block_size
-        if self._insertion is not None and first:
+        duel = self._insertion
+        if duel is not None and first:
             full = self._full_views[0]
-            self._insertion.observe_lookup(st.groups[full.index].keys,
-                                           num_computed_tokens // full.offloaded_block_size,
-                                           hits)
-        # A resumed request's cold keys stay unused: they go cold when it finishes.
-        self._touch(st, frozenset(st.cold_keys))
+            duel.observe_lookup(st.groups[full.index].keys,
+                                num_computed_tokens // full.offloaded_block_size, hits)
+            st.cold_candidate = inserts_cold(request.request_id, self._reuse(st))
+            st.stores_cold = st.cold_candidate and duel.bimodal_ahead
+        self._touch(st)
         if hits > 0:
             st.planned = PlannedLoad(num_computed_tokens, end)
             self.stats.lookup_hit_tokens += hits
@@ -370,6 +371,12 @@ class Planner:
                 continue
             self._flush |= st.jobs
             st.reset_table()
+            # It reloads its blocks when it resumes: the cold ones become normal after all.
+            if self._insertion is not None and st.cold_candidate:
+                self._insertion.observe_preempt([key for gs in st.groups for key in gs.keys])
+            if st.cold_keys:
+                self.tier.touch(st.cold_keys)
+                st.cold_keys = []
         stores: list[TransferJob] = []
         for sched in step.scheduled:
             job = self._schedule_request(sched)
@@ -481,7 +488,11 @@ class Planner:
             resume = 0  # a block of its window (or its state) was never stored: keep the last
         self._keep_resume_point(st, resume, provisional, result.keys_to_store)
         if self._insertion is not None:
-            self._insert(st, keys, result.keys_to_store, [key for _, _, key in provisional])
+            charge = self._charge
+            self._insertion.observe_store([(key, charge[key_group(key)]) for key in keys],
+                                          st.cold_candidate)
+        if st.stores_cold:
+            self._store_cold(st, result.keys_to_store, [key for _, _, key in provisional])
         if not result.keys_to_store:
             return None
         slot_of = dict(zip(result.keys_to_store, result.slots, strict=True))
@@ -515,19 +526,14 @@ class Planner:
         self.stats.store_jobs += 1
         return TransferJob(job_id, Direction.STORE, rid, tuple(transfers))
 
-    def _insert(self, st: RequestState, keys: Sequence[OffloadKey],
-                stored: Sequence[OffloadKey], provisional: Sequence[OffloadKey]) -> None:
-        """Show the insertion duel what was stored, and remember the new keys that go
-        cold when the request finishes if it is one bimodal insertion does not keep hot
-        (while it runs, a preemption would reload them). Resume-point keys never go cold."""
-        duel = self._insertion
-        assert duel is not None
-        charge = self._charge
-        request_id = st.request.request_id
-        duel.observe_store([(key, charge[key_group(key)]) for key in keys], request_id)
-        if stored and not is_hot_request(request_id):
-            keep = set(provisional)
-            st.cold_keys.extend(key for key in stored if key not in keep)
+    def _store_cold(self, st: RequestState, stored: Sequence[OffloadKey],
+                    provisional: Sequence[OffloadKey]) -> None:
+        """Bimodal insertion: the new keys of a request not kept hot go in cold; the keys
+        of its resume point do not (a preemption reloads them)."""
+        keep = set(provisional)
+        cold = [key for key in stored if key not in keep]
+        st.cold_keys.extend(cold)
+        self.stats.cold_stored_keys += self.tier.cool(cold)
 
     def _demote(self, keys: list[OffloadKey]) -> None:
         """Tell the tier (and the insertion duel's directories) that no likely hit uses
@@ -785,22 +791,14 @@ class Planner:
             return
         st.finished = True
         st.planned = None
-        # Bimodal insertion: what this request stored goes cold now (the tier leaves keys
-        # another request used meanwhile).
-        cold: list[OffloadKey] = []
-        if self._insertion is not None:
-            self._insertion.observe_finish(request.request_id)
-            if not self._insertion.inserts_hot(request.request_id):
-                cold = st.cold_keys
-            st.cold_keys = []
         # Refresh the whole prefix once, at the end: early blocks end most recent (they
         # serve the most future hits). Stores insert their keys as most recent already;
-        # touching the whole prefix on every store would cost O(context) per block.
-        self._touch(st, frozenset(cold))
+        # touching the whole prefix on every store would cost O(context) per block. What
+        # the request stored cold stays cold.
+        self._touch(st, frozenset(st.cold_keys))
+        st.cold_keys = []
         self._value_finished(st)
         self._demote_finished(st)
-        if cold:
-            self.stats.cold_stored_keys += self.tier.cool(cold)
         if not st.jobs:
             del self._requests[request.request_id]
             return

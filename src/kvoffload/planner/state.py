@@ -71,8 +71,13 @@ class RequestState:
     """(group, offloaded block, key) stored only because a resume at ``resume_point``
     needs them (provisional: demoted once a later resume point does not need them, or the
     request finishes)."""
+    cold_candidate: bool = False
+    """Bimodal insertion stores this request's blocks cold (``inserts_cold``)."""
+    stores_cold: bool = False
+    """The request stores its new blocks cold: a cold candidate that arrived while
+    bimodal insertion was ahead."""
     cold_keys: list[OffloadKey] = field(default_factory=list)
-    """Keys the request stored that bimodal insertion makes cold when it finishes."""
+    """Keys the request stored cold (bimodal insertion); a preemption makes them normal."""
 
     def reset_table(self) -> None:
         """Forget the engine's block table (and the step ends seen with it): a new lookup,
