@@ -220,14 +220,15 @@ def test_lru_and_arc_store_nothing_cold() -> None:
 
 
 def test_a_resume_point_is_not_stored_cold_and_a_preemption_warms_the_rest() -> None:
-    """A full tier; a cold request is computed 12 tokens at a time: its resume point's
-    window blocks are stored normally, its full-attention blocks cold. When it is
-    preempted its cold blocks become normal (it reloads them on resuming); what it
-    stores after resuming is cold again."""
-    h = Harness(24)
+    """A full tier (room for 8 cold keys); a cold request is computed 12 tokens at a
+    time: its resume point's window blocks are stored normally, its full-attention blocks
+    cold. When it is preempted its cold blocks become normal, in the tier and in the
+    bimodal directory (it reloads them on resuming); what it stores after resuming is
+    cold again."""
+    h = Harness(80)
     h.bimodal_ahead()
-    h.run(Req(h.hasher, hot_id("f"), list(range(500, 548))), 100)  # 24 keys: full
-    assert len(h.tier) == 24 and not h.cold()
+    h.run(Req(h.hasher, hot_id("f"), list(range(500, 660))), 100)  # 80 keys: full
+    assert len(h.tier) == 80 and not h.cold()
     rid = cold_id("c")
     req = Req(h.hasher, rid, list(range(32)))
     assert h.planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
@@ -237,8 +238,11 @@ def test_a_resume_point_is_not_stored_cold_and_a_preemption_warms_the_rest() -> 
     assert resume_window <= set(h.tier) and not resume_window & h.cold()
     first_three = {make_offload_key(req.block_hashes[k], 0) for k in range(3)}
     assert h.cold() == first_three
+    duel = h.planner.insertion
+    assert duel is not None and all(duel.bimodal.is_cold(key) for key in first_three)
     h.step(StepInput(preempted=(rid,)))
     assert not h.cold() and first_three <= set(h.tier)
+    assert not any(duel.bimodal.is_cold(key) for key in first_three)
     assert h.planner.get_num_new_matched_tokens(req, 0).num_tokens == 12
     h.planner.update_state_after_alloc(req, ((1, 2, 3), (1, 2, 3)), 12)
     h.step(StepInput())  # the load
@@ -246,7 +250,32 @@ def test_a_resume_point_is_not_stored_cold_and_a_preemption_warms_the_rest() -> 
     h.planner.request_finished(req)
     later = {make_offload_key(req.block_hashes[k], 0) for k in range(3, 7)}
     assert later & set(h.tier) and later & set(h.tier) <= h.cold()
-    assert not first_three & h.cold()
+
+
+def test_a_preemption_warms_cold_blocks_another_request_stored() -> None:
+    """Two cold requests with a 16-token prefix in common run side by side: the first
+    stores the prefix cold, the second finds it being stored and stores only its own
+    blocks. When the second is preempted, the shared blocks it will reload become normal,
+    in the tier and in the bimodal directory."""
+    h = Harness(200, window=False)
+    h.bimodal_ahead()
+    first = Req(h.hasher, cold_id("a"), [*range(16), 100, 101, 102, 103])
+    second = Req(h.hasher, cold_id("b"), [*range(16), *range(200, 216)])
+    for req in (first, second):
+        assert h.planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    h.planner.update_state_after_alloc(first, (tuple(range(1, 6)),), 0)
+    h.planner.update_state_after_alloc(second, (tuple(range(11, 19)),), 0)
+    h.compute(first, tuple(range(1, 6)), 0, 20)
+    h.compute(second, tuple(range(11, 19)), 0, 32)
+    shared = {make_offload_key(first.block_hashes[k], 0) for k in range(4)}
+    assert shared <= h.cold()
+    duel = h.planner.insertion
+    assert duel is not None and all(duel.bimodal.is_cold(key) for key in shared)
+    h.step(StepInput(preempted=(second.request_id,)))
+    assert not shared & h.cold()
+    assert not any(duel.bimodal.is_cold(key) for key in shared)
+    own = {make_offload_key(first.block_hashes[k], 0) for k in range(4, 5)}
+    assert own <= h.cold()  # the first request's own block stays cold
 
 
 def test_bimodal_insertion_gets_hits_where_lru_insertion_thrashes() -> None:

@@ -103,6 +103,38 @@ class ValueOrderMachine(RuleBasedStateMachine):
             self.policy.remove(key)
             self.forget(key)
 
+    @rule(keys=some_keys)
+    def warm(self, keys: list[OffloadKey]) -> None:
+        cold = [key for key in keys if key in self.cold]
+        self.policy.warm(keys)
+        self.touch(cold)
+
+    @rule(n=st.integers(1, 4), shielded=st.frozensets(st.sampled_from(KEYS), max_size=4))
+    def evict_around_shielded_keys(self, n: int, shielded: frozenset[OffloadKey]) -> None:
+        """Shielded keys are passed over but still count in the share of normal keys:
+        the model replays the choice victim by victim; a failed eviction changes nothing."""
+        order = self.order()
+        low = [key for key in order if key in self.demoted or key in self.cold]
+        normal = [key for key in order if key not in low]
+        count, total = len(normal), len(order)
+        expected: list[OffloadKey] = []
+        while len(expected) < n and (low or normal):
+            take_low = bool(low) and (not normal or low[0] in self.demoted
+                                      or count <= NORMAL_SHARE * total)
+            key = low.pop(0) if take_low else normal.pop(0)
+            if key in shielded:
+                continue
+            expected.append(key)
+            total -= 1
+            count -= not take_low
+        victims = self.policy.evict(n, shielded)
+        if len(expected) < n:
+            assert victims is None
+            return
+        assert victims is not None and [key for key, _ in victims] == expected
+        for key in expected:
+            self.forget(key)
+
     @rule(n=st.integers(0, 3))
     def evict(self, n: int) -> None:
         victims = self.policy.evict(n, set())
@@ -150,9 +182,10 @@ class ShadowMachine(RuleBasedStateMachine):
                 segment.remove(key)
 
     @rule(items=st.lists(st.tuples(st.sampled_from(KEYS), st.integers(1, 5)), max_size=4),
-          cold=st.booleans())
-    def insert(self, items: list[tuple[OffloadKey, int]], cold: bool) -> None:
-        self.shadow.insert(items, cold=cold)
+          cold=st.booleans(), normal=st.frozensets(st.sampled_from(KEYS), max_size=2))
+    def insert(self, items: list[tuple[OffloadKey, int]], cold: bool,
+               normal: frozenset[OffloadKey]) -> None:
+        self.shadow.insert(items, cold=cold, normal=normal)
         for key, charge in items:
             if key in self.charge or charge > self.budget:
                 continue
@@ -160,7 +193,7 @@ class ShadowMachine(RuleBasedStateMachine):
                 victim = self.order()[0]
                 self.drop(victim)
                 del self.charge[victim]
-            (self.cold if cold else self.normal).append(key)
+            (self.cold if cold and key not in normal else self.normal).append(key)
             self.charge[key] = charge
 
     @rule(keys=some_keys)
@@ -175,7 +208,7 @@ class ShadowMachine(RuleBasedStateMachine):
     def demote(self, keys: list[OffloadKey]) -> None:
         self.shadow.demote(keys)
         for key in keys:
-            if key in self.normal or key in self.cold:
+            if key in self.charge:
                 self.drop(key)
                 self.demoted.append(key)
 

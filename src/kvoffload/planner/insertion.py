@@ -18,7 +18,8 @@ normal. Stored normally all the same are:
 * a request that *continues* an earlier prefix (at least ``CONTINUES`` of its prompt
   cached when it arrived): a conversation or an agent that came back once is likely to
   come back again;
-* a request's resume point (the planner's), which a preemption reloads.
+* the window and state blocks stored only for a prefill's resume point (the planner's),
+  which a preemption reloads.
 
 Three rules keep what it costs small:
 
@@ -44,6 +45,7 @@ from __future__ import annotations
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.eviction.value import NORMAL_SHARE
@@ -115,6 +117,10 @@ class ShadowDirectory:
         """Charge units held."""
         return self._used
 
+    def is_cold(self, key: OffloadKey) -> bool:
+        """Whether ``key`` is held cold."""
+        return key in self._cold
+
     def _evict_one(self) -> None:
         if self._demoted:
             segment = self._demoted
@@ -126,17 +132,17 @@ class ShadowDirectory:
         _, freed = segment.popitem(last=False)
         self._used -= freed
 
-    def insert(self, keys: Sequence[tuple[OffloadKey, int]], cold: bool = False) -> None:
-        """Insert (key, charge) pairs not held yet as the most recent normal (or cold)
-        keys, making room first in eviction order. Keys held already, and keys larger
-        than the budget, are left."""
-        segment = self._cold if cold else self._normal
+    def insert(self, keys: Sequence[tuple[OffloadKey, int]], cold: bool = False,
+               normal: AbstractSet[OffloadKey] = frozenset()) -> None:
+        """Insert (key, charge) pairs not held yet as the most recent normal keys, or cold
+        ones if ``cold`` (except those in ``normal``), making room first in eviction
+        order. Keys held already, and keys larger than the budget, are left."""
         for key, charge in keys:
             if key in self or charge > self.budget:
                 continue
             while self._used + charge > self.budget:
                 self._evict_one()
-            segment[key] = charge
+            (self._cold if cold and key not in normal else self._normal)[key] = charge
             self._used += charge
 
     def warm(self, keys: Sequence[OffloadKey]) -> None:
@@ -146,9 +152,10 @@ class ShadowDirectory:
                 self._normal[key] = self._cold.pop(key)
 
     def demote(self, keys: Sequence[OffloadKey]) -> None:
-        """Held keys are evicted before any other, in the order given."""
+        """Held keys are evicted before any other, in the order given (a key demoted
+        already goes to the end of that order)."""
         for key in keys:
-            for segment in (self._normal, self._cold):
+            for segment in (self._normal, self._cold, self._demoted):
                 if key in segment:
                     self._demoted[key] = segment.pop(key)
                     break
@@ -208,11 +215,12 @@ class InsertionDuel:
         self.bimodal_score = self.bimodal_score * DECAY + tokens * self.bimodal.lookup(
             full_keys, engine_blocks)
 
-    def observe_store(self, keys: Sequence[tuple[OffloadKey, int]], cold: bool) -> None:
+    def observe_store(self, keys: Sequence[tuple[OffloadKey, int]], cold: bool,
+                      normal: AbstractSet[OffloadKey] = frozenset()) -> None:
         """The planner stored ``keys`` (with their charges) for a request that bimodal
-        insertion stores ``cold``."""
+        insertion stores ``cold``, except the keys in ``normal``."""
         self.lru.insert(keys)
-        self.bimodal.insert(keys, cold)
+        self.bimodal.insert(keys, cold, normal)
 
     def observe_demote(self, keys: Sequence[OffloadKey]) -> None:
         """The planner demoted ``keys`` (no likely hit uses them): both directories
@@ -221,5 +229,5 @@ class InsertionDuel:
         self.bimodal.demote(keys)
 
     def observe_preempt(self, keys: Sequence[OffloadKey]) -> None:
-        """A request holding ``keys`` was preempted: its cold keys become normal."""
+        """A request with prefix ``keys`` was preempted: cold ones become normal."""
         self.bimodal.warm(keys)

@@ -371,11 +371,12 @@ class Planner:
                 continue
             self._flush |= st.jobs
             st.reset_table()
-            # It reloads its blocks when it resumes: the cold ones become normal after all.
-            if self._insertion is not None and st.cold_candidate:
-                self._insertion.observe_preempt([key for gs in st.groups for key in gs.keys])
-            if st.cold_keys:
-                self.tier.touch(st.cold_keys)
+            if self._insertion is not None:
+                # It reloads its prefix when it resumes: cold blocks of it (whoever stored
+                # them) become normal after all.
+                keys = [key for gs in st.groups for key in gs.keys]
+                self.tier.warm(keys)
+                self._insertion.observe_preempt(keys)
                 st.cold_keys = []
         stores: list[TransferJob] = []
         for sched in step.scheduled:
@@ -487,12 +488,13 @@ class Planner:
         if resume and not self._holds_window(st, resume):
             resume = 0  # a block of its window (or its state) was never stored: keep the last
         self._keep_resume_point(st, resume, provisional, result.keys_to_store)
+        resume_keys = [key for _, _, key in provisional]
         if self._insertion is not None:
             charge = self._charge
             self._insertion.observe_store([(key, charge[key_group(key)]) for key in keys],
-                                          st.cold_candidate)
+                                          st.cold_candidate, normal=frozenset(resume_keys))
         if st.stores_cold:
-            self._store_cold(st, result.keys_to_store, [key for _, _, key in provisional])
+            self._store_cold(st, result.keys_to_store, resume_keys)
         if not result.keys_to_store:
             return None
         slot_of = dict(zip(result.keys_to_store, result.slots, strict=True))
@@ -528,8 +530,9 @@ class Planner:
 
     def _store_cold(self, st: RequestState, stored: Sequence[OffloadKey],
                     provisional: Sequence[OffloadKey]) -> None:
-        """Bimodal insertion: the new keys of a request not kept hot go in cold; the keys
-        of its resume point do not (a preemption reloads them)."""
+        """Bimodal insertion: the newly stored keys go in cold, except the window and state
+        blocks stored only for the resume point (``provisional``: a preemption reloads
+        them)."""
         keep = set(provisional)
         cold = [key for key in stored if key not in keep]
         st.cold_keys.extend(cold)

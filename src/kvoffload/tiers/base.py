@@ -137,10 +137,15 @@ class Tier(ABC):
 
     def cool(self, keys: Sequence[OffloadKey]) -> int:
         """Hint that present keys not used since their insertion are *cold*: evicted
-        before every key inserted or used normally, until used. Returns how many keys
-        went cold. Default: ignored (0)."""
+        before keys inserted or used normally (see ``EvictionPolicy.cool``), until used.
+        Returns how many keys went cold. Default: ignored (0)."""
         del keys
         return 0
+
+    def warm(self, keys: Sequence[OffloadKey]) -> None:
+        """Hint that present cold keys are about to be used: they become normal, as if
+        used. Default: ignored."""
+        del keys
 
     @abstractmethod
     def __contains__(self, key: object) -> bool:

@@ -224,6 +224,10 @@ class CascadeTier(Tier):
         """Cold-insertion hints go to host memory's policy."""
         return self.host.cool(keys)
 
+    def warm(self, keys: Sequence[OffloadKey]) -> None:
+        """So do the hints that cold keys are about to be used."""
+        self.host.warm(keys)
+
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Recency in host memory and in every lower tier that keeps an order."""
         self.host.touch(keys)

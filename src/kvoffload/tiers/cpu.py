@@ -230,6 +230,9 @@ class HostTier(Tier):
     def cool(self, keys: Sequence[OffloadKey]) -> int:
         return self._policy.cool(keys)
 
+    def warm(self, keys: Sequence[OffloadKey]) -> None:
+        self._policy.warm(keys)
+
     def set_values(self, values: Sequence[ValueHint]) -> None:
         """Hand (key, compute saved, bytes) hints to the eviction policy."""
         self._policy.set_values(values)

@@ -132,10 +132,16 @@ class EvictionPolicy(ABC):
 
     def cool(self, keys: Sequence[OffloadKey]) -> int:
         """Hint: present keys not used since their insertion are cold: evict them before
-        every key inserted or used normally, oldest first, until they are used. Returns
-        how many went cold. Default: ignore (0)."""
+        keys inserted or used normally (a value-aware policy: while those are more than
+        its ``normal_share`` of the keys held), oldest first, until they are used.
+        Returns how many went cold. Default: ignore (0)."""
         del keys
         return 0
+
+    def warm(self, keys: Sequence[OffloadKey]) -> None:
+        """Hint: present cold keys become normal, as if used (``keys[0]`` most recent);
+        other keys are left as they are. Default: ignore."""
+        del keys
 
     @abstractmethod
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> Victims | None:
