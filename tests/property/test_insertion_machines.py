@@ -31,6 +31,19 @@ NORMAL_SHARE = 0.5
 """Low enough that both normal and cold keys go first in turn among 8 keys."""
 
 
+def eviction_order(demoted: list[OffloadKey], normal: list[OffloadKey],
+                   cold: list[OffloadKey]) -> list[OffloadKey]:
+    """The model's order: demoted keys, then normal keys while they are more than
+    ``NORMAL_SHARE`` of the keys left, cold keys otherwise (each list next first)."""
+    normal, cold = list(normal), list(cold)
+    order = list(demoted)
+    while normal or cold:
+        share = len(normal) / (len(normal) + len(cold))
+        order.append(cold.pop(0) if cold and (not normal or share <= NORMAL_SHARE)
+                     else normal.pop(0))
+    return order
+
+
 class ValueOrderMachine(RuleBasedStateMachine):
     """Model: ``demoted`` in demotion order; ``stamp`` per key; ``cold`` keys."""
 
@@ -49,13 +62,7 @@ class ValueOrderMachine(RuleBasedStateMachine):
                            if k not in self.demoted and (k in self.cold) == cold),
                           key=self.stamp.__getitem__)
 
-        normal, cold = by_stamp(False), by_stamp(True)
-        order = list(self.demoted)
-        while normal or cold:
-            share = len(normal) / (len(normal) + len(cold))
-            order.append(cold.pop(0) if cold and (not normal or share <= NORMAL_SHARE)
-                         else normal.pop(0))
-        return order
+        return eviction_order(self.demoted, by_stamp(False), by_stamp(True))
 
     @rule(key=st.sampled_from(KEYS))
     def insert(self, key: OffloadKey) -> None:
@@ -168,13 +175,7 @@ class ShadowMachine(RuleBasedStateMachine):
         self.charge: dict[OffloadKey, int] = {}
 
     def order(self) -> list[OffloadKey]:
-        normal, cold = list(self.normal), list(self.cold)
-        order = list(self.demoted)
-        while normal or cold:
-            share = len(normal) / (len(normal) + len(cold))
-            order.append(cold.pop(0) if cold and (not normal or share <= NORMAL_SHARE)
-                         else normal.pop(0))
-        return order
+        return eviction_order(self.demoted, self.normal, self.cold)
 
     def drop(self, key: OffloadKey) -> None:
         for segment in (self.demoted, self.normal, self.cold):
