@@ -308,9 +308,7 @@ anyone asks for it again; at the smallest capacities the blocks of the requests 
 at once are already more than host memory holds. Bimodal insertion (after DIP, Qureshi
 et al. 2007) stores the blocks of most requests *cold*, first in line for eviction, as
 they are written, so that the others stay long enough for their prefixes to come back;
-a block that is hit becomes normal. Stored normally all the same are one request in
-eight, a request that continues an earlier prefix (half its prompt or more was cached
-when it arrived: a conversation or an agent that came back once comes back again), and
+a block that is hit becomes normal. One request in eight is stored normally, and so is
 a prefill's resume point. Three rules keep its cost small:
 
 * Normal blocks are evicted before cold ones once they are more than 90 % of the blocks

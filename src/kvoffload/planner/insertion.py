@@ -10,16 +10,11 @@ the blocks of the requests running at once are already more than host memory hol
 
 Bimodal insertion (after Qureshi et al., "Adaptive insertion policies for high
 performance caching", ISCA 2007) stores the blocks of most requests *cold*, first in line
-for eviction, as they are written. The cold ones make room for each other; the others
-stay long enough for their prefixes to come back, and a block that is hit becomes
-normal. Stored normally all the same are:
-
-* one request in ``HOT_EVERY`` (a stable hash of its id, so a prefix stays together);
-* a request that *continues* an earlier prefix (at least ``CONTINUES`` of its prompt
-  cached when it arrived): a conversation or an agent that came back once is likely to
-  come back again;
-* the window and state blocks stored only for a prefill's resume point (the planner's),
-  which a preemption reloads.
+for eviction, as they are written, and those of one request in ``HOT_EVERY`` normally
+(a stable hash of its id, so a prefix stays together). The cold ones make room for each
+other; the others stay long enough for their prefixes to come back, and a block that is
+hit becomes normal. The window and state blocks stored only for a prefill's resume point
+(the planner's) are stored normally too: a preemption reloads them.
 
 Three rules keep what it costs small:
 
@@ -53,10 +48,6 @@ from kvoffload.tiers.eviction.value import NORMAL_SHARE
 HOT_EVERY = 8
 """Under bimodal insertion, one request in this many is inserted normally."""
 
-CONTINUES = 0.5
-"""A request whose prompt was at least this share cached when it arrived continues an
-earlier prefix: it is stored normally."""
-
 LEAD = 1.25
 """Bimodal insertion is used only while its directory scores this many times LRU's
 (chosen on the sweeps in docs/policy.md)."""
@@ -69,12 +60,6 @@ lookups decide)."""
 def is_hot_request(request_id: str) -> bool:
     """Whether bimodal insertion inserts ``request_id``'s blocks normally (stable)."""
     return zlib.crc32(request_id.encode()) % HOT_EVERY == 0
-
-
-def inserts_cold(request_id: str, cached_share: float) -> bool:
-    """Whether bimodal insertion stores the blocks of a request that arrived with
-    ``cached_share`` of its prompt cached (engine or tier) cold."""
-    return cached_share < CONTINUES and not is_hot_request(request_id)
 
 
 class ShadowDirectory:

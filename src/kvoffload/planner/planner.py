@@ -56,7 +56,7 @@ from kvoffload.planner.contract import (
     StepInput,
 )
 from kvoffload.planner.fence import Fence
-from kvoffload.planner.insertion import InsertionDuel, inserts_cold
+from kvoffload.planner.insertion import InsertionDuel, is_hot_request
 from kvoffload.planner.lookup import BlockReadable, GroupView, combined_hit_end, lookup_order
 from kvoffload.planner.state import GroupState, JobState, PlannedLoad, RequestState
 from kvoffload.planner.value import PrefillFlops, PrefixValuer
@@ -151,7 +151,7 @@ class Planner:
             full = self._full_views[0]
             duel.observe_lookup(st.groups[full.index].keys,
                                 num_computed_tokens // full.offloaded_block_size, hits)
-            st.cold_candidate = inserts_cold(request.request_id, self._reuse(st))
+            st.cold_candidate = not is_hot_request(request.request_id)
             st.stores_cold = st.cold_candidate and duel.bimodal_ahead
         self._touch(st)
         if hits > 0:

@@ -72,7 +72,7 @@ class RequestState:
     needs them (provisional: demoted once a later resume point does not need them, or the
     request finishes)."""
     cold_candidate: bool = False
-    """Bimodal insertion stores this request's blocks cold (``inserts_cold``)."""
+    """Bimodal insertion stores this request's blocks cold (not ``is_hot_request``)."""
     stores_cold: bool = False
     """The request stores its new blocks cold: a cold candidate that arrived while
     bimodal insertion was ahead."""
