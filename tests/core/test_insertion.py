@@ -230,6 +230,8 @@ def test_a_resume_point_is_not_stored_cold_and_a_preemption_warms_the_rest() -> 
     assert h.cold() == first_three
     duel = h.planner.insertion
     assert duel is not None and all(duel.bimodal.is_cold(key) for key in first_three)
+    assert resume_window <= set(duel.bimodal)
+    assert not any(duel.bimodal.is_cold(key) for key in resume_window)
     h.step(StepInput(preempted=(rid,)))
     assert not h.cold() and first_three <= set(h.tier)
     assert not any(duel.bimodal.is_cold(key) for key in first_three)
