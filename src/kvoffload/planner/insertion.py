@@ -43,7 +43,7 @@ from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
 
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.eviction.value import NORMAL_SHARE
+from kvoffload.tiers.eviction.value import NORMAL_SHARE, cold_goes_first
 
 HOT_EVERY = 8
 """Under bimodal insertion, one request in this many is inserted normally."""
@@ -89,8 +89,8 @@ class ShadowDirectory:
         n = c = 0
         while n < len(normal) or c < len(cold):
             normal_left, cold_left = len(normal) - n, len(cold) - c
-            if cold_left and (not normal_left or normal_left <= self.normal_share * (
-                    normal_left + cold_left)):
+            if cold_left and (not normal_left or cold_goes_first(
+                    normal_left, normal_left + cold_left, self.normal_share)):
                 yield cold[c]
                 c += 1
             else:
@@ -109,8 +109,8 @@ class ShadowDirectory:
     def _evict_one(self) -> None:
         if self._demoted:
             segment = self._demoted
-        elif self._cold and (not self._normal
-                             or len(self._normal) <= self.normal_share * len(self)):
+        elif self._cold and (not self._normal or cold_goes_first(
+                len(self._normal), len(self), self.normal_share)):
             segment = self._cold
         else:
             segment = self._normal

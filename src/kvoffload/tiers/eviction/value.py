@@ -60,6 +60,14 @@ stores of running requests, which a preempted request reloads. (On the shared tr
 2-10 % capacity, 0.8 and 0.95 did no better.)"""
 
 
+def cold_goes_first(normal: int, total: int, share: float) -> bool:
+    """The share rule for cold keys: whether the next victim is a cold key rather than a
+    normal one, with ``normal`` of the ``total`` keys left normal (and both kinds left):
+    yes once normal keys are at most ``share`` of them. Also used by the planner's shadow
+    directories (``kvoffload.planner.insertion``), which model this policy."""
+    return normal <= share * total
+
+
 _Heap = list[tuple[float, int, OffloadKey]]
 """``(priority, sequence, key)`` entries, lowest first."""
 
@@ -307,7 +315,7 @@ class ValuePolicy(EvictionPolicy):
         left being normal: demoted keys first, then normal keys while they are more
         than ``normal_share`` of the keys, cold keys otherwise."""
         return (not has_normal or low_priority == _DEMOTED
-                or normal <= self.normal_share * total)
+                or cold_goes_first(normal, total, self.normal_share))
 
     def _live_top(self, heap: _Heap) -> tuple[float, int, OffloadKey] | None:
         """The heap's lowest live entry (stale ones above it are dropped)."""
