@@ -200,7 +200,7 @@ class EngineParts:
 
 def engine_parts(config: SimulationConfig, *, lower_tiers: bool = True,
                  num_workers: int = 1, load_deadline_s: float | None = None) -> EngineParts:
-    """The layout, capacities and configurations of ``config``'s engine; the lower tiers
+    """The layout and configurations of ``config``'s engine; the lower tiers
     it asks for unless ``lower_tiers`` is False (the run without offloading)."""
     layout = config.layout()
     caps, offload_config = resolve(config, layout)

@@ -96,13 +96,18 @@ class Planner:
         self._valuer = (PrefixValuer(config, prefill_flops)
                         if config.eviction_policy in VALUE_AWARE_POLICIES else None)
         self._charge = [g.block_bytes if config.charges_bytes else 1 for g in self._groups]
-        self._insertion = (InsertionDuel(config.host_capacity_bytes if config.charges_bytes
-                                         else config.num_host_slots,
-                                         self._full_views[0].offloaded_block_size)
-                           if self._valuer is not None and self._full_views else None)
+        self._insertion = self._new_insertion()
         self._key_suffix = [make_offload_key(BlockHash(b""), g.index) for g in self._groups]
         self._step_end_states = (not config.mamba_states_every_block
                                  and any(g.kind is GroupKind.MAMBA for g in self._groups))
+
+    def _new_insertion(self) -> InsertionDuel | None:
+        """A fresh insertion duel at the tier's budget (value-aware policies only)."""
+        if self._valuer is None or not self._full_views:
+            return None
+        config = self.config
+        return InsertionDuel(config.host_capacity_bytes if config.charges_bytes
+                             else config.num_host_slots, self._full_views[0].offloaded_block_size)
 
     @property
     def insertion(self) -> InsertionDuel | None:
@@ -488,11 +493,11 @@ class Planner:
         if resume and not self._holds_window(st, resume):
             resume = 0  # a block of its window (or its state) was never stored: keep the last
         self._keep_resume_point(st, resume, provisional, result.keys_to_store)
-        resume_keys = [key for _, _, key in provisional]
+        resume_keys = frozenset(key for _, _, key in provisional)
         if self._insertion is not None:
             charge = self._charge
             self._insertion.observe_store([(key, charge[key_group(key)]) for key in keys],
-                                          st.cold_candidate, normal=frozenset(resume_keys))
+                                          st.cold_candidate, normal=resume_keys)
         if st.stores_cold:
             self._store_cold(st, result.keys_to_store, resume_keys)
         if not result.keys_to_store:
@@ -529,12 +534,11 @@ class Planner:
         return TransferJob(job_id, Direction.STORE, rid, tuple(transfers))
 
     def _store_cold(self, st: RequestState, stored: Sequence[OffloadKey],
-                    provisional: Sequence[OffloadKey]) -> None:
+                    provisional: AbstractSet[OffloadKey]) -> None:
         """Bimodal insertion: the newly stored keys go in cold, except the window and state
         blocks stored only for the resume point (``provisional``: a preemption reloads
         them)."""
-        keep = set(provisional)
-        cold = [key for key in stored if key not in keep]
+        cold = [key for key in stored if key not in provisional]
         st.cold_keys.extend(cold)
         self.stats.cold_stored_keys += self.tier.cool(cold)
 
@@ -888,9 +892,7 @@ class Planner:
             st.cold_keys = []
             for gs in st.groups:
                 gs.next_stored = 0
-        if self._insertion is not None:  # its directories modelled what is gone now
-            self._insertion = InsertionDuel(self._insertion.lru.budget,
-                                            self._insertion.block_tokens)
+        self._insertion = self._new_insertion()  # its directories modelled what is gone
 
     def shutdown(self) -> None:
         """Forget every request; the tier keeps its contents until reset."""

@@ -77,7 +77,8 @@ class RequestState:
     """The request stores its new blocks cold: a cold candidate that arrived while
     bimodal insertion was ahead."""
     cold_keys: list[OffloadKey] = field(default_factory=list)
-    """Keys the request stored cold (bimodal insertion); a preemption makes them normal."""
+    """Keys the request stored cold (bimodal insertion): the touch at its finish leaves
+    them cold. Cleared on a preemption, which warms the request's whole prefix."""
 
     def reset_table(self) -> None:
         """Forget the engine's block table (and the step ends seen with it): a new lookup,
