@@ -279,8 +279,10 @@ class HostTier(Tier):
         need_bytes = self._bytes_used() + new_bytes - self._budget if self._charges_bytes else 0
         if need > 0 or need_bytes > 0:
             idle = len(policy) - self._num_writing - self._num_pinned
-            shield: AbstractSet[OffloadKey] = (_Either(frozenset(keys), protected)
-                                               if protected else frozenset(keys))
+            # A cascade's protected set already holds the keys it promotes: no copy then.
+            shield: AbstractSet[OffloadKey] = (
+                protected if protected and all(key in protected for key in keys)
+                else frozenset(keys).union(protected))
             if self._charges_bytes:
                 victims = (policy.evict_bytes(need_bytes, need, shield, self._key_bytes)
                            if self._can_free(need_bytes, need, idle, shield) else None)
@@ -441,21 +443,3 @@ class HostTier(Tier):
     def _emit(self, keys: tuple[OffloadKey, ...], *, removed: bool) -> None:
         if self.enable_events and keys:
             self._events.append(TierEvent(keys=keys, tier=self.name, removed=removed))
-
-
-class _Either(AbstractSet[OffloadKey]):
-    """The union of two key sets, without copying them: a store's own keys and the large
-    set a cascade protects (every key a request waits for), once per promoted key."""
-
-    def __init__(self, first: AbstractSet[OffloadKey], second: AbstractSet[OffloadKey]) -> None:
-        self._first, self._second = first, second
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._first or key in self._second
-
-    def __iter__(self) -> Iterator[OffloadKey]:
-        yield from self._first
-        yield from (key for key in self._second if key not in self._first)
-
-    def __len__(self) -> int:
-        return len(self._first) + sum(1 for key in self._second if key not in self._first)
