@@ -205,6 +205,7 @@ def test_nothing_is_stored_cold_without_a_clear_lead() -> None:
 def test_lru_and_arc_store_nothing_cold() -> None:
     for policy in ("lru", "arc"):
         h = Harness(200, policy=policy)
+        assert h.planner.insertion is None  # no duel: nothing ever goes cold
         h.run(Req(h.hasher, cold_id("c"), list(range(16))), 100)
         assert h.planner.stats.cold_stored_keys == 0
 

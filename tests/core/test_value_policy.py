@@ -332,3 +332,10 @@ def test_the_normal_share_must_be_a_share() -> None:
     for bad in (0.0, -0.5, 1.5):
         with pytest.raises(ValueError, match="normal_share"):
             ValuePolicy(10, normal_share=bad)
+
+
+def test_a_key_used_since_its_insertion_is_not_made_cold() -> None:
+    policy = filled(3)
+    policy.touch([k(1)])
+    assert policy.cool([k(0), k(1)]) == 1
+    assert policy.is_cold(k(0)) and not policy.is_cold(k(1))

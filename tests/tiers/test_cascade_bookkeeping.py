@@ -284,6 +284,8 @@ def test_demotion_and_cold_insertion_hints_reach_host_memory(tmp_path: Path) -> 
     tier.demote([key(3)])
     tier.cool([key(2)])
     assert list(tier.host)[:2] == [key(3), key(2)]
+    tier.warm([key(2), key(3)])  # cold: normal again; demoted: left demoted
+    assert list(tier.host) == [key(3), key(1), key(2)]
 
 
 def test_a_demoted_key_is_not_written_back_when_host_memory_evicts_it(tmp_path: Path) -> None:
