@@ -26,6 +26,7 @@ from worker_kit import (
     load,
     make_worker,
     mamba_raw_padded,
+    needs_native,
     next_job_id,
     run_all,
     store,
@@ -231,9 +232,8 @@ def test_a_job_is_copied_in_source_address_order_if_its_pieces_are_large(
     worker.shutdown()
 
 
+@needs_native
 def test_the_native_queue_sorts_large_pieces_by_source_address_too() -> None:
-    if cpu_module.load_native_copy() is None:
-        pytest.skip("native copy queue not built")
     cache = kv_separate(40, torch.Generator().manual_seed(9), layers=2)
     rng = random.Random(9)
     job = store(0, rng.sample(range(1, 40), 8), rng.sample(range(20), 4))

@@ -19,6 +19,7 @@ from worker_kit import (
     load,
     make_worker,
     mamba_raw_padded,
+    needs_native,
     next_job_id,
     run_all,
     store,
@@ -29,7 +30,6 @@ from kvoffload.worker import CpuBackend
 from kvoffload.worker.native_copy import DISABLE_ENV, NativeCopy, load_native_copy, pack
 
 NATIVE = load_native_copy()
-needs_native = pytest.mark.skipif(NATIVE is None, reason="native copy queue not built")
 
 
 def test_the_native_queue_is_built_where_required() -> None:

@@ -17,6 +17,7 @@ from worker_kit import (
     make_config,
     make_worker,
     mamba_states,
+    needs_native,
     next_job_id,
     run_all,
     run_step,
@@ -27,7 +28,6 @@ from kvoffload.errors import InvariantError, LayoutError
 from kvoffload.jobs import Direction, GroupTransfer, JobId, StepPlan, TransferJob
 from kvoffload.worker import CpuBackend, CudaBackend, FailJobs, TransferWorker
 from kvoffload.worker.cpu import _Entry
-from kvoffload.worker.native_copy import load_native_copy
 
 SENTINEL = 0xEE
 
@@ -62,8 +62,7 @@ def _cache(num_blocks: int = 16, seed: int = 0) -> CacheSet:
 
 COPY_PATHS = [
     pytest.param(False, id="memmove"),
-    pytest.param(True, id="native", marks=pytest.mark.skipif(
-        load_native_copy() is None, reason="native copy queue not built")),
+    pytest.param(True, id="native", marks=needs_native),
 ]
 """Both CPU copy paths; tests taking ``native`` hold jobs with ``CpuBackend.hold``."""
 

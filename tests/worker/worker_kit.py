@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
@@ -19,6 +20,11 @@ from kvoffload.jobs import (
     WorkerReport,
 )
 from kvoffload.worker import CacheTensorLayout, GroupTensors, TransferWorker
+from kvoffload.worker.native_copy import load_native_copy
+
+needs_native = pytest.mark.skipif(load_native_copy() is None,
+                                  reason="native copy queue not built")
+"""Marks a test that needs the CPU backend's native copy queue."""
 
 _ids = itertools.count(1)
 
