@@ -33,10 +33,11 @@ SENTINEL = 0xEE
 
 
 class GatedCpuBackend(CpuBackend):
-    """A CPU backend whose copies wait for a gate (or a fixed delay) before running.
+    """A CPU backend whose store copies wait for a gate, and every copy a fixed delay.
 
     The gate holds the Python copy lanes, so this backend copies with ``memmove``
-    (``native_copy=False``); test_worker_native_queue.py holds the native queue instead.
+    (``native_copy=False``); tests run on both copy paths hold jobs with
+    ``CpuBackend.hold`` instead (``COPY_PATHS``).
     """
 
     def __init__(self, delay: float = 0.0, **kwargs: object) -> None:
@@ -45,13 +46,12 @@ class GatedCpuBackend(CpuBackend):
         self.delay = delay
         self.gate = threading.Event()
         self.gate.set()
-        self.load_gate = threading.Event()
-        self.load_gate.set()
         self.started: list[JobId] = []
 
     def _copy(self, batch: list[_Entry]) -> None:
         self.started.extend(e.job.job_id for e in batch)
-        (self.gate if batch[0].job.direction is Direction.STORE else self.load_gate).wait()
+        if batch[0].job.direction is Direction.STORE:
+            self.gate.wait()
         time.sleep(self.delay)
         super()._copy(batch)
 
