@@ -36,7 +36,7 @@ def layouts(draw: st.DrawFn) -> OffloadConfig:
         groups=groups, hash_block_size=hash_bs, block_size_factor=factor,
         num_workers=draw(st.integers(1, 4)),
         host_capacity_bytes=draw(st.integers(2, 64)),
-        eviction_policy=draw(st.sampled_from(["lru", "arc", "hybrid"])),
+        eviction_policy=draw(st.sampled_from(["lru", "arc", "hybrid", "value"])),
         max_deferred_steps=draw(st.integers(1, 8)),
         # Mamba states only where a step ends (vLLM's align mode), or at every block end.
         mamba_states_every_block=draw(st.booleans()),

@@ -328,10 +328,13 @@ class CascadeTier(Tier):
 
     def check_integrity(self) -> None:
         """Host and lower tiers consistent; every promote in flight holds a host slot
-        being written; every pinned demote is matched by a host pin."""
+        being written; every pinned demote is matched by a host pin; every key kept from
+        write-back is in host memory."""
         self.host.check_integrity()
         for lower in self.lowers:
             lower.check_integrity()
+        if any(key not in self.host for key in self._worthless):
+            raise InvariantError("cascade: a key kept from write-back left host memory")
         pins: dict[OffloadKey, int] = {}
         for job_id, js in self._jobs.items():
             key = OffloadKey(js.job.key)
