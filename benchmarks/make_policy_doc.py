@@ -357,10 +357,9 @@ in the simulator until the arena packs groups by size.
 `python benchmarks/make_policy_doc.py` regenerates this page. For each workload and
 preset it first runs store-everything LRU with unbounded host memory: its peak host
 memory is the *working set*, its host hit rate the *unbounded hit rate*. Then LRU, ARC
-and `value` run at 1, 2, 5, 10, 20, 30, 40 and 50 % of that working set (and 60, 70 and
-100 %, so the memory to reach 90 % of the unbounded hit rate can be read between close
-points), in the same
-`run_sweep` call that `kvoffload sweep --capacity-fraction` uses. *Host hit* is the share
+and `value` run at PERCENTS % of that working set (the points above 50 % are there so the
+memory to reach 90 % of the unbounded hit rate can be read between close points), in the
+same `run_sweep` call that `kvoffload sweep --capacity-fraction` uses. *Host hit* is the share
 of prompt tokens loaded from host memory (the engine's own prefix cache is the same for
 every policy and is not counted); *prefill tokens saved* compares with a run without
 offloading; *TTFT* is the modelled time to first token (prefill FLOPs at 400 TFLOP/s plus
@@ -370,7 +369,7 @@ loaded bytes at 25 GB/s). The same comparison by hand:
 kvoffload sweep --preset gpt-oss-20b,gemma3-27b,llama3-8b \\
     --block-size 64 --block-size-factor 4 \\
     --trace ../shared/traces/mooncake_conversation_trace.jsonl --limit LIMIT \\
-    --policy lru,arc,value --capacity-fraction 0.01,0.02,0.05,0.1,0.2,0.3,0.4,0.5,0.6,0.7,1 \\
+    --policy lru,arc,value --capacity-fraction FRACTIONS \\
     --host-accounting bytes
 kvoffload sweep --preset nemotron-h-8b ...same options without --block-size...
 kvoffload sweep --workload agentic ...same options...
@@ -408,7 +407,10 @@ def main() -> None:
                     for workload in ("mooncake", "agentic")}
         DATA.write_text(json.dumps(data, indent=1))
     (DOCS / "img").mkdir(exist_ok=True)
-    lines = [EXPLANATION.replace("LIMIT", str(args.limit))]
+    percents = [f"{100 * f:g}" for f in FRACTIONS]
+    lines = [EXPLANATION.replace("LIMIT", str(args.limit))
+             .replace("PERCENTS", ", ".join(percents[:-1]) + " and " + percents[-1])
+             .replace("FRACTIONS", ",".join(f"{f:g}" for f in FRACTIONS))]
     for key, name in (("mooncake", "Mooncake conversation trace"),
                       ("agentic", "Built-in agentic workload")):
         points, refs = load_points(data[key])
