@@ -492,7 +492,7 @@ class Planner:
         self._advance(st, limits)
         if resume and not self._holds_window(st, resume):
             resume = 0  # a block of its window (or its state) was never stored: keep the last
-        self._keep_resume_point(st, resume, provisional, result.keys_to_store)
+        self._track_resume_point(st, resume, provisional, result.keys_to_store)
         resume_keys = frozenset(key for _, _, key in provisional)
         if self._insertion is not None:
             charge = self._charge
@@ -549,25 +549,24 @@ class Planner:
         if self._insertion is not None:
             self._insertion.observe_demote(keys)
 
-    def _keep_resume_point(self, st: RequestState, point: int,
+    def _track_resume_point(self, st: RequestState, point: int,
                            provisional: list[tuple[int, int, OffloadKey]],
                            stored: Sequence[OffloadKey]) -> None:
         """Record the blocks stored only for a resume at ``point``; when the prefill moved
         past the previous resume point, demote that point's blocks that ``point`` does not
         need itself (admission's resume points), unless ``_keeps_resume_point``."""
         if point > st.resume_point:
-            if st.resume_keys:
-                still: list[tuple[int, int, OffloadKey]] = []
-                if not self._keeps_resume_point(st, point):
-                    passed: list[OffloadKey] = []
-                    for entry in st.resume_keys:
-                        group, block, key = entry
-                        if block in window_at(self._groups[group], point):
-                            still.append(entry)
-                        else:
-                            passed.append(key)
-                    self._demote(passed)
-                st.resume_keys = still
+            still: list[tuple[int, int, OffloadKey]] = []
+            if st.resume_keys and not self._keeps_resume_point(st, point):
+                passed: list[OffloadKey] = []
+                for entry in st.resume_keys:
+                    group, block, key = entry
+                    if block in window_at(self._groups[group], point):
+                        still.append(entry)
+                    else:
+                        passed.append(key)
+                self._demote(passed)
+            st.resume_keys = still
             st.resume_point = point
         if provisional:
             fresh = set(stored)
