@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.jobs import StepPlan, WorkerReport
 from kvoffload.keys import BlockHasher, make_offload_key
-from kvoffload.planner.admission import HitPointAdmission, StoreEverything
+from kvoffload.planner.admission import Admit, HitPointAdmission, StoreEverything
 from kvoffload.planner.contract import ScheduledRequest, StepInput
 from kvoffload.planner.planner import Planner
 from kvoffload.tiers.base import LookupResult
@@ -123,8 +123,41 @@ def test_decode_blocks_that_miss_the_turn_end_are_demoted_at_finish() -> None:
 def test_store_everything_admits_all() -> None:
     policy = StoreEverything()
     cfg = config(slots=10)
-    assert policy.admit(cfg.resolved[1], 0, [], 100)
+    assert policy.admit(cfg.resolved[1], 0, [], 100) is Admit.YES
     assert not policy.learns
+
+
+def test_a_block_no_likely_hit_needs_is_spare_while_the_tier_has_room() -> None:
+    """A 32-token prompt, windows of 2 blocks of 4 tokens: block 6 is in the window of
+    the prompt-end point (28); block 0 serves no likely hit. With room, block 0 is
+    stored as spare; without, it is refused. A likely block is a plain yes either way."""
+    hasher = BlockHasher(4)
+    room = [True]
+    policy = HitPointAdmission(4, 4, lambda: room[0])
+    window = config(slots=10).resolved[1]
+    hashes = hasher.hashes(list(range(32)))
+    assert policy.admit(window, 6, hashes, 32) is Admit.YES
+    assert policy.admit(window, 0, hashes, 32) is Admit.SPARE_ROOM
+    room[0] = False
+    assert policy.admit(window, 6, hashes, 32) is Admit.YES
+    assert policy.admit(window, 0, hashes, 32) is Admit.NO
+
+
+def test_blocks_stored_only_for_free_room_are_demoted_at_finish() -> None:
+    """With room, a 32-token prompt stores all 8 window blocks; 5, 6 (the prompt-end
+    window) and 7 (the decode frontier) serve likely hits, 0-4 were spare. Once the
+    request finishes, 0-4 lead the eviction order."""
+    hasher = BlockHasher(4)
+    cfg = config(slots=100)
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    req = Req("a", list(range(32)), hasher)
+    complete(planner, prefill(planner, req, 1))
+    window_key = {make_offload_key(req.block_hashes[k], 1): k for k in range(8)}
+    assert len(window_key.keys() & set(tier)) == 8
+    planner.request_finished(req)
+    order = list(tier)
+    assert sorted(window_key[key] for key in order[:5]) == [0, 1, 2, 3, 4]
 
 
 def test_learned_points_are_bounded() -> None:
@@ -335,3 +368,41 @@ def test_with_a_state_at_every_block_a_passed_resume_point_is_demoted() -> None:
     complete(planner, chunk(planner, req, (7, 8), 24, 8))
     planner.request_finished(req)
     assert next(iter(tier)) == make_offload_key(req.block_hashes[5], 1)  # the state at 24
+
+
+def cheap_window_planner() -> tuple[BlockHasher, HostTier, Planner]:
+    """Full attention + a window of 4 tokens (1 block of 4: a hit point's window charges
+    as much as 4 tokens of full attention), and a tier of 40 keys filled by a request."""
+    hasher = BlockHasher(4)
+    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
+                                GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=4)),
+                        hash_block_size=4, host_capacity_bytes=40, eviction_policy="hybrid")
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    complete(planner, prefill(planner, Req("fill", [99] * 80, hasher), 100))
+    assert tier.is_full()
+    return hasher, tier, planner
+
+
+def test_a_cheap_resume_point_is_kept_as_a_checkpoint() -> None:
+    """A 120-token prompt computed 48 tokens a step. Its resume point at 48 has a
+    one-block window, a twelfth of the 12 full-attention blocks before it (at most
+    ``CHECKPOINT_SHARE``, 0.1): when the prefill moves on it stays, behind the filler's
+    blocks in the eviction order instead of ahead of them, and a request that shares 60
+    tokens of the prompt hits there once the prompt is done.
+
+    The window-of-8 tier in ``test_a_prefill_stores_its_resume_point_and_demotes_it_once_
+    past`` shows the opposite: 2 blocks against 3 full-attention blocks are demoted."""
+    hasher, tier, planner = cheap_window_planner()
+    req = looked_up(planner, Req("a", list(range(120)), hasher))
+    complete(planner, chunk(planner, req, tuple(range(1, 13)), 0, 48))
+    complete(planner, chunk(planner, req, tuple(range(13, 25)), 48, 48))
+    at_48 = make_offload_key(req.block_hashes[11], 1)
+    filler = {make_offload_key(h, g) for h in hasher.hashes([99] * 80) for g in (0, 1)}
+    order = list(tier)
+    assert at_48 in order
+    assert any(key in filler for key in order[:order.index(at_48)])
+    complete(planner, chunk(planner, req, tuple(range(25, 31)), 96, 24))
+    planner.request_finished(req)
+    branch = Req("b", [*range(60), *range(500, 520)], hasher)
+    assert planner.get_num_new_matched_tokens(branch, 0).num_tokens == 48

@@ -27,7 +27,7 @@ from test_planner_state_machine import EXAMPLES, STEPS, PlannerMachine
 
 from kvoffload.config import OffloadConfig, ResolvedGroup
 from kvoffload.keys import BlockHash, OffloadKey, key_group, make_offload_key
-from kvoffload.planner.admission import HitPointAdmission
+from kvoffload.planner.admission import Admit, HitPointAdmission
 from kvoffload.tiers.base import PrepareStoreResult
 from support.sim_engine import SimEngine
 from support.strategies import draw_groups
@@ -95,16 +95,17 @@ class AdmissionAudit:
         return 0 <= index < len(hashes) and hashes[index] in self.admission._learned
 
     def _admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
-               num_prompt_tokens: int) -> bool:
+               num_prompt_tokens: int) -> Admit:
         room = self.has_room()
         result = self._admit_inner(group, block, hashes, num_prompt_tokens)
+        points = list(_hit_points(group, block, self.alignment))
+        likely = any(self._likely(p, hashes, num_prompt_tokens) for p in points)
+        expected = Admit.YES if likely else Admit.SPARE_ROOM if room else Admit.NO
+        assert result is expected, (
+            f"group {group.index} block {block}: {result.name}, the rule says "
+            f"{expected.name} (room {room}, prompt {num_prompt_tokens})")
         if result:
-            points = list(_hit_points(group, block, self.alignment))
             assert points, f"group {group.index} block {block}: no aligned hit can use it"
-            if not room:
-                assert any(self._likely(p, hashes, num_prompt_tokens) for p in points), (
-                    f"group {group.index} block {block} admitted with the tier full, but no "
-                    f"likely hit point needs it (prompt {num_prompt_tokens})")
             self._record(group, block, hashes)
         self._refused = (group.index, block, hashes)
         self._refused_prompt = num_prompt_tokens

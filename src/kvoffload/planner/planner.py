@@ -46,7 +46,12 @@ from kvoffload.jobs import (
 )
 from kvoffload.keys import BlockHash, OffloadKey, key_group, make_offload_key
 from kvoffload.metrics import PlannerStats
-from kvoffload.planner.admission import VALUE_AWARE_POLICIES, make_admission, window_at
+from kvoffload.planner.admission import (
+    VALUE_AWARE_POLICIES,
+    Admit,
+    make_admission,
+    window_at,
+)
 from kvoffload.planner.contract import (
     LoadFailure,
     MatchResult,
@@ -63,6 +68,13 @@ from kvoffload.planner.value import PrefillFlops, PrefixValuer
 from kvoffload.tiers.base import LookupResult, Tier, TierEvent
 
 logger = logging.getLogger(__name__)
+
+CHECKPOINT_SHARE = 0.1
+"""A prefill's passed resume point stays (is not demoted) when its window blocks and
+state charge at most this share of the full-attention blocks the request stored since
+its last kept point (or its first hit): a cheap checkpoint where a later request may
+branch off. On the shared trace that keeps every resume point of gpt-oss-20b (a window
+is one block) and one every ~53k tokens on Gemma 3 (a window is 4 blocks of 52 layers)."""
 
 
 class Planner:
@@ -100,6 +112,11 @@ class Planner:
         self._key_suffix = [make_offload_key(BlockHash(b""), g.index) for g in self._groups]
         self._step_end_states = (not config.mamba_states_every_block
                                  and any(g.kind is GroupKind.MAMBA for g in self._groups))
+        self._point_charge = sum(self._charge[g.index] * (g.window_blocks or 1)
+                                 for g in self._groups if g.window_blocks is not None)
+        """What the window blocks and state of one hit point charge, all groups."""
+        self._full_charge_per_token = sum(self._charge[g.index] / g.offloaded_block_size
+                                          for g in self._groups if g.window_blocks is None)
 
     def _new_insertion(self) -> InsertionDuel | None:
         """A fresh insertion duel at the tier's budget (value-aware policies only)."""
@@ -454,6 +471,7 @@ class Planner:
         if resume and self._step_end_states and resume not in st.state_ends:
             resume = 0  # no Mamba state there: the last resume point stays the one
         provisional: list[tuple[int, int, OffloadKey]] = []
+        spare: list[OffloadKey] = []
         for g, gs, limit in zip(self._groups, st.groups, limits, strict=True):
             entries = []
             first = gs.next_stored
@@ -472,8 +490,11 @@ class Planner:
                 positions = self._store_positions(g, gs, k, st.state_ends)
                 if not positions:
                     continue
-                if g.window_blocks is None or self._admission.admit(
-                        g, k, request.block_hashes, request.num_prompt_tokens):
+                verdict = Admit.YES if g.window_blocks is None else self._admission.admit(
+                    g, k, request.block_hashes, request.num_prompt_tokens)
+                if verdict is Admit.SPARE_ROOM:
+                    spare.append(gs.keys[k])
+                elif verdict:
                     pass
                 elif resume and self._admission.admit_for_resume(g, k, resume):
                     provisional.append((g.index, k, gs.keys[k]))
@@ -500,6 +521,9 @@ class Planner:
                                           st.cold_candidate, normal=resume_keys)
         if st.stores_cold:
             self._store_cold(st, result.keys_to_store, resume_keys)
+        if spare:
+            fresh = set(result.keys_to_store)
+            st.spare_keys.extend(key for key in spare if key in fresh)
         if not result.keys_to_store:
             return None
         slot_of = dict(zip(result.keys_to_store, result.slots, strict=True))
@@ -554,10 +578,13 @@ class Planner:
                            stored: Sequence[OffloadKey]) -> None:
         """Record the blocks stored only for a resume at ``point``; when the prefill moved
         past the previous resume point, demote that point's blocks that ``point`` does not
-        need itself (admission's resume points), unless ``_keeps_resume_point``."""
+        need itself (admission's resume points), unless it is a cheap checkpoint
+        (``CHECKPOINT_SHARE``) or ``_keeps_resume_point``."""
         if point > st.resume_point:
             still: list[tuple[int, int, OffloadKey]] = []
-            if st.resume_keys and not self._keeps_resume_point(st, point):
+            if st.resume_keys and self._cheap_checkpoint(st):
+                st.kept_point = st.resume_point  # its blocks stay as stored
+            elif st.resume_keys and not self._keeps_resume_point(st, point):
                 passed: list[OffloadKey] = []
                 for entry in st.resume_keys:
                     group, block, key = entry
@@ -571,6 +598,14 @@ class Planner:
         if provisional:
             fresh = set(stored)
             st.resume_keys.extend(entry for entry in provisional if entry[2] in fresh)
+
+    def _cheap_checkpoint(self, st: RequestState) -> bool:
+        """Whether the blocks of the request's resume point charge at most
+        ``CHECKPOINT_SHARE`` of the full-attention blocks it stored since its last kept
+        point (or its first hit)."""
+        since = max(st.kept_point, st.first_hit_tokens)
+        full = (st.resume_point - since) * self._full_charge_per_token
+        return 0 < self._point_charge <= CHECKPOINT_SHARE * full
 
     def _holds_window(self, st: RequestState, point: int) -> bool:
         """Whether the tier holds (ready or being written) every window block and state a
@@ -851,10 +886,14 @@ class Planner:
             worthless.extend(gs.keys[k] for k in blocks)
         # The last resume point lies at or before the prompt's end point, a likely hit
         # point, so where states exist only at step ends (``_keeps_resume_point``) its
-        # state may be the deepest one a hit there can use: kept. Else it is worthless.
-        if not self._step_end_states:
+        # state may be the deepest one a hit there can use: kept. Else it is kept only as
+        # a cheap checkpoint.
+        if not self._step_end_states and not self._cheap_checkpoint(st):
             worthless.extend(entry[2] for entry in st.resume_keys)
         st.resume_keys = []
+        # Stored only because the tier had room: first to go once memory is short.
+        worthless.extend(st.spare_keys)
+        st.spare_keys = []
         if worthless:
             self._demote(worthless)
 
@@ -886,8 +925,9 @@ class Planner:
         for st in self._requests.values():
             st.jobs.clear()
             st.planned = None
-            st.resume_point = 0
+            st.resume_point = st.kept_point = 0
             st.resume_keys = []
+            st.spare_keys = []
             st.cold_keys = []
             for gs in st.groups:
                 gs.next_stored = 0

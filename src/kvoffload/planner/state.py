@@ -70,7 +70,13 @@ class RequestState:
     resume_keys: list[tuple[int, int, OffloadKey]] = field(default_factory=list)
     """(group, offloaded block, key) stored only because a resume at ``resume_point``
     needs them (provisional: demoted once a later resume point does not need them, or the
-    request finishes)."""
+    request finishes, unless kept as a cheap checkpoint)."""
+    kept_point: int = 0
+    """The last resume point (tokens) whose blocks were kept as a cheap checkpoint
+    (``planner.CHECKPOINT_SHARE``); 0 for none."""
+    spare_keys: list[OffloadKey] = field(default_factory=list)
+    """Window blocks and states the request stored only because the tier had free room
+    (``Admit.SPARE_ROOM``): demoted when it finishes."""
     cold_candidate: bool = False
     """Bimodal insertion stores this request's blocks cold (not ``is_hot_request``)."""
     stores_cold: bool = False
