@@ -308,7 +308,11 @@ LRU.
 
 **Consistency of a hit point.** Every window block and Mamba state names the
 full-attention block it cannot serve without (its *anchor*). Evicting an anchor demotes
-its dependents to the front of the eviction order: they are worthless now.
+its dependents to the front of the eviction order: they are worthless now. The reverse
+(demoting full-attention blocks once no hit point at or below them keeps its window or
+state) is not a rule: within a prefix recency already evicts the deepest blocks first, so
+on the shared trace it changed the host hit by at most 0.12 points, and on the agentic
+workload it cost Nemotron-H 3.4 points at 10 %.
 
 **Insertion that adapts to capacity.** Blocks are stored as they are computed, so under
 LRU insertion host memory holds the newest blocks, which the engine's own prefix cache

@@ -370,17 +370,20 @@ def test_with_a_state_at_every_block_a_passed_resume_point_is_demoted() -> None:
     assert next(iter(tier)) == make_offload_key(req.block_hashes[5], 1)  # the state at 24
 
 
-def cheap_window_planner() -> tuple[BlockHasher, HostTier, Planner]:
+def cheap_window_planner(slots: int = 40, fill: bool = True
+                         ) -> tuple[BlockHasher, HostTier, Planner]:
     """Full attention + a window of 4 tokens (1 block of 4: a hit point's window charges
-    as much as 4 tokens of full attention), and a tier of 40 keys filled by a request."""
+    as much as 4 tokens of full attention), and a tier of ``slots`` keys, filled by an
+    80-token request if ``fill``."""
     hasher = BlockHasher(4)
     cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
                                 GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=4)),
-                        hash_block_size=4, host_capacity_bytes=40, eviction_policy="hybrid")
+                        hash_block_size=4, host_capacity_bytes=slots, eviction_policy="hybrid")
     tier = HostTier(cfg)
     planner = Planner(cfg, tier)
-    complete(planner, prefill(planner, Req("fill", [99] * 80, hasher), 100))
-    assert tier.is_full()
+    if fill:
+        complete(planner, prefill(planner, Req("fill", [99] * 80, hasher), 100))
+        assert tier.is_full()
     return hasher, tier, planner
 
 
@@ -404,5 +407,27 @@ def test_a_cheap_resume_point_is_kept_as_a_checkpoint() -> None:
     assert any(key in filler for key in order[:order.index(at_48)])
     complete(planner, chunk(planner, req, tuple(range(25, 31)), 96, 24))
     planner.request_finished(req)
+    branch = Req("b", [*range(60), *range(500, 520)], hasher)
+    assert planner.get_num_new_matched_tokens(branch, 0).num_tokens == 48
+
+
+def test_a_cheap_checkpoint_stored_while_the_tier_had_room_is_kept_too() -> None:
+    """The same 120-token prompt into a tier with room for all of it: every window block
+    is stored, those no likely hit needs as spare. The one at the resume point 48 is the
+    resume point's, so the checkpoint rule keeps it; the other spare blocks are demoted
+    at the finish and go first when a later request fills the tier."""
+    hasher, tier, planner = cheap_window_planner(slots=64, fill=False)
+    req = looked_up(planner, Req("a", list(range(120)), hasher))
+    complete(planner, chunk(planner, req, tuple(range(1, 13)), 0, 48))
+    complete(planner, chunk(planner, req, tuple(range(13, 25)), 48, 48))
+    complete(planner, chunk(planner, req, tuple(range(25, 31)), 96, 24))
+    planner.request_finished(req)
+    assert not tier.is_full()
+    complete(planner, prefill(planner, Req("fill", [99] * 40, hasher), 100))  # evicts 16
+    window_key = {make_offload_key(req.block_hashes[k], 1): k for k in range(30)}
+    held = sorted(window_key[key] for key in tier if key in window_key)
+    # Kept: the checkpoints at 48 (block 11) and 96 (23), and the prompt end's window
+    # (block 28; block 29 lies on the decode frontier). The 16 evicted were spare.
+    assert {11, 23, 28, 29} <= set(held) and len(held) == 30 - 16
     branch = Req("b", [*range(60), *range(500, 520)], hasher)
     assert planner.get_num_new_matched_tokens(branch, 0).num_tokens == 48

@@ -38,8 +38,9 @@ hit point lies between it and the next one: it is the deepest state a hit there 
 While the tier has free room it admits everything: selective admission only matters
 when memory is short, and must not lose hits that storing everything would have had. A
 block admitted only for that reason is *spare* (``Admit.SPARE_ROOM``): the planner demotes
-it when its request finishes, so that once memory is short it goes before any block a
-likely hit needs. Without this, the window blocks and states stored while the tier was
+it when its request finishes (unless it belongs to the prefill's resume point, which
+follows the rules above), so that once memory is short it goes before any block a likely
+hit needs. Without this, the window blocks and states stored while the tier was
 filling stayed as long as their prefixes, and outnumbered those at likely hit points (on
 the shared trace, 41 % of Gemma 3's window blocks held at 30 % capacity).
 """
@@ -71,7 +72,8 @@ class Admit(IntEnum):
     """A likely hit point needs it (or the policy stores everything)."""
     SPARE_ROOM = 2
     """No likely hit point needs it, but the tier has free room: stored, and demoted when
-    the request finishes."""
+    the request finishes (unless it is in the window of the prefill's resume point: then
+    the resume point's rules apply)."""
 
 
 class AdmissionPolicy(ABC):

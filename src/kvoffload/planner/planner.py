@@ -492,12 +492,12 @@ class Planner:
                     continue
                 verdict = Admit.YES if g.window_blocks is None else self._admission.admit(
                     g, k, request.block_hashes, request.num_prompt_tokens)
-                if verdict is Admit.SPARE_ROOM:
-                    spare.append(gs.keys[k])
-                elif verdict:
+                if verdict is Admit.YES:
                     pass
                 elif resume and self._admission.admit_for_resume(g, k, resume):
                     provisional.append((g.index, k, gs.keys[k]))
+                elif verdict is Admit.SPARE_ROOM:
+                    spare.append(gs.keys[k])
                 else:
                     continue
                 entries.append((k, positions))
