@@ -288,10 +288,11 @@ one at *t*. Storing everything keeps window blocks and states that no hit can us
 * While host memory is not full, everything is admitted: selective admission only
   matters when memory is short, and must not lose hits storing everything would have had.
   But what no likely hit point needs is *spare*, and demoted when its request finishes:
-  once memory runs short it goes first, not when its prefix does. Before this rule, the
+  once memory runs short it goes first, not when its prefix does. A demoted block that is
+  used again (a hit nobody predicted) is normal again. Before this rule, the
   window blocks stored while host memory was filling were 41 % of those Gemma 3 held at
   30 % capacity, and `value` needed 0.61 of LRU's memory to reach 90 % of the unbounded
-  hit rate there instead of 0.38.
+  hit rate there instead of 0.36.
 
 **Eviction by value per byte, blended with recency.** Each stored prefix is valued by the
 prefill compute a hit at its end saves (the model's FLOPs for all its tokens, across all

@@ -81,11 +81,11 @@ def test_recency_wins_back_over_value_as_generations_pass() -> None:
     pytest.fail("the valuable but unused key was never evicted")
 
 
-def test_demoted_keys_go_first_and_stay_behind_touches() -> None:
+def test_demoted_keys_go_first_until_a_touch_shows_the_hint_wrong() -> None:
     policy = filled(4)
     policy.demote([k(2), k(3)])
-    policy.touch([k(2)])
-    assert slots(policy.evict(2, set())) == [2, 3]
+    policy.touch([k(2)])  # used after all: most recent again
+    assert slots(policy.evict(3, set())) == [3, 0, 1]
 
 
 def test_evicting_an_anchor_demotes_its_dependents() -> None:
@@ -104,7 +104,20 @@ def test_a_dependent_whose_anchor_is_gone_is_demoted_on_arrival() -> None:
     policy = filled(2)
     policy.insert(k(9, 1), BlockState(9, ref=0))
     policy.set_values([ValueHint(k(9, 1), 50.0, 1.0, anchor=k(77))])
+    policy.touch([k(9, 1)])  # a touch does not bring back a key without its anchor
     assert slots(policy.evict(1, set())) == [9]
+
+
+def test_a_touch_does_not_bring_back_a_dependent_whose_anchor_left() -> None:
+    policy = filled(2)
+    policy.insert(k(8, 1), BlockState(8, ref=0))
+    policy.set_values([ValueHint(k(8, 1), 50.0, 1.0, anchor=k(1))])
+    policy.demote([k(8, 1)])
+    policy.remove(k(1))  # its anchor leaves: demoted for good
+    policy.touch([k(8, 1)])
+    policy.insert(k(7), BlockState(7, ref=0))
+    assert slots(policy.evict(1, set())) == [8]
+    policy.check_integrity()
 
 
 def test_evict_never_takes_protected_pinned_or_writing_keys_and_is_atomic() -> None:

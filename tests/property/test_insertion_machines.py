@@ -5,8 +5,9 @@ directories of the insertion duel under random inserts, warms, demotions and loo
 Value policy (weight 0, so value plays no part): the eviction order is always demoted
 keys (in the order they were demoted), then cold and normal keys, each kind by last
 insertion or touch, a normal key next while normal keys are more than ``normal_share``
-of the keys left, a cold one otherwise; a touch makes a cold key normal and leaves a
-demoted key demoted; a key touched since its insertion is never made cold.
+of the keys left, a cold one otherwise; a touch makes a cold key normal and undoes a
+demotion (all demotions here are hints); a key touched since its insertion is never made
+cold.
 Shadow directory: it never holds more than its budget, and holds exactly what a model of
 three lists (demoted, normal, cold) holds, in the same eviction order, which follows the
 same share rule; a lookup counts held keys in a row and makes them normal.
@@ -76,7 +77,9 @@ class ValueOrderMachine(RuleBasedStateMachine):
     def touch(self, keys: list[OffloadKey]) -> None:
         self.policy.touch(keys)
         for key in reversed(keys):
-            if key in self.stamp and key not in self.demoted:
+            if key in self.stamp:
+                if key in self.demoted:
+                    self.demoted.remove(key)
                 self.clock += 1
                 self.stamp[key] = self.clock
                 self.cold.discard(key)

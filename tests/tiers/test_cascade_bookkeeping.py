@@ -323,3 +323,18 @@ def test_a_demoted_key_that_is_hit_is_written_back_after_all(tmp_path: Path) -> 
     assert result is not None and set(result.evicted) == {key(0), key(1)}
     assert {j.key for j in only(tier.take_tier_work(), TierOp.DEMOTE)} == {key(0), key(1)}
     assert tier.stats.worthless_not_demoted == 0
+
+
+def test_a_demoted_key_that_is_touched_is_written_back_after_all(tmp_path: Path) -> None:
+    cfg = OffloadConfig(groups=config().groups, hash_block_size=4,
+                        host_capacity_bytes=300 * 2, num_workers=2, eviction_policy="value")
+    tier = CascadeTier(HostTier(cfg), [DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20),
+                                                 "ns")])
+    store(tier, key(0), key(1))
+    tier.demote([key(1)])
+    tier.touch([key(1)])  # used after all: the hint is undone
+    result = tier.prepare_store([key(2), key(3)])
+    assert result is not None and set(result.evicted) == {key(0), key(1)}
+    assert {j.key for j in only(tier.take_tier_work(), TierOp.DEMOTE)} == {key(0), key(1)}
+    assert tier.stats.worthless_not_demoted == 0
+    tier.check_integrity()

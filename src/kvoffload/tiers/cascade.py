@@ -229,8 +229,10 @@ class CascadeTier(Tier):
         self.host.warm(keys)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        """Recency in host memory and in every lower tier that keeps an order."""
+        """Recency in host memory and in every lower tier that keeps an order. A touch
+        undoes a demotion hint in host memory, so such a key is written back again."""
         self.host.touch(keys)
+        self._worthless.difference_update(keys)
         for lower in self.lowers:
             lower.touch(keys)
 

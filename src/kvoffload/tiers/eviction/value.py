@@ -16,7 +16,9 @@ early blocks longest, as under LRU.
 Hit-point consistency: a window block or Mamba state names the full-attention key it
 depends on (its *anchor*, ``ValueHint.anchor``). When an anchor is evicted (or removed)
 its dependents can no longer serve any hit, so they are demoted: evicted before any other
-key. Demotion hints (``demote``) do the same for keys the planner knows no likely hit uses.
+key. Demotion hints (``demote``) do the same for keys the planner knows no likely hit uses;
+a touch undoes such a hint (the key was used after all), never a demotion for a lost
+anchor.
 
 Cold insertion (``cool``): keys the planner makes *cold* (bimodal insertion, see
 ``kvoffload.planner.insertion``) are evicted before normal ones while normal keys are at
@@ -73,11 +75,13 @@ _Heap = list[tuple[float, int, OffloadKey]]
 
 
 class _Entry:
-    __slots__ = ("cold", "density", "inserted", "low", "prio", "seq", "stamp", "state")
+    __slots__ = ("cold", "density", "hinted", "inserted", "low", "prio", "seq", "stamp",
+                 "state")
 
     def __init__(self, state: BlockState, stamp: int) -> None:
         self.state = state
         self.cold = False  # inserted cold and not used since
+        self.hinted = False  # demoted by a hint (a touch undoes it), not for a lost anchor
         self.low = False  # cold or demoted: its live heap entry is in the low heap
         self.density = -1.0  # not valued yet
         self.prio = 0.0
@@ -179,14 +183,15 @@ class ValuePolicy(EvictionPolicy):
         return entry.state
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        """Present keys become most recent, ``keys[0]`` last; demoted keys stay demoted."""
+        """Present keys become most recent, ``keys[0]`` last, including keys demoted by a
+        hint; keys demoted because their anchor left stay demoted."""
         entries = self._entries
         for key in reversed(keys):
             entry = entries.get(key)
-            if entry is not None and entry.prio != _DEMOTED:
+            if entry is not None and (entry.prio != _DEMOTED or entry.hinted):
                 self._clock += 1
                 entry.stamp = self._clock
-                entry.cold = False
+                entry.cold = entry.hinted = False
                 self._push(key, entry, self._priority(entry))
 
     def warm(self, keys: Sequence[OffloadKey]) -> None:
@@ -196,11 +201,17 @@ class ValuePolicy(EvictionPolicy):
                     and entry.cold and entry.prio != _DEMOTED])
 
     def demote(self, keys: Sequence[OffloadKey]) -> None:
-        """Present keys go before every other key (in the order given)."""
+        """Present keys go before every other key (in the order given) until touched."""
         for key in keys:
             entry = self._entries.get(key)
             if entry is not None:
+                entry.hinted = entry.prio != _DEMOTED or entry.hinted
                 self._push(key, entry, _DEMOTED)
+
+    def _demote_worthless(self, key: OffloadKey, entry: _Entry) -> None:
+        """``key`` can serve no hit (its anchor left): demoted for good."""
+        entry.hinted = False
+        self._push(key, entry, _DEMOTED)
 
     def cool(self, keys: Sequence[OffloadKey]) -> int:
         """Present keys not touched since their insertion become cold (evicted before
@@ -238,7 +249,7 @@ class ValuePolicy(EvictionPolicy):
             if anchor is not None and anchor != hint.key and hint.key not in self._anchor_of:
                 if anchor not in entries:
                     # Its anchor is gone already: this key can serve no hit.
-                    self._push(hint.key, entry, _DEMOTED)
+                    self._demote_worthless(hint.key, entry)
                     continue
                 self._anchor_of[hint.key] = anchor
                 self._dependents.setdefault(anchor, set()).add(hint.key)
@@ -341,7 +352,10 @@ class ValuePolicy(EvictionPolicy):
         if dependents:
             for dep in dependents:
                 self._anchor_of.pop(dep, None)
-            self.demote([d for d in dependents if d in self._entries])
+            for dep in dependents:
+                entry = self._entries.get(dep)
+                if entry is not None:
+                    self._demote_worthless(dep, entry)
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockState]]:
         """Every key in the order evictions would take them if none were pinned (a pinned
