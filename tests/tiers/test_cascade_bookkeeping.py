@@ -310,11 +310,16 @@ def test_a_demoted_key_is_not_written_back_when_host_memory_evicts_it(tmp_path: 
     tier.check_integrity()
 
 
-def test_a_demoted_key_that_is_hit_is_written_back_after_all(tmp_path: Path) -> None:
+def two_key_value_cascade(tmp_path: Path) -> CascadeTier:
+    """Host memory of two keys under the value policy, over a disk tier."""
     cfg = OffloadConfig(groups=config().groups, hash_block_size=4,
                         host_capacity_bytes=300 * 2, num_workers=2, eviction_policy="value")
-    tier = CascadeTier(HostTier(cfg), [DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20),
+    return CascadeTier(HostTier(cfg), [DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20),
                                                  "ns")])
+
+
+def test_a_demoted_key_that_is_hit_is_written_back_after_all(tmp_path: Path) -> None:
+    tier = two_key_value_cascade(tmp_path)
     store(tier, key(0), key(1))
     tier.demote([key(1)])
     tier.prepare_load([key(1)])  # a request hits it: it has value after all
@@ -326,10 +331,7 @@ def test_a_demoted_key_that_is_hit_is_written_back_after_all(tmp_path: Path) -> 
 
 
 def test_a_demoted_key_that_is_touched_is_written_back_after_all(tmp_path: Path) -> None:
-    cfg = OffloadConfig(groups=config().groups, hash_block_size=4,
-                        host_capacity_bytes=300 * 2, num_workers=2, eviction_policy="value")
-    tier = CascadeTier(HostTier(cfg), [DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20),
-                                                 "ns")])
+    tier = two_key_value_cascade(tmp_path)
     store(tier, key(0), key(1))
     tier.demote([key(1)])
     tier.touch([key(1)])  # used after all: the hint is undone
