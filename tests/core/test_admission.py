@@ -3,6 +3,8 @@ only where a likely hit can use them, demote the rest, learn from misses."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.jobs import StepPlan, WorkerReport
 from kvoffload.keys import BlockHasher, make_offload_key
@@ -216,6 +218,34 @@ def test_a_prefill_stores_its_resume_point_and_demotes_it_once_past() -> None:
     assert sorted(window_key.get(key, -1) for key in list(tier)[:2]) == [1, 2]
     planner.build_step_plan(StepInput(preempted=("a",)))
     assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 24
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "value"])
+def test_passed_resume_points_stay_demoted_through_the_requests_own_touches(
+        policy: str) -> None:
+    """The prefill of ``test_a_prefill_stores_its_resume_point_and_demotes_it_once_past``,
+    preempted and resumed, then finished: the lookup after the preemption and the finish
+    touch the request's prefix, but the window blocks of the passed resume point (1 and
+    2) stay in the demoted front of the eviction order."""
+    hasher = BlockHasher(4)
+    cfg = config(slots=40, policy=policy)
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    complete(planner, prefill(planner, Req("fill", [99] * 80, hasher), 100))
+    assert tier.is_full()
+    req = looked_up(planner, Req("a", list(range(32)), hasher))
+    complete(planner, chunk(planner, req, (1, 2, 3), 0, 12))
+    complete(planner, chunk(planner, req, (4, 5, 6), 12, 12))
+    planner.build_step_plan(StepInput(preempted=("a",)))
+    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 24
+    complete(planner, chunk(planner, req, (7, 8), 24, 8))
+    planner.request_finished(req)
+    window_key = {make_offload_key(req.block_hashes[k], 1): k for k in range(8)}
+    order = [window_key.get(key, -1) for key in tier]
+    demoted = {1, 2, 4}  # 4: the last resume point's block the prompt end does not need
+    passed = [i for i, block in enumerate(order) if block in (1, 2)]
+    assert passed  # held still (under hybrid the last chunk evicted block 1 first)
+    assert all(set(order[:i]) <= demoted for i in passed)
 
 
 def test_resume_points_lie_inside_the_prompt() -> None:

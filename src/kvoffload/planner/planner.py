@@ -175,7 +175,7 @@ class Planner:
                                 num_computed_tokens // full.offloaded_block_size, hits)
             st.cold_candidate = not is_hot_request(request.request_id)
             st.stores_cold = st.cold_candidate and duel.bimodal_ahead
-        self._touch(st)
+        self._touch(st, frozenset(st.passed_keys))
         if hits > 0:
             st.planned = PlannedLoad(num_computed_tokens, end)
             self.stats.lookup_hit_tokens += hits
@@ -593,6 +593,7 @@ class Planner:
                     else:
                         passed.append(key)
                 self._demote(passed)
+                st.passed_keys.extend(passed)
             st.resume_keys = still
             st.resume_point = point
         if provisional:
@@ -836,8 +837,9 @@ class Planner:
         # serve the most future hits). Stores insert their keys as most recent already;
         # touching the whole prefix on every store would cost O(context) per block. What
         # the request stored cold stays cold.
-        self._touch(st, frozenset(st.cold_keys))
+        self._touch(st, frozenset(st.cold_keys).union(st.passed_keys))
         st.cold_keys = []
+        st.passed_keys = []
         self._value_finished(st)
         self._demote_finished(st)
         if not st.jobs:
@@ -928,6 +930,7 @@ class Planner:
             st.resume_point = st.kept_point = 0
             st.resume_keys = []
             st.spare_keys = []
+            st.passed_keys = []
             st.cold_keys = []
             for gs in st.groups:
                 gs.next_stored = 0

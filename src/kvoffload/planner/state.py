@@ -74,6 +74,9 @@ class RequestState:
     kept_point: int = 0
     """The last resume point (tokens) whose blocks were kept as a cheap checkpoint
     (``planner.CHECKPOINT_SHARE``); 0 for none."""
+    passed_keys: list[OffloadKey] = field(default_factory=list)
+    """Blocks of resume points the prefill moved past, demoted: the request's own
+    touches (a lookup after a preemption, its finish) leave them demoted."""
     spare_keys: list[OffloadKey] = field(default_factory=list)
     """Window blocks and states the request stored only because the tier had free room
     (``Admit.SPARE_ROOM``): demoted when it finishes."""
