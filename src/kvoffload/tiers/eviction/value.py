@@ -348,14 +348,11 @@ class ValuePolicy(EvictionPolicy):
                 siblings.discard(key)
                 if not siblings:
                     del self._dependents[anchor]
-        dependents = self._dependents.pop(key, None)
-        if dependents:
-            for dep in dependents:
-                self._anchor_of.pop(dep, None)
-            for dep in dependents:
-                entry = self._entries.get(dep)
-                if entry is not None:
-                    self._demote_worthless(dep, entry)
+        for dep in self._dependents.pop(key, ()):
+            self._anchor_of.pop(dep, None)
+            entry = self._entries.get(dep)
+            if entry is not None:
+                self._demote_worthless(dep, entry)
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockState]]:
         """Every key in the order evictions would take them if none were pinned (a pinned
