@@ -373,7 +373,7 @@ in the simulator until the arena packs groups by size.
 
 ## How the curves are made
 
-`python benchmarks/make_policy_doc.py` regenerates this page. For each workload and
+`.venv/bin/python benchmarks/make_policy_doc.py` regenerates this page. For each workload and
 preset it first runs store-everything LRU with unbounded host memory: its peak host
 memory is the *working set*, its host hit rate the *unbounded hit rate*. Then LRU, ARC
 and `value` run at PERCENTS % of that working set (the points above 50 % are there so the
