@@ -46,9 +46,11 @@ FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 1.0)
 """Host capacities as shares of the store-everything working set: 1-50 % for the curves,
 60-100 % so the memory to reach 90 % of the unbounded hit rate can be measured (40 and
 60 % because that memory is read between grid points)."""
+AGENTIC_SESSIONS = 16
+"""Agent sessions per run of the built-in agentic workload (`--sessions`). Its default of 4
+gives 59 requests a run, so that one request moves a point; 16 give about 250."""
 AGENTIC_SEEDS = (0, 1, 2, 3, 4)
-"""The built-in agentic workload is small (a few agent sessions); figures are means over
-these seeds."""
+"""Figures on the agentic workload are means over these seeds."""
 MEMORY_GOALS = {"gpt-oss-20b": 0.7, "gemma3-27b": 0.5, "nemotron-h-8b": 0.5}
 """Goal: the value policy's memory to reach 90 % of the unbounded hit rate, at most this
 share of store-everything LRU's."""
@@ -71,16 +73,15 @@ def preset_config(preset: str, trace: bool) -> SimulationConfig:
 def sweep(workload: str, limit: int | None, preset: str) -> dict[str, Any]:
     """One workload's grid for one preset (run in a worker process); plain data."""
     trace = TRACE if workload == "mooncake" else None
-    spec = WorkloadSpec("agentic", trace, limit, 0)
+    spec = WorkloadSpec("agentic", trace, limit, 0,
+                        None if trace is not None else AGENTIC_SESSIONS)
     references: dict[str, Reference] = {}
     started = time.perf_counter()
     points = run_sweep(preset_config(preset, trace is not None), spec, presets=(preset,),
                        policies=POLICIES, capacities=(),
                        seeds=(0,) if trace is not None else AGENTIC_SEEDS,
                        fractions=FRACTIONS, references=references)
-    label = spec.label if trace is not None else (
-        f"agentic, mean of seeds {', '.join(map(str, AGENTIC_SEEDS))}"
-        + (f", first {limit}" if limit else ""))
+    label = spec.label_for((0,) if trace is not None else AGENTIC_SEEDS)
     return {"workload": label, "wall_s": time.perf_counter() - started,
             "references": {k: r.to_dict() for k, r in references.items()},
             "points": [p.to_dict() for p in points]}
@@ -391,7 +392,7 @@ kvoffload sweep --preset gpt-oss-20b,gemma3-27b,llama3-8b \\
     --policy lru,arc,value --capacity-fraction FRACTIONS \\
     --host-accounting bytes
 kvoffload sweep --preset nemotron-h-8b ...same options without --block-size...
-kvoffload sweep --workload agentic ...same options...
+kvoffload sweep --workload agentic --sessions SESSIONS --seeds SEEDS ...same options...
 ```
 
 Attention-only presets run with engine blocks of 64 tokens offloaded four at a time
@@ -429,7 +430,9 @@ def main() -> None:
     percents = [f"{100 * f:g}" for f in FRACTIONS]
     lines = [EXPLANATION.replace("LIMIT", str(args.limit))
              .replace("PERCENTS", ", ".join(percents[:-1]) + " and " + percents[-1])
-             .replace("FRACTIONS", ",".join(f"{f:g}" for f in FRACTIONS))]
+             .replace("FRACTIONS", ",".join(f"{f:g}" for f in FRACTIONS))
+             .replace("SESSIONS", str(AGENTIC_SESSIONS))
+             .replace("SEEDS", ",".join(map(str, AGENTIC_SEEDS)))]
     for key, name in (("mooncake", "Mooncake conversation trace"),
                       ("agentic", "Built-in agentic workload")):
         points, refs = load_points(data[key])

@@ -120,6 +120,21 @@ def test_sweep_capacity_fractions_of_the_working_set_and_the_90_percent_memory(
     assert "of working set" in out and "90 % of the unbounded" in out and "vs lru" in out
 
 
+def test_sweep_sessions_size_the_workload_and_the_label_names_every_seed(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["sweep", "--workload", "agentic", "--engine-tokens", "32k", "--quiet",
+            "--policy", "lru", "--host-capacity", "1GiB", "--seeds", "0,1", "--json"]
+    status, out, _ = run(capsys, *argv)
+    assert status == 0
+    default = json.loads(out)
+    assert default["workload"] == "agentic (mean of seeds 0, 1)"
+    status, out, _ = run(capsys, *argv, "--sessions", "6")
+    assert status == 0
+    sized = json.loads(out)
+    assert sized["workload"] == "agentic, 6 sessions (mean of seeds 0, 1)"
+    assert sized["points"][0]["requests"] > default["points"][0]["requests"]
+
+
 def test_memory_to_reach_interpolates_in_log_capacity() -> None:
     from kvoffload.cli.sweep import SweepPoint, memory_to_reach
 
@@ -157,6 +172,9 @@ def test_presets_lists_per_token_and_per_state_bytes(capsys: pytest.CaptureFixtu
     (["simulate", "--trace", "/nonexistent/trace.jsonl"], "no such file"),
     (["sweep", "--seeds", "x"], "--seeds: give integers"),
     (["sweep", "--capacity-fraction", "2"], "--capacity-fraction: every share"),
+    (["sweep", "--workload", "agentic", "--sessions", "0"], "--sessions: must be at least 1"),
+    (["simulate", "--trace", str(TRACE), "--sessions", "8"],
+     "--sessions: sizes a built-in workload"),
 ])
 def test_mistakes_exit_2_with_one_clear_line(capsys: pytest.CaptureFixture[str],
                                              argv: list[str], needle: str) -> None:

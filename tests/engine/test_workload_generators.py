@@ -15,6 +15,7 @@ from kvoffload.engine.workloads import (
     WorkloadRequest,
     as_token_ids,
     builtin_workload,
+    default_size,
     derive_tokens,
     mooncake_block_tokens,
 )
@@ -35,6 +36,17 @@ def test_same_seed_same_requests_other_seed_other_requests(name: str) -> None:
     assert _fingerprint(a) != _fingerprint(builtin_workload(name, seed=8))
     assert len({r.request_id for r in a}) == len(a)
     assert [r.arrival_s for r in a] == sorted(r.arrival_s for r in a)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_WORKLOADS))
+def test_size_sets_sessions_or_users(name: str) -> None:
+    sessions = {r.session_id.split(".")[0] for r in builtin_workload(name, seed=3, size=5)}
+    assert len(sessions) == 5
+    assert default_size(name) > 0
+    default = builtin_workload(name, seed=3)
+    assert len({r.session_id.split(".")[0] for r in default}) == default_size(name)
+    with pytest.raises(ConfigError, match="must be positive"):
+        builtin_workload(name, size=0)
 
 
 def test_default_workload_is_chat() -> None:

@@ -19,6 +19,7 @@ from kvoffload.engine.workloads import (
     DEFAULT_WORKLOAD,
     WorkloadRequest,
     builtin_workload,
+    default_size,
     read_mooncake_trace,
 )
 from kvoffload.errors import ConfigError
@@ -117,6 +118,11 @@ def add_workload_options(parser: argparse.ArgumentParser, *, default_limit: int 
     source.add_argument("--trace", type=Path, metavar="FILE",
                         help="a Mooncake-format trace (JSON lines with timestamp, "
                              "input_length, output_length, hash_ids)")
+    sizes = ", ".join(f"{name} {default_size(name)}" for name in sorted(BUILTIN_WORKLOADS))
+    group.add_argument("--sessions", type=int, default=None, metavar="N",
+                       help="size of a built-in workload: its sessions (chat, agentic) or "
+                            f"users (shared-prefix); more gives steadier figures (default: "
+                            f"{sizes})")
     group.add_argument("--limit", type=int, default=default_limit, metavar="N",
                        help="use only the first N requests"
                             + (f" (default {default_limit})" if default_limit else ""))
@@ -190,19 +196,28 @@ class WorkloadSpec:
     trace: Path | None
     limit: int | None
     seed: int
+    sessions: int | None = None
+    """The built-in workload's size (``builtin_workload``'s ``size``); None: its default."""
 
     @property
     def label(self) -> str:
+        return self.label_for((self.seed,))
+
+    def label_for(self, seeds: Sequence[int]) -> str:
+        """The label of figures taken over ``seeds`` (a mean when there are several)."""
         if self.trace is not None:
             return f"trace {self.trace.name}" + (f" (first {self.limit})" if self.limit else "")
-        return f"{self.name} (seed {self.seed})" + (f", first {self.limit}" if self.limit else "")
+        size = f", {self.sessions} sessions" if self.sessions is not None else ""
+        seed = (f"seed {seeds[0]}" if len(seeds) == 1
+                else f"mean of seeds {', '.join(map(str, seeds))}")
+        return f"{self.name}{size} ({seed})" + (f", first {self.limit}" if self.limit else "")
 
     def load(self) -> Sequence[WorkloadRequest] | TraceStream:
         if self.trace is not None:
             if not self.trace.is_file():
                 raise UsageError(f"--trace: no such file: {self.trace}")
             return TraceStream(self.trace, self.limit)
-        requests = builtin_workload(self.name, self.seed)
+        requests = builtin_workload(self.name, self.seed, self.sessions)
         return requests[:self.limit] if self.limit is not None else requests
 
     def count(self) -> int:
@@ -227,7 +242,14 @@ class TraceStream:
 def workload_spec(args: argparse.Namespace, seed: int) -> WorkloadSpec:
     if args.limit is not None and args.limit < 1:
         raise UsageError("--limit: must be at least 1")
-    return WorkloadSpec(args.workload or DEFAULT_WORKLOAD, args.trace, args.limit, seed)
+    if args.sessions is not None:
+        if args.trace is not None:
+            raise UsageError("--sessions: sizes a built-in workload; a trace has its own "
+                             "requests (use --limit to take fewer)")
+        if args.sessions < 1:
+            raise UsageError("--sessions: must be at least 1")
+    return WorkloadSpec(args.workload or DEFAULT_WORKLOAD, args.trace, args.limit, seed,
+                        args.sessions)
 
 
 def simulation_config(args: argparse.Namespace, *, preset: str, policy: str,

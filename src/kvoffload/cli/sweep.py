@@ -316,13 +316,13 @@ def run(args: argparse.Namespace) -> int:
                            capacities=capacities, seeds=seeds,
                            start=start if not (args.quiet or args.json) else None,
                            fractions=fractions, references=references)
-    title = f"{spec.label}: {', '.join(presets)}"
+    title = f"{spec.label_for(seeds)}: {', '.join(presets)}"
     if args.plot is not None:
         from kvoffload.cli.plots import plot_sweep
 
         plot_sweep(points, args.plot, title)
     if args.json:
-        print(json.dumps({"workload": spec.label, "seeds": seeds,
+        print(json.dumps({"workload": spec.label_for(seeds), "seeds": seeds,
                           "host_accounting": base.host_accounting,
                           "references": {k: r.to_dict() for k, r in references.items()},
                           "points": [p.to_dict() for p in points]}, indent=2))

@@ -8,6 +8,7 @@ from kvoffload.engine.workloads.generators import (
     ChatWorkload,
     SharedPrefixWorkload,
     builtin_workload,
+    default_size,
 )
 from kvoffload.engine.workloads.mooncake import (
     MOONCAKE_BLOCK_TOKENS,
@@ -32,6 +33,7 @@ __all__ = [
     "WorkloadRequest",
     "as_token_ids",
     "builtin_workload",
+    "default_size",
     "derive_tokens",
     "mooncake_block_tokens",
     "read_mooncake_trace",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 from array import array
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -280,19 +280,35 @@ class _AgentRun:
 
 DEFAULT_WORKLOAD = "chat"
 
-BUILTIN_WORKLOADS: Mapping[str, Callable[[int], list[WorkloadRequest]]] = MappingProxyType({
-    "chat": lambda seed: ChatWorkload(seed=seed).generate(),
-    "shared-prefix": lambda seed: SharedPrefixWorkload(seed=seed).generate(),
-    "agentic": lambda seed: AgenticWorkload(seed=seed).generate(),
+_Workload = ChatWorkload | SharedPrefixWorkload | AgenticWorkload
+
+BUILTIN_WORKLOADS: Mapping[str, tuple[type[_Workload], str]] = MappingProxyType({
+    "chat": (ChatWorkload, "num_sessions"),
+    "shared-prefix": (SharedPrefixWorkload, "num_requests"),
+    "agentic": (AgenticWorkload, "num_sessions"),
 })
-"""Each built-in workload with its default config, by name, as a function of the seed."""
+"""Each built-in workload by name: its config class (defaults as the class gives them) and
+the field that sets its size (``builtin_workload``'s ``size``)."""
 
 
-def builtin_workload(name: str = DEFAULT_WORKLOAD, seed: int = 0) -> list[WorkloadRequest]:
-    """The built-in workload ``name`` generated with ``seed``."""
+def builtin_workload(name: str = DEFAULT_WORKLOAD, seed: int = 0,
+                     size: int | None = None) -> list[WorkloadRequest]:
+    """The built-in workload ``name`` generated with ``seed``.
+
+    ``size`` replaces the default number of sessions (chat, agentic) or users
+    (shared-prefix); ``None`` keeps it. Raises ``ConfigError`` for an unknown name or a
+    size below 1.
+    """
     try:
-        make = BUILTIN_WORKLOADS[name]
+        config, size_field = BUILTIN_WORKLOADS[name]
     except KeyError:
         raise ConfigError("workload", f"unknown workload {name!r}",
                           f"Choose one of: {', '.join(BUILTIN_WORKLOADS)}.") from None
-    return make(seed)
+    sized = {} if size is None else {size_field: size}
+    return config(seed=seed, **sized).generate()  # type: ignore[arg-type]
+
+
+def default_size(name: str) -> int:
+    """The default size of built-in workload ``name`` (sessions or users)."""
+    config, size_field = BUILTIN_WORKLOADS[name]
+    return int(getattr(config(), size_field))
