@@ -266,7 +266,8 @@ one at *t*. Storing everything keeps window blocks and states that no hit can us
   a *likely hit point*. The points are a policy (`HitPointAdmission`), not a constant:
   the end of the prompt; every point after it while the request decodes (the end of the
   turn, where a conversation's next turn hits; those that turn out not to be the end are
-  demoted when the request finishes); the last multiples of the *sharing granule* before
+  demoted when the request finishes), as long as later prompts are seen to reach turn
+  ends; the last multiples of the *sharing granule* before
   the prompt's end (the unit in which requests have been seen to share prefixes, learned
   from where full-attention prefixes found in the cache end; how many multiples grows,
   up to 8, while lookups keep finding full attention without the window or state they
@@ -286,6 +287,16 @@ one at *t*. Storing everything keeps window blocks and states that no hit can us
   last kept point: a later request that branches off the prompt somewhere after it
   loses only the tokens since. That keeps every resume point on gpt-oss-20b (its window
   is one block) and one every ~53k tokens on Gemma 3 (four blocks of 52 layers).
+* *Turn ends are learned.* A next turn hits at the end of the previous one only when its
+  prompt repeats the output. Reasoning models whose thinking is dropped from the history
+  do not, and neither do the trace's conversations (the simulator's outputs are not in
+  the next prompts). So the policy records where turns end and counts how many a later
+  prompt's full-attention prefix reaches, whether or not the window or state is there.
+  Once 32 turn ends are recorded (a count that decays, so it follows a changing
+  workload) and fewer than 1 in 16 were reached, points after the prompt stop being hit
+  points, and their blocks are only spare. On the trace, this saves Nemotron-H a state
+  per request. On the agentic workload, where most turn ends are reached, nothing
+  changes.
 * While host memory is not full, everything is admitted: selective admission only
   matters when memory is short, and must not lose hits storing everything would have had.
   But what no likely hit point needs is *spare*, and demoted when its request finishes:

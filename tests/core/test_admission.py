@@ -461,3 +461,72 @@ def test_a_cheap_checkpoint_stored_while_the_tier_had_room_is_kept_too() -> None
     assert {11, 23, 28, 29} <= set(held) and len(held) == 30 - 16
     branch = Req("b", [*range(60), *range(500, 520)], hasher)
     assert planner.get_num_new_matched_tokens(branch, 0).num_tokens == 48
+
+
+def test_turn_ends_stop_being_hit_points_once_later_prompts_never_reach_them() -> None:
+    """Each of 40 turns ends past its prompt and no later prompt's full-attention prefix
+    ends there: decode points are then only spare. Later prompts that do reach turn ends
+    make them hit points again; a turn end counts once however often it is reached."""
+    hasher = BlockHasher(4)
+    room = [False]
+    policy = HitPointAdmission(4, 4, lambda: room[0])
+    window = config(slots=10).resolved[1]
+    turns = [hasher.hashes([1000 * i + t for t in range(40)]) for i in range(80)]
+    assert policy.admit(window, 8, turns[0], 8) is Admit.YES  # decode: a hit point at first
+    for i, hashes in enumerate(turns[:40]):
+        policy.record_turn_end(hashes, 8, 40)  # the turn ends at token 36
+        if i < 16:
+            assert policy.turn_ends_hit  # too little evidence yet
+    assert not policy.turn_ends_hit
+    assert policy.admit(window, 8, turns[0], 8) is Admit.NO
+    room[0] = True
+    assert policy.admit(window, 8, turns[0], 8) is Admit.SPARE_ROOM
+    assert policy.admit(window, 0, turns[0], 8) is Admit.YES  # the prompt end (4) still is
+    for _ in range(5):
+        policy.observe_lookup(36, 36, turns[0])  # the same turn end, reached again
+    assert not policy.turn_ends_hit
+    for hashes in turns[40:44]:
+        policy.record_turn_end(hashes, 8, 40)
+        policy.observe_lookup(40, 0, hashes)  # reached (the frontier is one point past it)
+    assert policy.turn_ends_hit
+    policy.observe_lookup(36, 36, turns[50])  # never recorded: not counted
+    policy.record_turn_end(turns[60], 39, 40)  # ends at the prompt-end point: not a turn end
+    assert policy.turn_ends_hit
+
+
+def finish_turns(planner: Planner, hasher: BlockHasher, count: int, *,
+                 next_extends_output: bool) -> Req:
+    """``count`` two-turn exchanges: a 16-token prompt, 16 generated tokens, then a next
+    prompt that repeats the whole turn (prompt and output) or only the prompt."""
+    last = None
+    for i in range(count):
+        tokens = [1000 * i + t for t in range(32)]
+        turn = Req(f"t{i}", tokens, hasher, prompt=16)
+        complete(planner, prefill(planner, turn, 1))
+        planner.request_finished(turn)
+        repeated = tokens if next_extends_output else tokens[:16]
+        last = Req(f"n{i}", [*repeated, 7777, 7778, 7779, 7780], hasher)
+        planner.get_num_new_matched_tokens(last, 0)
+        planner.request_finished(last)
+    assert last is not None
+    return last
+
+
+@pytest.mark.parametrize("reached", [True, False])
+def test_turn_end_windows_are_kept_only_where_later_prompts_reach_turn_ends(
+        reached: bool) -> None:
+    """After 40 exchanges whose next prompts repeat the output, a finished turn's window
+    at its end (token 28: blocks 5 and 6) stays; where next prompts repeat only the
+    prompt, that window is demoted like the decode block before it (4)."""
+    hasher = BlockHasher(4)
+    cfg = config(slots=10_000)
+    tier = HostTier(cfg)
+    planner = Planner(cfg, tier)
+    finish_turns(planner, hasher, 40, next_extends_output=reached)
+    turn = Req("last", [5_000_000 + t for t in range(32)], hasher, prompt=16)
+    complete(planner, prefill(planner, turn, 1))
+    planner.request_finished(turn)
+    window_key = {make_offload_key(turn.block_hashes[k], 1): k for k in range(8)}
+    demoted = {window_key[key] for key in list(tier)[:8] if key in window_key}
+    assert 4 in demoted  # a decode block no turn-end hit can use: demoted either way
+    assert demoted & {5, 6} == (set() if reached else {5, 6})

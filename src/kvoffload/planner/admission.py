@@ -11,7 +11,14 @@ stores window blocks and Mamba states only around *likely hit points*:
 * the end of the request's prompt (a repeated or retried prompt hits there);
 * every point after the prompt (the decode frontier: the end of this turn is where the
   next turn of a conversation hits); those that turn out not to be the end of the turn
-  are demoted (evicted first) when the request finishes;
+  are demoted (evicted first) when the request finishes. Whether turn ends are likely
+  hit points is learned: where later prompts do not repeat the output (a reasoning
+  model whose thinking is dropped from the history; a trace whose turns repeat only the
+  prompts), no later prompt's full-attention prefix ever ends at a turn end. Once at
+  least ``TURN_END_EVIDENCE`` turn ends were recorded and fewer than ``TURN_END_SHARE`` of
+  them were reached that way (both counts decay, so this follows a changing workload),
+  points after the prompt are no longer hit points: their blocks are stored only as
+  spare (below). Full-attention blocks are stored as always, so the count goes on;
 * points learned from misses: when a lookup found the full-attention prefix longer than
   the hit it could give, because a window or Mamba group lacked blocks there, that point
   is remembered, and any later request passing through it stores its windows there;
@@ -94,10 +101,16 @@ class AdmissionPolicy(ABC):
         """A lookup could have hit at ``point_tokens`` but a window or state was missing."""
         del hashes, point_tokens
 
-    def observe_lookup(self, full_end: int, hit_end: int) -> None:
+    def observe_lookup(self, full_end: int, hit_end: int,
+                       hashes: Sequence[BlockHash] = ()) -> None:
         """A lookup found full-attention blocks up to ``full_end`` (a place where requests
-        share a prefix) and could hit up to ``hit_end``."""
-        del full_end, hit_end
+        share a prefix) and could hit up to ``hit_end``; ``hashes`` are the request's."""
+        del full_end, hit_end, hashes
+
+    def record_turn_end(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
+                        num_tokens: int) -> None:
+        """A request finished after producing output: its turn ends at ``num_tokens``."""
+        del hashes, num_prompt_tokens, num_tokens
 
     def demote_on_finish(self, group: ResolvedGroup, stored_from: int, stored_to: int,
                          num_prompt_tokens: int, num_tokens: int) -> range:
@@ -152,6 +165,12 @@ class HitPointAdmission(AdmissionPolicy):
     ADAPT_EVERY = 32
     GROW_SHARE = 0.1
     SHRINK_SHARE = 0.02
+    TURN_END_EVIDENCE = 32.0
+    """Turn ends recorded (decayed count) before their share reached is trusted."""
+    TURN_END_SHARE = 1 / 16
+    """Turn ends are hit points while at least this share of them is reached."""
+    TURN_END_DECAY = 1 - 1 / 256
+    """Both turn-end counts are scaled by this at every turn end recorded."""
 
     def __init__(self, hash_block_size: int, alignment: int, has_room: Callable[[], bool],
                  *, max_learned: int = 1 << 16, granule_points: int = 2,
@@ -171,6 +190,9 @@ class HitPointAdmission(AdmissionPolicy):
         self._divides = [0] * (self.MAX_GRANULE_SHIFT + 1)
         self.granule = alignment
         """The learned sharing granule in tokens (a power-of-two multiple of alignment)."""
+        self._turn_ends: OrderedDict[BlockHash, None] = OrderedDict()
+        self._turn_ends_recorded = 0.0
+        self._turn_ends_reached = 0.0
 
     def _points(self, group: ResolvedGroup, block: int) -> range:
         """Aligned hit points (in tokens) whose window or state needs ``block``."""
@@ -185,7 +207,9 @@ class HitPointAdmission(AdmissionPolicy):
                      num_prompt_tokens: int) -> bool:
         """Whether ``point`` (aligned, in tokens) is a likely hit point of this request."""
         last = num_prompt_tokens - 1
-        if point > last or point == last // self._alignment * self._alignment:
+        if point > last:
+            return self.turn_ends_hit
+        if point == last // self._alignment * self._alignment:
             return True
         g = self.granule
         if point % g == 0 and last // g * g - point < self._granule_points * g:
@@ -201,12 +225,29 @@ class HitPointAdmission(AdmissionPolicy):
         """How many granule multiples before the prompt's end are hit points now."""
         return self._granule_points
 
-    def observe_lookup(self, full_end: int, hit_end: int) -> None:
+    @property
+    def turn_ends_hit(self) -> bool:
+        """Whether the ends of turns are likely hit points now (module doc)."""
+        recorded = self._turn_ends_recorded
+        return (recorded < self.TURN_END_EVIDENCE
+                or self._turn_ends_reached >= self.TURN_END_SHARE * recorded)
+
+    def observe_lookup(self, full_end: int, hit_end: int,
+                       hashes: Sequence[BlockHash] = ()) -> None:
         """A lookup found full-attention blocks up to ``full_end`` and could hit up to
-        ``hit_end``: learn the granule, and adapt how many of its multiples are kept."""
+        ``hit_end``: learn the granule, adapt how many of its multiples are kept, and
+        count a turn end reached if ``full_end`` is one."""
         self.observe_prefix_end(full_end)
         if full_end <= 0:
             return
+        # A turn end lies at the full-attention frontier or one hit point below it (the
+        # earlier request may have stored the full-attention block holding its last token).
+        for point in (full_end, full_end - self._alignment):
+            index = point // self._hash_bs - 1
+            if 0 <= index < len(hashes) and hashes[index] in self._turn_ends:
+                del self._turn_ends[hashes[index]]  # each turn end counts once
+                self._turn_ends_reached += 1.0
+                break
         self._lookups += 1
         self._misses += full_end > hit_end
         if self._lookups >= self.ADAPT_EVERY:
@@ -241,6 +282,23 @@ class HitPointAdmission(AdmissionPolicy):
             if self.is_hit_point(point, hashes, num_prompt_tokens):
                 return Admit.YES
         return Admit.SPARE_ROOM if self._has_room() else Admit.NO
+
+    def record_turn_end(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
+                        num_tokens: int) -> None:
+        """Remember where this turn ended (the last aligned point before its last token,
+        if it lies past the prompt's end point), to count later prompts that reach it."""
+        turn_end = (num_tokens - 1) // self._alignment * self._alignment
+        if turn_end <= (num_prompt_tokens - 1) // self._alignment * self._alignment:
+            return
+        index = turn_end // self._hash_bs - 1
+        if not 0 <= index < len(hashes):
+            return
+        self._turn_ends_recorded = self._turn_ends_recorded * self.TURN_END_DECAY + 1.0
+        self._turn_ends_reached *= self.TURN_END_DECAY
+        self._turn_ends[hashes[index]] = None
+        self._turn_ends.move_to_end(hashes[index])
+        while len(self._turn_ends) > self._max_learned:
+            self._turn_ends.popitem(last=False)
 
     def learn_miss(self, hashes: Sequence[BlockHash], point_tokens: int) -> None:
         index = point_tokens // self._hash_bs - 1

@@ -105,6 +105,9 @@ class Planner:
         self._admission = make_admission(config.eviction_policy, config.hash_block_size,
                                          self._alignment, self._tier_has_room)
         self._full_views = [g for g in self._order if g.window_blocks is None]
+        self._learns_points = (self._admission.learns
+                               and 0 < len(self._full_views) < len(self._order))
+        """Whether admission learns hit points (a hybrid layout under selective admission)."""
         self._valuer = (PrefixValuer(config, prefill_flops)
                         if config.eviction_policy in VALUE_AWARE_POLICIES else None)
         self._charge = [g.block_bytes if config.charges_bytes else 1 for g in self._groups]
@@ -230,11 +233,10 @@ class Planner:
                     for g in self._order]
 
         end = combined_hit_end(views(False), num_computed, max_end, self._alignment)
-        if self._admission.learns and self._full_views and len(self._full_views) < len(
-                self._order):
+        if self._learns_points:
             full_only = [v for v in views(False) if v.group.window_blocks is None]
             full_end = combined_hit_end(full_only, num_computed, max_end, self._alignment)
-            self._admission.observe_lookup(full_end, end)
+            self._admission.observe_lookup(full_end, end, request.block_hashes)
             if full_end > end:
                 self._admission.learn_miss(request.block_hashes, full_end)
         if not saw_pending:
@@ -878,6 +880,9 @@ class Planner:
     def _demote_finished(self, st: RequestState) -> None:
         """Tell the tier which of the request's stored blocks no likely hit can use."""
         request = st.request
+        if self._learns_points and request.num_tokens > request.num_prompt_tokens:
+            self._admission.record_turn_end(request.block_hashes, request.num_prompt_tokens,
+                                            request.num_tokens)
         worthless: list[OffloadKey] = []
         for g, gs in zip(self._groups, st.groups, strict=True):
             if g.window_blocks is None:
