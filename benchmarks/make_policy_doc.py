@@ -48,7 +48,8 @@ FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 1.0)
 60 % because that memory is read between grid points)."""
 AGENTIC_SESSIONS = 16
 """Agent sessions per run of the built-in agentic workload (`--sessions`). Its default of 4
-gives 59 requests a run, so that one request moves a point; 16 give about 250."""
+gives about 60 requests a run, so that one request moves a point; 16 give 281 to 452 by
+seed."""
 AGENTIC_SEEDS = (0, 1, 2, 3, 4)
 """Figures on the agentic workload are means over these seeds."""
 MEMORY_GOALS = {"gpt-oss-20b": 0.7, "gemma3-27b": 0.5, "nemotron-h-8b": 0.5}
@@ -325,7 +326,7 @@ its dependents to the front of the eviction order: they are worthless now. The r
 (demoting full-attention blocks once no hit point at or below them keeps its window or
 state) is not a rule: within a prefix recency already evicts the deepest blocks first, so
 on the shared trace it changed the host hit by at most 0.12 points, and on the agentic
-workload it cost Nemotron-H 3.4 points at 10 %.
+workload (4 sessions a run then) it cost Nemotron-H 3.4 points at 10 %.
 
 **Insertion that adapts to capacity.** Blocks are stored as they are computed, so under
 LRU insertion host memory holds the newest blocks, which the engine's own prefix cache

@@ -51,6 +51,7 @@ class SweepPoint:
 
     ``capacity_fraction`` is the host capacity as a share of the preset's store-everything
     working set when the grid was given that way (``--capacity-fraction``), else 0.
+    ``requests`` is the mean number of requests of one run (seeds may differ in it).
     """
 
     preset: str
@@ -201,7 +202,8 @@ def run_sweep(base: SimulationConfig, spec: WorkloadSpec, *, presets: Sequence[s
                     host_bytes_peak=_mean([r.host_bytes_peak for r in runs]),
                     stored_bytes=_mean([r.stored_bytes for r in runs]),
                     loaded_bytes=_mean([r.loaded_bytes for r in runs]),
-                    requests=runs[0].requests, wall_s=sum(r.wall_s for r in runs),
+                    requests=round(_mean([r.requests for r in runs])),
+                    wall_s=sum(r.wall_s for r in runs),
                     capacity_fraction=fraction))
     return points
 
