@@ -530,3 +530,17 @@ def test_turn_end_windows_are_kept_only_where_later_prompts_reach_turn_ends(
     demoted = {window_key[key] for key in list(tier)[:8] if key in window_key}
     assert 4 in demoted  # a decode block no turn-end hit can use: demoted either way
     assert demoted & {5, 6} == (set() if reached else {5, 6})
+
+
+def test_a_turn_end_is_reached_where_the_engines_cache_ends_between_hit_points() -> None:
+    """Hits every 8 tokens, hash blocks of 4: a turn of 40 tokens ends at 32. A later
+    prompt whose full-attention prefix ends at 32, 36 (the engine's cache ending between
+    hit points) or 40 continues it; one ending at 28 does not."""
+    hasher = BlockHasher(4)
+    policy = HitPointAdmission(4, 8, lambda: False)
+    for i, frontier in enumerate((32, 36, 40, 28)):
+        hashes = hasher.hashes([1000 * i + t for t in range(48)])
+        policy.record_turn_end(hashes, 8, 40)
+        before = policy.turn_end_counts[1]
+        policy.observe_lookup(frontier, 0, hashes)
+        assert (policy.turn_end_counts[1] > before) is (frontier != 28), frontier

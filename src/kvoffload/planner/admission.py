@@ -226,6 +226,11 @@ class HitPointAdmission(AdmissionPolicy):
         return self._granule_points
 
     @property
+    def turn_end_counts(self) -> tuple[float, float]:
+        """(turn ends recorded, turn ends reached), both decayed (module doc)."""
+        return self._turn_ends_recorded, self._turn_ends_reached
+
+    @property
     def turn_ends_hit(self) -> bool:
         """Whether the ends of turns are likely hit points now (module doc)."""
         recorded = self._turn_ends_recorded
@@ -240,9 +245,12 @@ class HitPointAdmission(AdmissionPolicy):
         self.observe_prefix_end(full_end)
         if full_end <= 0:
             return
-        # A turn end lies at the full-attention frontier or one hit point below it (the
-        # earlier request may have stored the full-attention block holding its last token).
-        for point in (full_end, full_end - self._alignment):
+        # A turn end lies at the last hit point at or below the full-attention frontier,
+        # or one below that (the earlier request may have stored the full-attention block
+        # holding its last token). The frontier need not be a hit point: where the
+        # engine's own cache holds more of the prefix, it is where that cache ends.
+        top = full_end // self._alignment * self._alignment
+        for point in (top, top - self._alignment):
             index = point // self._hash_bs - 1
             if 0 <= index < len(hashes) and hashes[index] in self._turn_ends:
                 del self._turn_ends[hashes[index]]  # each turn end counts once
