@@ -48,8 +48,8 @@ FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 1.0)
 60 % because that memory is read between grid points)."""
 AGENTIC_SESSIONS = 16
 """Agent sessions per run of the built-in agentic workload (`--sessions`). Its default of 4
-gives about 60 requests a run, so that one request moves a point; 16 give 281 to 452 by
-seed."""
+gives 59 to 116 requests a run (by seed), so that one request moves a point; 16 give 281
+to 452."""
 AGENTIC_SEEDS = (0, 1, 2, 3, 4)
 """Figures on the agentic workload are means over these seeds."""
 MEMORY_GOALS = {"gpt-oss-20b": 0.7, "gemma3-27b": 0.5, "nemotron-h-8b": 0.5}
@@ -226,7 +226,9 @@ def workload_section(name: str, data: dict[str, Any], image: str) -> list[str]:
     points, refs = load_points(data)
     requests = points[0].requests if points else 0
     lines = [f"## {name}", "",
-             f"{data['workload']}: {requests} requests per run ({data['wall_s'] / 60:.0f} min of "
+             f"{data['workload']}: {requests} requests per run"
+             f"{' on average' if 'mean of seeds' in data['workload'] else ''} "
+             f"({data['wall_s'] / 60:.0f} min of "
              "simulation for the whole grid).", "",
              "Store-everything working set and unbounded hit rate (LRU, 1 PiB of host "
              "memory, nothing evicted):", "",

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvoffload.cli import main
-from kvoffload.cli.common import UsageError, parse_size
+from kvoffload.cli.common import UsageError, WorkloadSpec, parse_size
 from kvoffload.engine.model_presets import PRESETS
+from kvoffload.engine.workloads import builtin_workload
 
 TRACE = Path(os.environ.get(
     "KVOFFLOAD_TRACE",
@@ -132,7 +133,14 @@ def test_sweep_sessions_size_the_workload_and_the_label_names_every_seed(
     assert status == 0
     sized = json.loads(out)
     assert sized["workload"] == "agentic, 6 sessions (mean of seeds 0, 1)"
+    assert (default["sessions"], sized["sessions"]) == (None, 6)
     assert sized["points"][0]["requests"] > default["points"][0]["requests"]
+    # Seeds differ in their number of requests: a point gives the mean.
+    one = [len(builtin_workload("agentic", seed, 6)) for seed in (0, 1)]
+    assert one[0] != one[1]
+    assert sized["points"][0]["requests"] == round(sum(one) / 2)
+    assert WorkloadSpec("shared-prefix", None, None, 3, 5).label == (
+        "shared-prefix, 5 users (seed 3)")
 
 
 def test_memory_to_reach_interpolates_in_log_capacity() -> None:

@@ -464,34 +464,93 @@ def test_a_cheap_checkpoint_stored_while_the_tier_had_room_is_kept_too() -> None
 
 
 def test_turn_ends_stop_being_hit_points_once_later_prompts_never_reach_them() -> None:
-    """Each of 40 turns ends past its prompt and no later prompt's full-attention prefix
-    ends there: decode points are then only spare. Later prompts that do reach turn ends
-    make them hit points again; a turn end counts once however often it is reached."""
+    """Turns of an 8-token prompt and 32 tokens of output end at 36, past the prompt. Once
+    enough turn ends were recorded (a decayed count) and none was reached, decode points
+    are only spare; the prompt's end stays a hit point. Later prompts that reach turn
+    ends make them hit points again; a turn end counts once however often it is reached."""
     hasher = BlockHasher(4)
     room = [False]
     policy = HitPointAdmission(4, 4, lambda: room[0])
     window = config(slots=10).resolved[1]
     turns = [hasher.hashes([1000 * i + t for t in range(40)]) for i in range(80)]
     assert policy.admit(window, 8, turns[0], 8) is Admit.YES  # decode: a hit point at first
+    decay = HitPointAdmission.TURN_END_DECAY
+    flips = []
     for i, hashes in enumerate(turns[:40]):
-        policy.record_turn_end(hashes, 8, 40)  # the turn ends at token 36
-        if i < 16:
-            assert policy.turn_ends_hit  # too little evidence yet
-    assert not policy.turn_ends_hit
+        policy.record_turn_end(hashes, 8, 40)
+        recorded, reached = policy.turn_end_counts
+        assert recorded == pytest.approx((1 - decay ** (i + 1)) / (1 - decay)) and reached == 0
+        flips.append(policy.turn_ends_hit)
+    # 35 decayed records are the first to reach TURN_END_EVIDENCE (32).
+    assert flips.index(False) == 34 and not any(flips[34:])
     assert policy.admit(window, 8, turns[0], 8) is Admit.NO
     room[0] = True
     assert policy.admit(window, 8, turns[0], 8) is Admit.SPARE_ROOM
     assert policy.admit(window, 0, turns[0], 8) is Admit.YES  # the prompt end (4) still is
     for _ in range(5):
-        policy.observe_lookup(36, 36, turns[0])  # the same turn end, reached again
+        policy.observe_lookup(36, 36, turns[0])
+    assert policy.turn_end_counts[1] == 1  # counted once
     assert not policy.turn_ends_hit
     for hashes in turns[40:44]:
         policy.record_turn_end(hashes, 8, 40)
         policy.observe_lookup(40, 0, hashes)  # reached (the frontier is one point past it)
     assert policy.turn_ends_hit
+    counts = policy.turn_end_counts
     policy.observe_lookup(36, 36, turns[50])  # never recorded: not counted
+    assert policy.turn_end_counts == counts
     policy.record_turn_end(turns[60], 39, 40)  # ends at the prompt-end point: not a turn end
-    assert policy.turn_ends_hit
+    policy.record_turn_end(turns[61], 36, 40)  # ends at the prompt's own (aligned) end
+    assert policy.turn_end_counts == counts
+
+
+def test_an_aligned_prompt_end_stays_a_hit_point_when_turn_ends_are_not() -> None:
+    """A 16-token prompt: a later prompt extending it hits at 16 (its window: blocks 2 and
+    3), a repeat of it at 12. Both stay hit points; 20 (decode) follows the turn ends."""
+    hasher = BlockHasher(4)
+    policy = HitPointAdmission(4, 4, lambda: False)
+    window = config(slots=10).resolved[1]
+    for i in range(40):
+        policy.record_turn_end(hasher.hashes([1000 * i + t for t in range(40)]), 8, 40)
+    assert not policy.turn_ends_hit
+    hashes = hasher.hashes(list(range(24)))
+    assert [policy.admit(window, k, hashes, 16) for k in (1, 2, 3, 4)] == [
+        Admit.YES, Admit.YES, Admit.YES, Admit.NO]
+
+
+def test_turn_ends_are_bounded_and_a_cache_reset_forgets_those_not_reached() -> None:
+    hasher = BlockHasher(4)
+    policy = HitPointAdmission(4, 4, lambda: False, max_learned=2)
+    turns = [hasher.hashes([1000 * i + t for t in range(40)]) for i in range(4)]
+    for hashes in turns[:3]:
+        policy.record_turn_end(hashes, 8, 40)
+    policy.observe_lookup(36, 0, turns[0])  # forgotten (the oldest of three): not counted
+    assert policy.turn_end_counts[1] == 0
+    policy.observe_lookup(36, 0, turns[1])
+    assert policy.turn_end_counts[1] == 1
+    policy.record_turn_end(turns[3], 8, 40)
+    recorded, reached = policy.turn_end_counts
+    policy.forget_cached()  # turns 2 and 3 were not reached, and now never will be
+    assert policy.turn_end_counts == (pytest.approx(recorded - 2), reached)
+    policy.observe_lookup(36, 0, turns[2])
+    assert policy.turn_end_counts[1] == reached
+
+
+def test_turn_ends_are_learned_only_in_hybrid_layouts() -> None:
+    """Without window or Mamba groups there is nothing to admit: no turn end is kept."""
+    hasher = BlockHasher(4)
+    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),), hash_block_size=4,
+                        host_capacity_bytes=100, eviction_policy="value")
+    planner = Planner(cfg, HostTier(cfg))
+    hybrid = config(slots=100, policy="value")
+    hybrid_planner = Planner(hybrid, HostTier(hybrid))
+    for p in (planner, hybrid_planner):
+        req = Req("a", list(range(40)), hasher, prompt=8)
+        assert p.get_num_new_matched_tokens(req, 0).num_tokens == 0
+        p.request_finished(req)
+    assert isinstance(planner._admission, HitPointAdmission)
+    assert isinstance(hybrid_planner._admission, HitPointAdmission)
+    assert planner._admission.turn_end_counts == (0.0, 0.0)
+    assert hybrid_planner._admission.turn_end_counts == (1.0, 0.0)
 
 
 def finish_turns(planner: Planner, hasher: BlockHasher, count: int, *,

@@ -85,9 +85,9 @@ class AdmissionAudit:
     def _likely(self, point: int, hashes: Sequence[BlockHash], prompt: int) -> bool:
         """The rule, restated from the policy's documented parameters."""
         last = prompt - 1
-        if point > last:
+        if point > prompt:
             return self.admission.turn_ends_hit  # learned (tests/core/test_admission.py)
-        if point == last // self.alignment * self.alignment:
+        if point in (prompt, last // self.alignment * self.alignment):
             return True
         granule = self.admission.granule
         points = self.admission.granule_points

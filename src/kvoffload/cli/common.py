@@ -21,6 +21,7 @@ from kvoffload.engine.workloads import (
     builtin_workload,
     default_size,
     read_mooncake_trace,
+    size_unit,
 )
 from kvoffload.errors import ConfigError
 from kvoffload.tiers.eviction import registered_policies
@@ -207,7 +208,8 @@ class WorkloadSpec:
         """The label of figures taken over ``seeds`` (a mean when there are several)."""
         if self.trace is not None:
             return f"trace {self.trace.name}" + (f" (first {self.limit})" if self.limit else "")
-        size = f", {self.sessions} sessions" if self.sessions is not None else ""
+        size = (f", {self.sessions} {size_unit(self.name)}" if self.sessions is not None
+                else "")
         seed = (f"seed {seeds[0]}" if len(seeds) == 1
                 else f"mean of seeds {', '.join(map(str, seeds))}")
         return f"{self.name}{size} ({seed})" + (f", first {self.limit}" if self.limit else "")

@@ -148,9 +148,11 @@ def run_sweep(base: SimulationConfig, spec: WorkloadSpec, *, presets: Sequence[s
     filled whenever such a run is made.
     """
     points = []
-    total = spec.count() if start is not None else 0
     # The requests do not depend on the preset: load each seed's once for every run.
-    workloads = [replace(spec, seed=seed).load() for seed in seeds]
+    specs = [replace(spec, seed=seed) for seed in seeds]
+    workloads = [s.load() for s in specs]
+    totals = dict(zip(seeds, (s.count() if start is not None else 0 for s in specs),
+                      strict=True))
     for preset in presets:
         preset_base = replace(base, preset=preset, mode=Mode.ACCOUNTING, baseline=False)
         preset_caps: list[tuple[int, float]] = [(c, 0.0) for c in capacities]
@@ -161,7 +163,7 @@ def run_sweep(base: SimulationConfig, spec: WorkloadSpec, *, presets: Sequence[s
                                  host_capacity_bytes=UNBOUNDED_BYTES)
                 label = f"{preset} store everything, unbounded, seed {seed}"
                 runs.append(run_one(config, workload,
-                                    progress=start(label, total) if start else None))
+                                    progress=start(label, totals[seed]) if start else None))
             charged = base.host_accounting == "bytes"
             ref = Reference(
                 preset=preset,
@@ -176,7 +178,8 @@ def run_sweep(base: SimulationConfig, spec: WorkloadSpec, *, presets: Sequence[s
             preset_caps = [(max(floor, int(f * ref.working_set_bytes)), f) for f in fractions]
         baselines: list[RunSummary] = []
         for seed, workload in zip(seeds, workloads, strict=True):
-            progress = start(f"{preset} no offload seed {seed}", total) if start else None
+            progress = (start(f"{preset} no offload seed {seed}", totals[seed]) if start
+                        else None)
             baselines.append(run_one(preset_base, workload, offload=False,
                                      progress=progress))
         for policy in policies:
@@ -187,7 +190,8 @@ def run_sweep(base: SimulationConfig, spec: WorkloadSpec, *, presets: Sequence[s
                                      host_capacity_bytes=capacity)
                     label = f"{preset} {policy} {format_bytes(capacity)} seed {seed}"
                     runs.append(run_one(config, workload,
-                                        progress=start(label, total) if start else None))
+                                        progress=start(label, totals[seed]) if start
+                                        else None))
                 points.append(SweepPoint(
                     preset=preset, policy=policy, host_capacity_bytes=capacity,
                     engine_hit_rate=_mean([r.engine_hit_rate for r in runs]),
@@ -325,11 +329,13 @@ def run(args: argparse.Namespace) -> int:
         plot_sweep(points, args.plot, title)
     if args.json:
         print(json.dumps({"workload": spec.label_for(seeds), "seeds": seeds,
+                          "sessions": spec.sessions,
                           "host_accounting": base.host_accounting,
                           "references": {k: r.to_dict() for k, r in references.items()},
                           "points": [p.to_dict() for p in points]}, indent=2))
         return 0
-    print(f"kvoffload sweep: {title} ({points[0].requests} requests per run, accounting mode)")
+    per_run = "requests per run" + (" on average" if len(seeds) > 1 else "")
+    print(f"kvoffload sweep: {title} ({points[0].requests} {per_run}, accounting mode)")
     print(format_rows(sweep_table(points)))
     if references:
         print()

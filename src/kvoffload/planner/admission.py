@@ -14,11 +14,14 @@ stores window blocks and Mamba states only around *likely hit points*:
   are demoted (evicted first) when the request finishes. Whether turn ends are likely
   hit points is learned: where later prompts do not repeat the output (a reasoning
   model whose thinking is dropped from the history; a trace whose turns repeat only the
-  prompts), no later prompt's full-attention prefix ever ends at a turn end. Once at
-  least ``TURN_END_EVIDENCE`` turn ends were recorded and fewer than ``TURN_END_SHARE`` of
-  them were reached that way (both counts decay, so this follows a changing workload),
-  points after the prompt are no longer hit points: their blocks are stored only as
-  spare (below). Full-attention blocks are stored as always, so the count goes on;
+  prompts), no later prompt's full-attention prefix reaches a turn end (ends at it, or
+  less than one hit point past it: the earlier request may have stored the block holding
+  its last token, and the engine's own cache may end between hit points). Once at least
+  ``TURN_END_EVIDENCE`` turn ends were recorded and fewer than ``TURN_END_SHARE`` of them
+  were reached (both counts decay, so this follows a changing workload), points after
+  the prompt are no longer hit points: their blocks are stored only as spare (below).
+  Full-attention blocks are stored as always, so the count goes on. A cache reset
+  forgets the turn ends not reached yet (they can no longer be);
 * points learned from misses: when a lookup found the full-attention prefix longer than
   the hit it could give, because a window or Mamba group lacked blocks there, that point
   is remembered, and any later request passing through it stores its windows there;
@@ -87,7 +90,8 @@ class AdmissionPolicy(ABC):
     """Decides which window/Mamba blocks the planner stores. Full attention is not asked."""
 
     learns = False
-    """Whether ``learn_miss`` does anything (the planner skips the extra work otherwise)."""
+    """Whether the policy learns hit points (``learn_miss``, ``observe_lookup``,
+    ``record_turn_end`` do something); the planner skips the extra work otherwise."""
 
     @abstractmethod
     def admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
@@ -109,8 +113,12 @@ class AdmissionPolicy(ABC):
 
     def record_turn_end(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
                         num_tokens: int) -> None:
-        """A request finished after producing output: its turn ends at ``num_tokens``."""
+        """A request finished after producing output: ``num_tokens`` prompt and output
+        tokens, ``hashes`` its chained hashes."""
         del hashes, num_prompt_tokens, num_tokens
+
+    def forget_cached(self) -> None:  # noqa: B027 (optional hook: nothing to forget)
+        """The cache was reset: forget what refers to blocks that are gone."""
 
     def demote_on_finish(self, group: ResolvedGroup, stored_from: int, stored_to: int,
                          num_prompt_tokens: int, num_tokens: int) -> range:
@@ -191,6 +199,7 @@ class HitPointAdmission(AdmissionPolicy):
         self.granule = alignment
         """The learned sharing granule in tokens (a power-of-two multiple of alignment)."""
         self._turn_ends: OrderedDict[BlockHash, None] = OrderedDict()
+        """Recorded turn ends not reached yet (the hash at the point), oldest first."""
         self._turn_ends_recorded = 0.0
         self._turn_ends_reached = 0.0
 
@@ -206,10 +215,12 @@ class HitPointAdmission(AdmissionPolicy):
     def is_hit_point(self, point: int, hashes: Sequence[BlockHash],
                      num_prompt_tokens: int) -> bool:
         """Whether ``point`` (aligned, in tokens) is a likely hit point of this request."""
-        last = num_prompt_tokens - 1
-        if point > last:
+        if point > num_prompt_tokens:
             return self.turn_ends_hit
-        if point == last // self._alignment * self._alignment:
+        # The prompt's end point: a repeat of the prompt hits at most one token short of
+        # its end; a prompt extending it hits at its end (when that is a hit point).
+        last = num_prompt_tokens - 1
+        if point in (num_prompt_tokens, last // self._alignment * self._alignment):
             return True
         g = self.granule
         if point % g == 0 and last // g * g - point < self._granule_points * g:
@@ -293,10 +304,11 @@ class HitPointAdmission(AdmissionPolicy):
 
     def record_turn_end(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
                         num_tokens: int) -> None:
-        """Remember where this turn ended (the last aligned point before its last token,
-        if it lies past the prompt's end point), to count later prompts that reach it."""
+        """Remember where this turn ended, to count later prompts that reach it: the last
+        hit point before its last token (whose KV a continuation computes), if it lies
+        past every prompt end point."""
         turn_end = (num_tokens - 1) // self._alignment * self._alignment
-        if turn_end <= (num_prompt_tokens - 1) // self._alignment * self._alignment:
+        if turn_end <= num_prompt_tokens // self._alignment * self._alignment:
             return
         index = turn_end // self._hash_bs - 1
         if not 0 <= index < len(hashes):
@@ -307,6 +319,13 @@ class HitPointAdmission(AdmissionPolicy):
         self._turn_ends.move_to_end(hashes[index])
         while len(self._turn_ends) > self._max_learned:
             self._turn_ends.popitem(last=False)
+
+    def forget_cached(self) -> None:
+        """Turn ends not reached yet never will be (their blocks are gone): forgotten,
+        and taken out of the recorded count."""
+        self._turn_ends_recorded = max(self._turn_ends_reached,
+                                       self._turn_ends_recorded - len(self._turn_ends))
+        self._turn_ends.clear()
 
     def learn_miss(self, hashes: Sequence[BlockHash], point_tokens: int) -> None:
         index = point_tokens // self._hash_bs - 1

@@ -923,6 +923,7 @@ class Planner:
         self._flush |= set(self._jobs)
         self._loads = []
         self.tier.reset()
+        self._admission.forget_cached()
         self._stale_below = self._next_job
         self._jobs.clear()
         self._abandoned.clear()

@@ -9,6 +9,7 @@ from kvoffload.engine.workloads.generators import (
     SharedPrefixWorkload,
     builtin_workload,
     default_size,
+    size_unit,
 )
 from kvoffload.engine.workloads.mooncake import (
     MOONCAKE_BLOCK_TOKENS,
@@ -37,4 +38,5 @@ __all__ = [
     "derive_tokens",
     "mooncake_block_tokens",
     "read_mooncake_trace",
+    "size_unit",
 ]

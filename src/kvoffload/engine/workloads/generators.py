@@ -299,16 +299,25 @@ def builtin_workload(name: str = DEFAULT_WORKLOAD, seed: int = 0,
     (shared-prefix); ``None`` keeps it. Raises ``ConfigError`` for an unknown name or a
     size below 1.
     """
-    try:
-        config, size_field = BUILTIN_WORKLOADS[name]
-    except KeyError:
-        raise ConfigError("workload", f"unknown workload {name!r}",
-                          f"Choose one of: {', '.join(BUILTIN_WORKLOADS)}.") from None
+    config, size_field = _builtin(name)
     sized = {} if size is None else {size_field: size}
     return config(seed=seed, **sized).generate()  # type: ignore[arg-type]
 
 
 def default_size(name: str) -> int:
     """The default size of built-in workload ``name`` (sessions or users)."""
-    config, size_field = BUILTIN_WORKLOADS[name]
+    config, size_field = _builtin(name)
     return int(getattr(config(), size_field))
+
+
+def size_unit(name: str) -> str:
+    """What the size of built-in workload ``name`` counts: "sessions" or "users"."""
+    return "sessions" if _builtin(name)[1] == "num_sessions" else "users"
+
+
+def _builtin(name: str) -> tuple[type[_Workload], str]:
+    try:
+        return BUILTIN_WORKLOADS[name]
+    except KeyError:
+        raise ConfigError("workload", f"unknown workload {name!r}",
+                          f"Choose one of: {', '.join(BUILTIN_WORKLOADS)}.") from None
