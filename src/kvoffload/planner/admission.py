@@ -252,7 +252,7 @@ class HitPointAdmission(AdmissionPolicy):
                        hashes: Sequence[BlockHash] = ()) -> None:
         """A lookup found full-attention blocks up to ``full_end`` and could hit up to
         ``hit_end``: learn the granule, adapt how many of its multiples are kept, and
-        count a turn end reached if ``full_end`` is one."""
+        count a recorded turn end that this prefix reaches (module doc) as reached."""
         self.observe_prefix_end(full_end)
         if full_end <= 0:
             return
