@@ -83,14 +83,15 @@ def sweep(workload: str, limit: int | None, preset: str) -> dict[str, Any]:
                        seeds=(0,) if trace is not None else AGENTIC_SEEDS,
                        fractions=FRACTIONS, references=references)
     label = spec.label_for((0,) if trace is not None else AGENTIC_SEEDS)
-    return {"workload": label, "wall_s": time.perf_counter() - started,
+    return {"workload": label, "limit": limit, "wall_s": time.perf_counter() - started,
             "references": {k: r.to_dict() for k, r in references.items()},
             "points": [p.to_dict() for p in points]}
 
 
 def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One workload's data from its per-preset sweeps (in preset order)."""
-    return {"workload": parts[0]["workload"], "wall_s": sum(p["wall_s"] for p in parts),
+    return {"workload": parts[0]["workload"], "limit": parts[0]["limit"],
+            "wall_s": sum(p["wall_s"] for p in parts),
             "references": {k: v for p in parts for k, v in p["references"].items()},
             "points": [point for p in parts for point in p["points"]]}
 
@@ -283,8 +284,8 @@ one at *t*. Storing everything keeps window blocks and states that no hit can us
   its prefill has reached are stored *provisionally*, and demoted (evicted first) once
   the prefill has stored a later point or the request finishes. Before this rule, a
   preempted request under `value` recomputed its prompt from the last granule point, and
-  at small capacities `value` saved fewer prefill tokens than LRU (on Gemma 3 at 1 %,
-  fewer than no offloading at all).
+  at small capacities `value` saved fewer prefill tokens than LRU (on Gemma 3 at 1 % of
+  the first 1000 requests' working set, fewer than no offloading at all).
 * *Cheap checkpoints.* A passed resume point is kept, not demoted, when its window and
   state cost at most a tenth of the full-attention blocks the request stored since its
   last kept point: a later request that branches off the prompt somewhere after it
@@ -304,10 +305,10 @@ one at *t*. Storing everything keeps window blocks and states that no hit can us
   matters when memory is short, and must not lose hits storing everything would have had.
   But what no likely hit point needs is *spare*, and demoted when its request finishes:
   once memory runs short it goes first, not when its prefix does. A demoted block that is
-  used again (a hit nobody predicted) is normal again. Before this rule, the
-  window blocks stored while host memory was filling were 41 % of those Gemma 3 held at
-  30 % capacity, and `value` needed 0.61 of LRU's memory to reach 90 % of the unbounded
-  hit rate there instead of 0.36.
+  used again (a hit nobody predicted) is normal again. Before this rule, on the first
+  1000 requests of the trace, the window blocks stored while host memory was filling
+  were 41 % of those Gemma 3 held at 30 % capacity, and `value` needed 0.61 of LRU's
+  memory to reach 90 % of the unbounded hit rate there instead of 0.36.
 
 **Eviction by value per byte, blended with recency.** Each stored prefix is valued by the
 prefill compute a hit at its end saves (the model's FLOPs for all its tokens, across all
@@ -327,7 +328,8 @@ full-attention block it cannot serve without (its *anchor*). Evicting an anchor 
 its dependents to the front of the eviction order: they are worthless now. The reverse
 (demoting full-attention blocks once no hit point at or below them keeps its window or
 state) is not a rule: within a prefix recency already evicts the deepest blocks first, so
-on the shared trace it changed the host hit by at most 0.12 points, and on the agentic
+on the first 1000 requests of the trace it changed the host hit by at most 0.12 points,
+and on the agentic
 workload (4 sessions a run then) it cost Nemotron-H 3.4 points at 10 %.
 
 **Insertion that adapts to capacity.** Blocks are stored as they are computed, so under
@@ -375,8 +377,8 @@ in the simulator until the arena packs groups by size.
 * A goal marked "both 0" means neither policy had a single host hit at that capacity
   (the engine's own prefix cache serves what little reuse there is).
 * The smallest capacities sit in the shadow of the engine's own prefix cache. On the
-  trace the engine holds 1M tokens: 48 GiB of KV for gpt-oss-20b, against 5 and 10 GiB of
-  host memory at 1 and 2 %. Every request that comes back within the engine's reach hits
+  trace the engine holds 1M tokens: 48 GiB of KV for gpt-oss-20b, against HOST_1 and HOST_2
+  of host memory at 1 and 2 %. Every request that comes back within the engine's reach hits
   the engine, not host memory, so at 1-5 % host hits are the few prefixes that outlive
   the engine's copy. Halving the bytes a prefix needs there does not double the hits,
   because the hit-rate curve is nearly flat below the engine's size; bimodal insertion
@@ -388,7 +390,10 @@ in the simulator until the arena packs groups by size.
 
 ## How the curves are made
 
-`.venv/bin/python benchmarks/make_policy_doc.py` regenerates this page. For each workload and
+`.venv/bin/python benchmarks/make_policy_doc.py` regenerates this page. The trace figures
+are over its first LIMIT requests (of TRACE_REQUESTS; `--limit` sets it). The first 1000 are
+mostly the engine's warm-up: there host memory at 1-5 % of the working set serves a few
+dozen hits over the whole run, so those points move with single requests. For each workload and
 preset it first runs store-everything LRU with unbounded host memory: its peak host
 memory is the *working set*, its host hit rate the *unbounded hit rate*. Then LRU, ARC
 and `value` run at PERCENTS % of that working set (the points above 50 % are there so the
@@ -418,8 +423,8 @@ holds 1M tokens for the trace and 32k tokens for the agentic workload.
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--limit", type=int, default=1000,
-                        help="trace requests (default 1000)")
+    parser.add_argument("--limit", type=int, default=2000,
+                        help="trace requests (default 2000)")
     parser.add_argument("--agentic-limit", type=int, default=None,
                         help="agentic workload requests (default: all)")
     parser.add_argument("--presets", default=",".join(PRESETS),
@@ -442,7 +447,13 @@ def main() -> None:
         DATA.write_text(json.dumps(data, indent=1))
     (DOCS / "img").mkdir(exist_ok=True)
     percents = [f"{100 * f:g}" for f in FRACTIONS]
-    lines = [EXPLANATION.replace("LIMIT", str(args.limit))
+    gpt_oss_set = data["mooncake"]["references"]["gpt-oss-20b"]["working_set_bytes"]
+    with TRACE.open(encoding="utf-8") as trace:
+        trace_requests = sum(1 for line in trace if line.strip())
+    lines = [EXPLANATION.replace("LIMIT", str(data["mooncake"]["limit"]))
+             .replace("TRACE_REQUESTS", f"{trace_requests:,}")
+             .replace("HOST_1", format_bytes(0.01 * gpt_oss_set))
+             .replace("HOST_2", format_bytes(0.02 * gpt_oss_set))
              .replace("PERCENTS", ", ".join(percents[:-1]) + " and " + percents[-1])
              .replace("FRACTIONS", ",".join(f"{f:g}" for f in FRACTIONS))
              .replace("SESSIONS", str(AGENTIC_SESSIONS))
