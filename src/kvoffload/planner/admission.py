@@ -225,11 +225,24 @@ class HitPointAdmission(AdmissionPolicy):
         g = self.granule
         if point % g == 0 and last // g * g - point < self._granule_points * g:
             return True
-        index = point // self._hash_bs - 1
-        if 0 <= index < len(hashes) and hashes[index] in self._learned:
-            self._learned.move_to_end(hashes[index])
+        key = self._hash_at(hashes, point)
+        if key is not None and key in self._learned:
+            self._learned.move_to_end(key)
             return True
         return False
+
+    def _hash_at(self, hashes: Sequence[BlockHash], point: int) -> BlockHash | None:
+        """The chained hash of the prefix ending at ``point`` tokens, if the request has
+        one there (``point`` a positive multiple of the hash block size it covers)."""
+        index = point // self._hash_bs - 1
+        return hashes[index] if 0 <= index < len(hashes) else None
+
+    def _remember(self, points: OrderedDict[BlockHash, None], key: BlockHash) -> None:
+        """Put ``key`` last in ``points``, forgetting the oldest beyond ``max_learned``."""
+        points[key] = None
+        points.move_to_end(key)
+        while len(points) > self._max_learned:
+            points.popitem(last=False)
 
     @property
     def granule_points(self) -> int:
@@ -262,9 +275,9 @@ class HitPointAdmission(AdmissionPolicy):
         # engine's own cache holds more of the prefix, it is where that cache ends.
         top = full_end // self._alignment * self._alignment
         for point in (top, top - self._alignment):
-            index = point // self._hash_bs - 1
-            if 0 <= index < len(hashes) and hashes[index] in self._turn_ends:
-                del self._turn_ends[hashes[index]]  # each turn end counts once
+            key = self._hash_at(hashes, point)
+            if key is not None and key in self._turn_ends:
+                del self._turn_ends[key]  # each turn end counts once
                 self._turn_ends_reached += 1.0
                 break
         self._lookups += 1
@@ -310,15 +323,12 @@ class HitPointAdmission(AdmissionPolicy):
         turn_end = (num_tokens - 1) // self._alignment * self._alignment
         if turn_end <= num_prompt_tokens // self._alignment * self._alignment:
             return
-        index = turn_end // self._hash_bs - 1
-        if not 0 <= index < len(hashes):
+        key = self._hash_at(hashes, turn_end)
+        if key is None:
             return
         self._turn_ends_recorded = self._turn_ends_recorded * self.TURN_END_DECAY + 1.0
         self._turn_ends_reached *= self.TURN_END_DECAY
-        self._turn_ends[hashes[index]] = None
-        self._turn_ends.move_to_end(hashes[index])
-        while len(self._turn_ends) > self._max_learned:
-            self._turn_ends.popitem(last=False)
+        self._remember(self._turn_ends, key)
 
     def forget_cached(self) -> None:
         """Turn ends not reached yet never will be (their blocks are gone): forgotten,
@@ -328,13 +338,9 @@ class HitPointAdmission(AdmissionPolicy):
         self._turn_ends.clear()
 
     def learn_miss(self, hashes: Sequence[BlockHash], point_tokens: int) -> None:
-        index = point_tokens // self._hash_bs - 1
-        if point_tokens % self._alignment or not 0 <= index < len(hashes):
-            return
-        self._learned[hashes[index]] = None
-        self._learned.move_to_end(hashes[index])
-        while len(self._learned) > self._max_learned:
-            self._learned.popitem(last=False)
+        key = self._hash_at(hashes, point_tokens)
+        if point_tokens % self._alignment == 0 and key is not None:
+            self._remember(self._learned, key)
 
     def resume_point(self, frontier: int, num_prompt_tokens: int) -> int:
         """The last aligned point at or before ``frontier`` while the prompt is still being
