@@ -149,10 +149,13 @@ def run_sweep(base: SimulationConfig, spec: WorkloadSpec, *, presets: Sequence[s
     """
     points = []
     # The requests do not depend on the preset: load each seed's once for every run.
-    specs = [replace(spec, seed=seed) for seed in seeds]
-    workloads = [s.load() for s in specs]
-    totals = dict(zip(seeds, (s.count() if start is not None else 0 for s in specs),
-                      strict=True))
+    workloads = [replace(spec, seed=seed).load() for seed in seeds]
+    # Progress totals: a built-in workload is a list already; a trace is counted once.
+    totals = dict.fromkeys(seeds, 0)
+    if start is not None:
+        streamed = spec.count() if spec.trace is not None else 0
+        totals = {seed: len(w) if isinstance(w, Sequence) else streamed
+                  for seed, w in zip(seeds, workloads, strict=True)}
     for preset in presets:
         preset_base = replace(base, preset=preset, mode=Mode.ACCOUNTING, baseline=False)
         preset_caps: list[tuple[int, float]] = [(c, 0.0) for c in capacities]

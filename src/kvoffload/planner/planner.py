@@ -842,6 +842,9 @@ class Planner:
         self._touch(st, frozenset(st.cold_keys).union(st.passed_keys))
         st.cold_keys = []
         st.passed_keys = []
+        if self._learns_points and request.num_tokens > request.num_prompt_tokens:
+            self._admission.record_turn_end(request.block_hashes, request.num_prompt_tokens,
+                                            request.num_tokens)
         self._value_finished(st)
         self._demote_finished(st)
         if not st.jobs:
@@ -880,9 +883,6 @@ class Planner:
     def _demote_finished(self, st: RequestState) -> None:
         """Tell the tier which of the request's stored blocks no likely hit can use."""
         request = st.request
-        if self._learns_points and request.num_tokens > request.num_prompt_tokens:
-            self._admission.record_turn_end(request.block_hashes, request.num_prompt_tokens,
-                                            request.num_tokens)
         worthless: list[OffloadKey] = []
         for g, gs in zip(self._groups, st.groups, strict=True):
             if g.window_blocks is None:
