@@ -315,9 +315,9 @@ one at *t*. Storing everything keeps window blocks and states that no hit can us
   demoted when the request finishes), as long as later prompts are seen to reach turn
   ends; the last multiples of the *sharing granule* before
   the prompt's end (the unit in which requests have been seen to share prefixes, learned
-  from where full-attention prefixes found in the cache end; how many multiples grows,
-  up to 8, while lookups keep finding full attention without the window or state they
-  need, and shrinks back when they stop); and points learned from misses, where a lookup
+  from where full-attention prefixes found in the cache end; two multiples, and more, up
+  to 8, where at least one in eight later prompts that continue a finished prompt branch
+  that deep below its end); and points learned from misses, where a lookup
   found the full-attention prefix but a window block or state was missing (a branch
   point), so the next request through them stores there.
 * The *resume point* of a prefill in progress: the engine preempts requests when its own

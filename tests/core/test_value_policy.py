@@ -243,14 +243,81 @@ def test_the_sharing_granule_is_learned_from_prefix_ends() -> None:
     assert policy.is_hit_point(296, hashes, 300)  # the prompt's end
 
 
-def test_misses_for_want_of_a_window_raise_the_granule_points_and_hits_lower_them() -> None:
+def prompt_hashes(i: int, length: int = 40) -> list[BlockHash]:
+    """Hashes (4-token blocks) of prompt ``i``: no two prompts share a block."""
+    return BlockHasher(4).hashes([1000 * i + t for t in range(length)])
+
+
+def continue_at(policy: HitPointAdmission, i: int, depth: int) -> None:
+    """Prompt ``i`` (40 tokens) finishes; a later prompt branches ``depth`` granule
+    multiples below its end point (36), where its full-attention prefix ends."""
+    hashes = prompt_hashes(i)
+    policy.record_prompt_end(hashes, 40)
+    point = 36 - 4 * depth
+    policy.observe_lookup(point, 0, hashes[:point // 4])
+
+
+def test_the_granule_points_follow_where_continuations_branch() -> None:
     policy = HitPointAdmission(4, 4, lambda: False, granule_points=2, max_granule_points=4)
-    for _ in range(3 * HitPointAdmission.ADAPT_EVERY):
-        policy.observe_lookup(64, 32)  # full attention reached 64, the hit only 32
-    assert policy.granule_points == 4  # capped
-    for _ in range(5 * HitPointAdmission.ADAPT_EVERY):
-        policy.observe_lookup(64, 64)
-    assert policy.granule_points == 2  # never below the initial count
+    # Until 32 continuations are counted (decayed by 1/256 each), the initial count holds.
+    for i in range(34):
+        continue_at(policy, i, 2)
+        assert policy.granule_points == 2
+    continue_at(policy, 34, 2)  # the 35th: (1 - (255/256)**35) * 256 >= 32
+    assert policy.granule_points == 3  # depth 2 is kept, with 0 and 1
+    hashes = prompt_hashes(99)
+    assert policy.is_hit_point(28, hashes, 40)
+    assert not policy.is_hit_point(24, hashes, 40)
+    # Continuations at the prompt's end only: depth 2 falls below 1/8 of the count, and
+    # the count goes back to the initial 2, never below.
+    i = 100
+    while policy.granule_points == 3:
+        continue_at(policy, i, 0)
+        i += 1
+    counts = policy._depth_counts
+    assert counts[2] < HitPointAdmission.GRANULE_DEPTH_SHARE * sum(counts)
+    assert policy.granule_points == 2
+    for j in range(300):
+        continue_at(policy, 500 + j, 0)
+    assert policy.granule_points == 2
+    assert policy.is_hit_point(32, hashes, 40)
+    assert not policy.is_hit_point(28, hashes, 40)
+    # Depth 3 (the deepest marked) at 1 in 4: kept again, with everything above it.
+    for j in range(200):
+        continue_at(policy, 1000 + j, 3 if j % 4 == 0 else 0)
+    assert policy.granule_points == 4
+
+
+def test_a_granule_mark_counts_once_and_only_where_a_prompt_marked_it() -> None:
+    policy = HitPointAdmission(4, 4, lambda: False, granule_points=2, max_granule_points=4)
+    hashes = prompt_hashes(1)
+    policy.record_prompt_end(hashes, 40)
+    policy.observe_lookup(28, 0, hashes[:7])
+    policy.observe_lookup(28, 0, hashes[:7])  # the same mark again: not counted
+    policy.observe_lookup(20, 0, prompt_hashes(1)[:5])  # depth 4: beyond the marks
+    policy.observe_lookup(28, 0, prompt_hashes(2)[:7])  # a prompt that never finished
+    assert sum(policy._depth_counts) == pytest.approx(1.0)
+    assert policy._depth_counts[2] == pytest.approx(1.0)
+    # A mark made under another granule does not count.
+    policy.record_prompt_end(prompt_hashes(3), 40)
+    policy.granule = 8
+    policy.observe_lookup(32, 0, prompt_hashes(3)[:8])
+    assert sum(policy._depth_counts) == pytest.approx(1.0)
+
+
+def test_granule_marks_are_bounded_forgotten_on_reset_and_absent_when_fixed() -> None:
+    policy = HitPointAdmission(4, 4, lambda: False, max_learned=10, granule_points=2,
+                               max_granule_points=4)
+    for i in range(5):
+        policy.record_prompt_end(prompt_hashes(i), 40)
+    assert len(policy._granule_marks) == 10
+    policy.forget_cached()
+    assert not policy._granule_marks
+    fixed = HitPointAdmission(4, 4, lambda: False, granule_points=2)
+    for i in range(40):
+        continue_at(fixed, i, 3)
+    assert not fixed._granule_marks
+    assert fixed.granule_points == 2
 
 
 def test_value_and_hybrid_admit_selectively_lru_stores_everything() -> None:

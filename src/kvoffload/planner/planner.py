@@ -842,9 +842,11 @@ class Planner:
         self._touch(st, frozenset(st.cold_keys).union(st.passed_keys))
         st.cold_keys = []
         st.passed_keys = []
-        if self._learns_points and request.num_tokens > request.num_prompt_tokens:
-            self._admission.record_turn_end(request.block_hashes, request.num_prompt_tokens,
-                                            request.num_tokens)
+        if self._learns_points:
+            self._admission.record_prompt_end(request.block_hashes, request.num_prompt_tokens)
+            if request.num_tokens > request.num_prompt_tokens:
+                self._admission.record_turn_end(request.block_hashes,
+                                                request.num_prompt_tokens, request.num_tokens)
         self._value_finished(st)
         self._demote_finished(st)
         if not st.jobs:
