@@ -316,7 +316,7 @@ one at *t*. Storing everything keeps window blocks and states that no hit can us
   ends; the last multiples of the *sharing granule* before
   the prompt's end (the unit in which requests have been seen to share prefixes, learned
   from where full-attention prefixes found in the cache end; two multiples, and more, up
-  to 8, where at least one in eight later prompts that continue a finished prompt branch
+  to 8, where at least one in four later prompts that branch off a finished prompt do so
   that deep below its end); and points learned from misses, where a lookup
   found the full-attention prefix but a window block or state was missing (a branch
   point), so the next request through them stores there.

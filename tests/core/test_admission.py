@@ -606,7 +606,7 @@ def test_a_turn_end_is_reached_where_the_engines_cache_ends_between_hit_points()
 
 
 def test_the_planner_learns_how_far_below_a_prompts_end_continuations_branch() -> None:
-    """40 prompts of 40 tokens are stored and finish; each is continued by a prompt that
+    """80 prompts of 40 tokens are stored and finish; each is continued by a prompt that
     shares its first 28 tokens, two granule multiples below its end point (36). Under
     `value` the planner marks every finished prompt, so the granule points grow from 2
     to 3 and keep 28; under `hybrid` (no granule points) nothing is marked."""
@@ -614,7 +614,7 @@ def test_the_planner_learns_how_far_below_a_prompts_end_continuations_branch() -
     for policy, expected in (("value", 3), ("hybrid", 0)):
         cfg = config(slots=10_000, policy=policy)
         planner = Planner(cfg, HostTier(cfg))
-        for i in range(40):
+        for i in range(80):
             tokens = [1000 * i + t for t in range(40)]
             first = Req(f"p{i}", tokens, hasher)
             complete(planner, prefill(planner, first, 1))

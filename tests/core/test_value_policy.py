@@ -259,16 +259,16 @@ def continue_at(policy: HitPointAdmission, i: int, depth: int) -> None:
 
 def test_the_granule_points_follow_where_continuations_branch() -> None:
     policy = HitPointAdmission(4, 4, lambda: False, granule_points=2, max_granule_points=4)
-    # Until 32 continuations are counted (decayed by 1/256 each), the initial count holds.
-    for i in range(34):
+    # Until 64 continuations are counted (decayed by 1/256 each), the initial count holds.
+    for i in range(73):
         continue_at(policy, i, 2)
         assert policy.granule_points == 2
-    continue_at(policy, 34, 2)  # the 35th: (1 - (255/256)**35) * 256 >= 32
+    continue_at(policy, 73, 2)  # the 74th: (1 - (255/256)**74) * 256 >= 64
     assert policy.granule_points == 3  # depth 2 is kept, with 0 and 1
     hashes = prompt_hashes(99)
     assert policy.is_hit_point(28, hashes, 40)
     assert not policy.is_hit_point(24, hashes, 40)
-    # Continuations at the prompt's end only: depth 2 falls below 1/8 of the count, and
+    # Continuations at the prompt's end only: depth 2 falls below 1/4 of the count, and
     # the count goes back to the initial 2, never below.
     i = 100
     while policy.granule_points == 3:
@@ -282,9 +282,9 @@ def test_the_granule_points_follow_where_continuations_branch() -> None:
     assert policy.granule_points == 2
     assert policy.is_hit_point(32, hashes, 40)
     assert not policy.is_hit_point(28, hashes, 40)
-    # Depth 3 (the deepest marked) at 1 in 4: kept again, with everything above it.
-    for j in range(200):
-        continue_at(policy, 1000 + j, 3 if j % 4 == 0 else 0)
+    # Depth 3 (the deepest marked) at 1 in 2: kept again, with everything above it.
+    for j in range(300):
+        continue_at(policy, 1000 + j, 3 if j % 2 == 0 else 0)
     assert policy.granule_points == 4
 
 
