@@ -251,42 +251,58 @@ def workload_section(name: str, data: dict[str, Any], image: str) -> list[str]:
 
 def reuse_section(data: dict[str, Any], preset: str = "nemotron-h-8b") -> list[str]:
     """Which prompts of the trace come back, at ``preset``'s block size, and what that
-    means for its memory goal (the trace's own slice; the sweep's curves for the ratio)."""
+    means for its memory goal (the trace's own slice; the sweep's curves for the ratio).
+    Each reading is stated only where the figures bear it out."""
     block = auto_block_size(PRESET_SPECS[preset])
     report = continuation_report(read_mooncake_trace(TRACE, limit=data["limit"]), block)
     points, refs = load_points(data)
     target = 0.9 * refs[preset].host_hit_rate
     value_memory = memory_to_reach(curve(points, preset, "value"), target)
     lru_memory = memory_to_reach(curve(points, preset, "lru"), target)
-    first = report.features["turn in its conversation"][0]
-    lengths = [b.rate for name in ("prompt tokens", "output tokens")
-               for b in report.features[name]]
-    first_share = first.continued / max(report.continued, 1)
-    if value_memory is None or lru_memory is None or first.label != "0":
+    turns = report.features["turn in its conversation"]
+    if (value_memory is None or lru_memory is None or not report.continued
+            or not turns or turns[0].label != "0"):
         return []
-    return [
-        "### Which prompts come back", "",
-        f"The goal for {preset} (half of LRU's memory to reach 90 % of the unbounded hit "
-        f"rate) is not met. {preset} hits only where a later prompt continues an earlier "
-        f"one at the end of a {block}-token block whose Mamba state was kept, so what "
-        "matters is which prompts come back. `benchmarks/trace_reuse.py` measures it on "
-        "the same requests, at those blocks:", "",
-        *format_report(report), "",
-        "Later turns of a conversation come back more often, and `value` already counts "
-        f"a prefix reached through a hit as worth more. But first turns are "
-        f"{100 * first.requests / report.requests:.0f} % of the prompts, come back "
-        f"{100 * first.rate:.1f} % of the time and give "
-        f"{100 * first_share:.0f} % of all continuations. "
-        "Reaching 90 % of the unbounded hit rate therefore means keeping nearly every "
-        "first turn's full-attention blocks and state until its continuation comes, up "
-        f"to {quantile(report.gap_requests, 0.9):,.0f} requests later (90th percentile). "
-        "The prompt and output lengths tell little more: every quartile comes back "
-        f"between {100 * min(lengths):.1f} and {100 * max(lengths):.1f} % of the time, the "
-        "longest most often, which `value`'s compute per byte already favours. `value` "
-        "stores states only at likely hit points and evicts by value, and needs "
+    first, later = turns[0], turns[1:]
+    later_rate = (sum(b.continued for b in later) / sum(b.requests for b in later)
+                  if later else 0.0)
+    first_share = first.continued / report.continued
+    reading = []
+    if later_rate > first.rate:
+        reading.append("Later turns of a conversation come back more often "
+                       f"({100 * later_rate:.1f} % against {100 * first.rate:.1f} %), and "
+                       "`value` already counts a prefix reached through a hit as worth "
+                       "more.")
+    if first_share >= 0.5:
+        reading.append(
+            f"But first turns are {100 * first.requests / report.requests:.0f} % of the "
+            f"prompts and give {100 * first_share:.0f} % of all continuations: reaching 90 % "
+            "of the unbounded hit rate means keeping nearly every first turn's "
+            "full-attention blocks and state until its continuation comes, up to "
+            f"{quantile(report.gap_requests, 0.9):,.0f} requests later (90th percentile).")
+    longest = []
+    for name in ("prompt tokens", "output tokens"):
+        rates = [b.rate for b in report.features[name]]
+        if len(rates) > 1 and rates[-1] == max(rates):
+            longest.append(f"{name[:-7]} length ({100 * rates[-1]:.1f} % against "
+                           f"{100 * min(rates):.1f} % at the least)")
+    if longest:
+        reading.append(f"By {' and by '.join(longest)}, the longest quartile comes back "
+                       "most often; `value`'s compute per byte already favours long "
+                       "prefixes (it values a request's keys at the end of all it stored, "
+                       "output included).")
+    reading.append(
+        "`value` stores states only at likely hit points and evicts by value, and needs "
         f"{format_bytes(value_memory)} ({value_memory / lru_memory:.2f} of LRU's "
-        f"{format_bytes(lru_memory)}). Half of LRU's would take knowing which "
-        "conversations go on, which the requests tell only weakly.", ""]
+        f"{format_bytes(lru_memory)}). Half of LRU's would take knowing which prompts "
+        "come back, which the requests tell only as weakly as the tables show.")
+    return ["### Which prompts come back", "",
+            f"The goal for {preset} (half of LRU's memory to reach 90 % of the unbounded "
+            f"hit rate) is not met. {preset} hits only where a later prompt continues an "
+            f"earlier one at the end of a {block}-token block whose Mamba state was kept, "
+            "so what matters is which prompts come back. `benchmarks/trace_reuse.py` "
+            "measures it on the same requests, at those blocks:", "",
+            *format_report(report), "", " ".join(reading), ""]
 
 
 EXPLANATION = """\

@@ -53,7 +53,8 @@ def main() -> int:
     if args.block_tokens is not None and args.block_tokens < 1:
         parser.error("--block-tokens: must be at least 1")
     try:
-        block = args.block_tokens or auto_block_size(get_preset(args.preset))
+        preset = get_preset(args.preset)
+        block = args.block_tokens or auto_block_size(preset)
         report = continuation_report(
             read_mooncake_trace(args.trace, limit=args.limit or None), block)
     except (ConfigError, TraceError, OSError) as error:

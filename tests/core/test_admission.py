@@ -624,3 +624,28 @@ def test_the_planner_learns_how_far_below_a_prompts_end_continuations_branch() -
             planner.request_finished(branch)
         assert isinstance(planner._admission, HitPointAdmission)
         assert planner._admission.granule_points == expected
+
+
+def test_a_deferred_lookup_counts_the_depth_its_answer_will_have() -> None:
+    """A 40-token prompt's stores are still in flight when a prompt branching at its end
+    point (36) looks up: the lookup is deferred, yet it counts depth 0 (where the prefix
+    will reach), once; the lookup asked again after the stores land counts nothing more."""
+    hasher = BlockHasher(4)
+    cfg = config(slots=10_000, policy="value")
+    planner = Planner(cfg, HostTier(cfg))
+    admission = planner._admission
+    assert isinstance(admission, HitPointAdmission)
+    first = Req("a", list(range(40)), hasher)
+    assert planner.get_num_new_matched_tokens(first, 0).num_tokens == 0
+    # Distinct engine blocks per group (a finished request's in-flight stores are fenced).
+    tables = (tuple(range(1, 11)), tuple(range(101, 111)))
+    planner.update_state_after_alloc(first, tables, 0)
+    plan = planner.build_step_plan(StepInput((ScheduledRequest(
+        first, tables, 0, 40, num_freed_blocks=(0, 0)),)))
+    planner.request_finished(first)  # marks its granule points; stores not reported yet
+    branch = Req("b", [*range(36), 7, 7, 7, 7], hasher)
+    assert planner.get_num_new_matched_tokens(branch, 0).is_deferred
+    assert admission._depth_counts[:3] == pytest.approx([1.0, 0.0, 0.0])
+    complete(planner, plan)
+    assert planner.get_num_new_matched_tokens(branch, 0).num_tokens == 36
+    assert admission._depth_counts[:3] == pytest.approx([1.0, 0.0, 0.0])

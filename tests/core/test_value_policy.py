@@ -305,6 +305,45 @@ def test_a_granule_mark_counts_once_and_only_where_a_prompt_marked_it() -> None:
     assert sum(policy._depth_counts) == pytest.approx(1.0)
 
 
+def test_branches_at_an_aligned_prompt_end_count_but_never_raise_the_points() -> None:
+    """A 44-token prompt ends on a granule multiple: a later prompt sharing all of it
+    counts (at the end), so depth 2 (point 32) at one branch in five stays below a
+    quarter. (Odd multiples at the end keep the granule at 4.)"""
+    policy = HitPointAdmission(4, 4, lambda: False, granule_points=2, max_granule_points=4)
+    for i in range(400):
+        hashes = prompt_hashes(i, 44)
+        policy.record_prompt_end(hashes, 44)
+        point = 32 if i % 5 == 0 else 44
+        policy.observe_lookup(point, 0, hashes[:point // 4])
+    counts = policy._depth_counts
+    assert counts[0] == counts[1] == 0.0
+    assert counts[2] == pytest.approx(0.2 * (sum(counts) + policy._at_end_count), rel=0.1)
+    assert policy.granule_points == 2
+
+
+def test_a_point_two_prompts_mark_keeps_the_shallower_depth() -> None:
+    """Prompt A (40 tokens) ends at point 36 (depth 0); prompt B extends it to 48, where 36
+    is depth 2. A branch at 36 is counted at depth 0: A's own end point serves it."""
+    policy = HitPointAdmission(4, 4, lambda: False, granule_points=2, max_granule_points=4)
+    longer = BlockHasher(4).hashes(list(range(48)))
+    policy.record_prompt_end(longer[:10], 40)
+    policy.record_prompt_end(longer, 48)
+    policy.observe_lookup(36, 0, longer[:9])
+    assert policy._depth_counts == pytest.approx([1.0, 0.0, 0.0, 0.0])
+
+
+def test_a_new_granule_starts_the_depth_counts_again() -> None:
+    policy = HitPointAdmission(4, 4, lambda: False, granule_points=2, max_granule_points=4)
+    for i in range(80):
+        continue_at(policy, i, 2)
+    assert policy.granule_points == 3
+    for i in range(1, 401):  # the 80 branch points above were at 28, an odd multiple
+        policy.observe_prefix_end(64 * i)
+    assert policy.granule == 64
+    assert policy.granule_points == 2
+    assert sum(policy._depth_counts) == 0.0
+
+
 def test_granule_marks_are_bounded_forgotten_on_reset_and_absent_when_fixed() -> None:
     policy = HitPointAdmission(4, 4, lambda: False, max_learned=10, granule_points=2,
                                max_granule_points=4)

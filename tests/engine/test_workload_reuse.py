@@ -133,3 +133,20 @@ def test_passing_through_a_shallower_prompt_end_is_not_continuing_it() -> None:
     report = continuation_report(requests, B)
     assert report.continued == 1
     assert report.gap_requests == (2,)  # x -> c
+
+
+def test_the_first_continuation_sets_the_gap_and_the_highest_turn_the_next() -> None:
+    # p is repeated exactly by r (its continuation, turn 1); s continues both at the same
+    # end, so it is turn 2, and p's gap runs to r, not to s.
+    requests = [req("p", blocks(1, 2)), req("q", blocks(1)), req("r", blocks(1, 2)),
+                req("s", blocks(1, 2, 9))]
+    report = continuation_report(requests, B)
+    turns = {b.label: b.requests for b in report.features["turn in its conversation"]}
+    assert turns == {"0": 2, "1": 1, "2": 1}
+    assert report.gap_requests == (1, 2)  # r -> s, p -> r
+
+
+def test_single_value_quartile_buckets_are_named_by_their_value() -> None:
+    requests = [req(f"r{n}", blocks(10 * n), out=n) for n in range(1, 5)]
+    output = continuation_report(requests, B).features["output tokens"]
+    assert [b.label for b in output] == ["up to 1", "2", "3", "over 3"]

@@ -31,18 +31,23 @@ stores window blocks and Mamba states only around *likely hit points*:
   tier end (the largest power-of-two multiple of the hit alignment that divides at least
   ``granule_share`` of them), so a later turn that shares this prompt up to its last
   complete unit finds the window or state it needs there. How many multiples is learned
-  from where continuations branch: each finished prompt marks its last
-  ``max_granule_points`` multiples with their depth (0 at the prompt's end point), and a
-  lookup whose full-attention prefix ends at a marked point counts that depth (once per
+  from where later prompts branch off finished ones: each finished prompt marks its last
+  ``max_granule_points`` multiples before its last token with their depth (0 for the
+  last; a multiple two prompts share keeps the smaller depth) and, when the prompt ends
+  on a multiple, that end too (it is a hit point anyway: counted, never kept for). A
+  lookup whose full-attention prefix reaches a marked point (counting blocks still being
+  written, so a deferred lookup counts what its answer will) counts that depth once per
   mark, whether or not the window or state is stored, so the count is not biased by
-  what was kept). Once ``GRANULE_EVIDENCE`` continuations were counted, the multiples
+  what was kept. Prompts continued before they finish are not counted. Once
+  ``GRANULE_EVIDENCE`` continuations were counted (decayed: about 74 in a row), the multiples
   kept are those down to the deepest depth at which at least ``GRANULE_DEPTH_SHARE`` of
   them branched, and never fewer than at first (on the built-in agentic workload, where
   four in five continuations branch at the prompt's end, going down to one multiple lost
   0.4 points on gpt-oss-20b at 30 % capacity); the counts decay, so this follows a
-  changing workload. A lookup that finds full attention without the window or state for
-  any other reason (a branch point inside some other prompt) does not raise the count:
-  the learned points below serve those.
+  changing workload, and they start again when the granule changes. A lookup that finds
+  full attention without the window or state for any other reason (a branch point
+  inside some other prompt) does not raise the count: the learned points below serve
+  those.
 
 Resume points. A request preempted during its prefill restarts from the last point it
 stored whole, so the point where its computed prefill stands is a certain hit point
@@ -76,6 +81,9 @@ from kvoffload.keys import BlockHash
 
 _V = TypeVar("_V")
 
+_AT_END = -1
+"""The depth recorded for a prompt's end that lies on a granule multiple."""
+
 
 def window_at(group: ResolvedGroup, point: int) -> range:
     """The blocks of window or Mamba group ``group`` a hit at ``point`` tokens reads: its
@@ -102,7 +110,8 @@ class AdmissionPolicy(ABC):
 
     learns = False
     """Whether the policy learns hit points (``learn_miss``, ``observe_lookup``,
-    ``record_turn_end`` do something); the planner skips the extra work otherwise."""
+    ``record_prompt_end``, ``record_turn_end`` do something); the planner skips the extra
+    work otherwise."""
 
     @abstractmethod
     def admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
@@ -177,11 +186,12 @@ class HitPointAdmission(AdmissionPolicy):
         hash_block_size: tokens per hash block.
         alignment: every hit is a multiple of this many tokens.
         has_room: whether the tier still has free room (then everything is admitted).
-        max_learned: how many learned hit points to remember (least recent forgotten).
+        max_learned: how many learned hit points, turn ends and granule marks (each) to
+            remember (least recent forgotten).
         granule_points: how many multiples of the sharing granule before the prompt's end
             are hit points at first (0: none).
-        max_granule_points: the most that where continuations branch can raise it to
-            (default ``granule_points``: fixed, nothing learned).
+        max_granule_points: how high the depths at which later prompts branch off finished
+            ones can raise it (default ``granule_points``: fixed, nothing learned).
         granule_share: the share of observed prefix ends a granule must divide.
     """
 
@@ -222,6 +232,8 @@ class HitPointAdmission(AdmissionPolicy):
         """Marked granule points of finished prompts: hash -> (granule, depth)."""
         self._depth_counts = [0.0] * self._max_granule_points
         """Continuations counted at each depth below a prompt's end (decayed)."""
+        self._at_end_count = 0.0
+        """Continuations counted at a prompt's end on a granule multiple (decayed)."""
         self._divides = [0] * (self.MAX_GRANULE_SHIFT + 1)
         self.granule = alignment
         """The learned sharing granule in tokens (a power-of-two multiple of alignment)."""
@@ -319,8 +331,12 @@ class HitPointAdmission(AdmissionPolicy):
         counts = self._depth_counts
         for depth in range(len(counts)):
             counts[depth] *= self.GRANULE_DECAY
-        counts[mark[1]] += 1.0
-        total = sum(counts)
+        self._at_end_count *= self.GRANULE_DECAY
+        if mark[1] == _AT_END:
+            self._at_end_count += 1.0
+        else:
+            counts[mark[1]] += 1.0
+        total = sum(counts) + self._at_end_count
         if total < self.GRANULE_EVIDENCE:
             return
         deepest = max((depth for depth, n in enumerate(counts)
@@ -343,7 +359,13 @@ class HitPointAdmission(AdmissionPolicy):
             while (shift < self.MAX_GRANULE_SHIFT
                    and divides[shift + 1] >= self._granule_share * total):
                 shift += 1
-            self.granule = self._alignment << shift
+            granule = self._alignment << shift
+            if granule != self.granule:
+                # Depths were counted in the old granule's units: start again.
+                self.granule = granule
+                self._depth_counts = [0.0] * self._max_granule_points
+                self._at_end_count = 0.0
+                self._granule_points = self._initial_granule_points
 
     def admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
               num_prompt_tokens: int) -> Admit:
@@ -359,11 +381,16 @@ class HitPointAdmission(AdmissionPolicy):
             return
         g = self.granule
         base = (num_prompt_tokens - 1) // g * g
-        for depth in range(self._max_granule_points):
-            key = self._hash_at(hashes, base - depth * g)
+        marks = [(num_prompt_tokens, _AT_END)] if num_prompt_tokens % g == 0 else []
+        marks += [(base - depth * g, depth) for depth in range(self._max_granule_points)]
+        for point, depth in marks:
+            key = self._hash_at(hashes, point)
             if key is None:
-                break
-            self._remember(self._granule_marks, key, (g, depth))
+                continue
+            old = self._granule_marks.get(key)
+            # What serves a shallower mark of another prompt here serves this one too.
+            shallowest = old[1] if old is not None and old[0] == g else depth
+            self._remember(self._granule_marks, key, (g, min(depth, shallowest)))
 
     def record_turn_end(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
                         num_tokens: int) -> None:

@@ -233,15 +233,20 @@ class Planner:
                     for g in self._order]
 
         end = combined_hit_end(views(False), num_computed, max_end, self._alignment)
+        full_end = 0
         if self._learns_points:
-            full_only = [v for v in views(False) if v.group.window_blocks is None]
+            # Learn from where the prefix reaches once the stores in flight land: a lookup
+            # that is deferred and asked again must tell the admission what the answer does.
+            full_only = [v for v in views(True) if v.group.window_blocks is None]
             full_end = combined_hit_end(full_only, num_computed, max_end, self._alignment)
-            self._admission.observe_lookup(full_end, end, request.block_hashes)
-            if full_end > end:
+        hopeful = (combined_hit_end(views(True), num_computed, max_end, self._alignment)
+                   if saw_pending else end)
+        if self._learns_points:
+            self._admission.observe_lookup(full_end, hopeful, request.block_hashes)
+            if full_end > hopeful:
                 self._admission.learn_miss(request.block_hashes, full_end)
         if not saw_pending:
             return end, False
-        hopeful = combined_hit_end(views(True), num_computed, max_end, self._alignment)
         if hopeful > end:
             self.tier.prefetch(self._hit_keys(st, num_computed, hopeful))
         return end, hopeful > end

@@ -18,7 +18,7 @@ Definitions, at a block size of ``block_tokens``:
   counts). A prompt that only passes through an earlier prompt's end, sharing more with
   another request, does not continue it. The earlier request is then *continued*; its
   *gap* is the distance, in requests and in seconds of arrival, to its first
-  continuation.
+  continuation (counting only requests with at least one full block).
 * A request's *turn* is 0 unless it continues an earlier request; then it is one more than
   the highest turn among the requests it continues.
 
@@ -179,7 +179,9 @@ def _quartile_buckets(values: Sequence[int], continued: Sequence[bool],
         low = None
         for cut in cuts:
             if value <= cut:
-                return f"{low + 1:,}-{cut:,}" if low is not None else f"up to {cut:,}"
+                if low is None:
+                    return f"up to {cut:,}"
+                return f"{cut:,}" if low + 1 == cut else f"{low + 1:,}-{cut:,}"
             low = cut
         return f"over {low:,}" if low is not None else "all"
 
@@ -194,7 +196,7 @@ def format_report(report: ReuseReport) -> list[str]:
              f"(of at least {MIN_BUCKET_REQUESTS} requests) between {100 * low:.1f} % and "
              f"{100 * high:.1f} %.", ""]
     for name, buckets in report.features.items():
-        lines += [f"| {name} | requests | continued | share of all continued |",
+        lines += [f"| {name} | requests | share continued | share of all continued |",
                   "|---|---|---|---|"]
         lines += [f"| {b.label} | {b.requests:,} | {100 * b.rate:.1f} % | "
                   f"{100 * b.continued / max(report.continued, 1):.0f} % |" for b in buckets]
