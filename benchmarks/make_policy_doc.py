@@ -3,7 +3,7 @@ store-everything LRU and ARC, on the shared Mooncake trace and the built-in agen
 workload, host capacity from 1 % to 50 % of each preset's store-everything working set.
 
     .venv/bin/python benchmarks/make_policy_doc.py                 # run the sweeps, write
-    .venv/bin/python benchmarks/make_policy_doc.py --limit 1000    # more trace requests
+    .venv/bin/python benchmarks/make_policy_doc.py --limit 4000    # more trace requests
     .venv/bin/python benchmarks/make_policy_doc.py --from-json     # re-render saved data
 
 Every run goes through ``kvoffload.cli.sweep.run_sweep`` (what ``kvoffload sweep`` runs), in
@@ -281,10 +281,11 @@ def reuse_section(data: dict[str, Any], preset: str = "nemotron-h-8b") -> list[s
             "full-attention blocks and state until its continuation comes, up to "
             f"{quantile(report.gap_requests, 0.9):,.0f} requests later (90th percentile).")
     longest = []
-    for name in ("prompt tokens", "output tokens"):
-        rates = [b.rate for b in report.features[name]]
+    for feature, length in (("prompt tokens", "prompt length"),
+                            ("output tokens", "output length")):
+        rates = [b.rate for b in report.features[feature]]
         if len(rates) > 1 and rates[-1] == max(rates):
-            longest.append(f"{name[:-7]} length ({100 * rates[-1]:.1f} % against "
+            longest.append(f"{length} ({100 * rates[-1]:.1f} % against "
                            f"{100 * min(rates):.1f} % at the least)")
     if longest:
         reading.append(f"By {' and by '.join(longest)}, the longest quartile comes back "

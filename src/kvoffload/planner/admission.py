@@ -389,8 +389,8 @@ class HitPointAdmission(AdmissionPolicy):
                 continue
             old = self._granule_marks.get(key)
             # What serves a shallower mark of another prompt here serves this one too.
-            shallowest = old[1] if old is not None and old[0] == g else depth
-            self._remember(self._granule_marks, key, (g, min(depth, shallowest)))
+            kept = min(depth, old[1]) if old is not None and old[0] == g else depth
+            self._remember(self._granule_marks, key, (g, kept))
 
     def record_turn_end(self, hashes: Sequence[BlockHash], num_prompt_tokens: int,
                         num_tokens: int) -> None:

@@ -233,13 +233,15 @@ class Planner:
                     for g in self._order]
 
         end = combined_hit_end(views(False), num_computed, max_end, self._alignment)
+        once_landed = views(True)
         full_end = 0
         if self._learns_points:
             # Learn from where the prefix reaches once the stores in flight land: a lookup
             # that is deferred and asked again must tell the admission what the answer does.
-            full_only = [v for v in views(True) if v.group.window_blocks is None]
+            # (Before ``hopeful``: probing the full-attention prefix may find stores pending.)
+            full_only = [v for v in once_landed if v.group.window_blocks is None]
             full_end = combined_hit_end(full_only, num_computed, max_end, self._alignment)
-        hopeful = (combined_hit_end(views(True), num_computed, max_end, self._alignment)
+        hopeful = (combined_hit_end(once_landed, num_computed, max_end, self._alignment)
                    if saw_pending else end)
         if self._learns_points:
             self._admission.observe_lookup(full_end, hopeful, request.block_hashes)
