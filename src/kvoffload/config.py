@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvoffload.errors import ConfigError
+from kvoffload.policies import cache_policy
 
 
 class GroupKind(str, Enum):
@@ -145,7 +146,9 @@ class OffloadConfig:
         block_size_factor: engine blocks per offloaded block (same for every group).
         num_workers: tensor-parallel ranks; a job completes when all have reported it.
         host_capacity_bytes: host memory for offloaded blocks, all groups together, per rank.
-        eviction_policy: name of a registered eviction policy ("lru", "arc", ...).
+        eviction_policy: name of a registered cache policy (``kvoffload.policies``: "lru",
+            "arc", "hybrid", "value"); it selects both the tier's eviction and what the
+            planner stores.
         max_deferred_steps: a request told "ask again later" this many times in a row gets
             a 0-token answer instead (no request waits forever).
         min_deferral_s: and not before this many (wall-clock) seconds since its first
@@ -191,6 +194,7 @@ class OffloadConfig:
             raise ConfigError("num_workers", f"must be >= 1, got {self.num_workers}",
                               "Use the tensor-parallel size.")
         checked_min_deferral_s(self.min_deferral_s)
+        cache_policy(self.eviction_policy)  # an unknown name raises ConfigError
         if self.max_deferred_steps <= 0:
             raise ConfigError("max_deferred_steps", f"must be >= 1, got {self.max_deferred_steps}",
                               "Bound how many steps a lookup may be deferred, e.g. 64.")

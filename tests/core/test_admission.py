@@ -8,9 +8,10 @@ import pytest
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.jobs import StepPlan, WorkerReport
 from kvoffload.keys import BlockHasher, make_offload_key
-from kvoffload.planner.admission import Admit, HitPointAdmission, StoreEverything
+from kvoffload.planner.admission import Admit, HitPointAdmission
 from kvoffload.planner.contract import ScheduledRequest, StepInput
 from kvoffload.planner.planner import Planner
+from kvoffload.planner.store_policy import ADMIT_ALL, StorePolicy
 from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.cpu import HostTier
 
@@ -123,10 +124,14 @@ def test_decode_blocks_that_miss_the_turn_end_are_demoted_at_finish() -> None:
 
 
 def test_store_everything_admits_all() -> None:
-    policy = StoreEverything()
-    cfg = config(slots=10)
-    assert policy.admit(cfg.resolved[1], 0, [], 100) is Admit.YES
-    assert not policy.learns
+    cfg = config(slots=10, policy="lru")
+    planner = Planner(cfg, HostTier(cfg))
+    policy = planner.store_policy
+    assert policy.admission is None and not policy.learns_points
+    req = Req("r", list(range(32)), BlockHasher(4))
+    planner.get_num_new_matched_tokens(req, 0)
+    st = planner._requests["r"]
+    assert policy.select(st, 32).admit(cfg.resolved[1], 0, st.groups[1].keys[0]) is True
 
 
 def test_a_block_no_likely_hit_needs_is_spare_while_the_tier_has_room() -> None:
@@ -251,7 +256,8 @@ def test_passed_resume_points_stay_demoted_through_the_requests_own_touches(
 def test_resume_points_lie_inside_the_prompt() -> None:
     policy = HitPointAdmission(4, 8, lambda: False)
     assert [policy.resume_point(f, 40) for f in (4, 8, 13, 38, 39, 44)] == [0, 8, 8, 32, 0, 0]
-    assert StoreEverything().resume_point(13, 40) == 0
+    # The null store policy has no resume points: it stores every block anyway.
+    assert StorePolicy().select(None, 13) is ADMIT_ALL  # type: ignore[arg-type]
 
 
 def test_a_resume_state_before_a_likely_hit_point_is_kept() -> None:
@@ -547,10 +553,10 @@ def test_turn_ends_are_learned_only_in_hybrid_layouts() -> None:
         req = Req("a", list(range(40)), hasher, prompt=8)
         assert p.get_num_new_matched_tokens(req, 0).num_tokens == 0
         p.request_finished(req)
-    assert isinstance(planner._admission, HitPointAdmission)
-    assert isinstance(hybrid_planner._admission, HitPointAdmission)
-    assert planner._admission.turn_end_counts == (0.0, 0.0)
-    assert hybrid_planner._admission.turn_end_counts == (1.0, 0.0)
+    assert isinstance(planner.store_policy.admission, HitPointAdmission)
+    assert isinstance(hybrid_planner.store_policy.admission, HitPointAdmission)
+    assert planner.store_policy.admission.turn_end_counts == (0.0, 0.0)
+    assert hybrid_planner.store_policy.admission.turn_end_counts == (1.0, 0.0)
 
 
 def finish_turns(planner: Planner, hasher: BlockHasher, count: int, *,
@@ -622,8 +628,8 @@ def test_the_planner_learns_how_far_below_a_prompts_end_continuations_branch() -
             branch = Req(f"b{i}", [*tokens[:28], *[7] * 8], hasher)
             planner.get_num_new_matched_tokens(branch, 0)
             planner.request_finished(branch)
-        assert isinstance(planner._admission, HitPointAdmission)
-        assert planner._admission.granule_points == expected
+        assert isinstance(planner.store_policy.admission, HitPointAdmission)
+        assert planner.store_policy.admission.granule_points == expected
 
 
 def test_a_deferred_lookup_counts_the_depth_its_answer_will_have() -> None:
@@ -633,7 +639,7 @@ def test_a_deferred_lookup_counts_the_depth_its_answer_will_have() -> None:
     hasher = BlockHasher(4)
     cfg = config(slots=10_000, policy="value")
     planner = Planner(cfg, HostTier(cfg))
-    admission = planner._admission
+    admission = planner.store_policy.admission
     assert isinstance(admission, HitPointAdmission)
     first = Req("a", list(range(40)), hasher)
     assert planner.get_num_new_matched_tokens(first, 0).num_tokens == 0

@@ -12,7 +12,6 @@ import pytest
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import ConfigError
-from kvoffload.tiers.cpu import HostTier
 
 FA = GroupKind.FULL_ATTENTION
 SW = GroupKind.SLIDING_WINDOW
@@ -76,12 +75,11 @@ def test_invalid_values_name_the_field_and_the_fix(make: Callable[[], object], f
     assert isinstance(info.value, ValueError)  # callers catching ValueError still work
 
 
-def test_unknown_eviction_policy_is_rejected_when_the_tier_is_built() -> None:
-    # Policies register by name, possibly after the config exists, so the name is checked
-    # where it is used.
-    config = cfg(FULL16, eviction_policy="fifo")
+def test_unknown_eviction_policy_is_rejected_when_the_config_is_built() -> None:
+    # One registry (kvoffload.policies) answers for the tier and the planner alike, so the
+    # configuration can check the name before either is built.
     with pytest.raises(ConfigError) as info:
-        HostTier(config)
+        cfg(FULL16, eviction_policy="fifo")
     assert info.value.field == "eviction_policy"
     assert "'lru'" in info.value.fix and "'arc'" in info.value.fix
 

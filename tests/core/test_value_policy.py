@@ -10,10 +10,10 @@ from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.jobs import StepPlan, WorkerReport
 from kvoffload.keys import BlockHash, BlockHasher, OffloadKey, make_offload_key
-from kvoffload.planner.admission import HitPointAdmission, make_admission
+from kvoffload.planner.admission import HitPointAdmission
 from kvoffload.planner.contract import ScheduledRequest, StepInput
 from kvoffload.planner.planner import Planner
-from kvoffload.planner.value import PrefixValuer, proxy_prefill_flops
+from kvoffload.planner.valuation import PrefixValuer, proxy_prefill_flops
 from kvoffload.tiers.cpu import HostTier
 from kvoffload.tiers.eviction import BlockState, ValueHint, ValuePolicy, make_policy
 from kvoffload.tiers.eviction.value import NORMAL_SHARE
@@ -360,9 +360,12 @@ def test_granule_marks_are_bounded_forgotten_on_reset_and_absent_when_fixed() ->
 
 
 def test_value_and_hybrid_admit_selectively_lru_stores_everything() -> None:
-    assert make_admission("value", 4, 4, lambda: False).learns
-    assert make_admission("hybrid", 4, 4, lambda: False).learns
-    assert not make_admission("lru", 4, 4, lambda: False).learns
+    for policy, selective in (("value", True), ("hybrid", True), ("lru", False),
+                              ("arc", False)):
+        config = hybrid_config(64, policy)
+        store_policy = Planner(config, HostTier(config)).store_policy
+        assert isinstance(store_policy.admission, HitPointAdmission) is selective
+        assert store_policy.learns_points is selective
 
 
 def stored(plan: StepPlan, group: int) -> list[int]:

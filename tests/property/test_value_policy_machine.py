@@ -61,7 +61,7 @@ class AdmissionAudit:
 
     def __init__(self, engine: SimEngine) -> None:
         planner = engine.planner
-        self.admission = planner._admission
+        self.admission = planner.store_policy.admission
         assert isinstance(self.admission, HitPointAdmission)
         self.alignment = engine.config.hit_alignment
         self.hash_bs = engine.config.hash_block_size
@@ -152,7 +152,7 @@ class ValuePolicyMachine(PlannerMachine):
     def setup(self, config: OffloadConfig, pool: int, seed: int) -> None:
         super().setup(config, pool, seed)
         self.audit = (AdmissionAudit(self.engine)
-                      if isinstance(self.engine.planner._admission,
+                      if isinstance(self.engine.planner.store_policy.admission,
                                     HitPointAdmission) else None)
 
     def teardown(self) -> None:

@@ -5,8 +5,8 @@ group's block serves only hits whose window covers it, and a Mamba state serves 
 exactly at its position. Storing the rest wastes memory that full-attention blocks (or
 other hit points) could use.
 
-``StoreEverything`` stores every block (the reference behaviour). ``HitPointAdmission``
-stores window blocks and Mamba states only around *likely hit points*:
+``HitPointAdmission`` stores window blocks and Mamba states only around *likely hit points*
+(the null store policy, ``kvoffload.planner.store_policy.StorePolicy``, stores them all):
 
 * the end of the request's prompt (a repeated or retried prompt hits there);
 * every point after the prompt (the decode frontier: the end of this turn is where the
@@ -108,11 +108,6 @@ class Admit(IntEnum):
 class AdmissionPolicy(ABC):
     """Decides which window/Mamba blocks the planner stores. Full attention is not asked."""
 
-    learns = False
-    """Whether the policy learns hit points (``learn_miss``, ``observe_lookup``,
-    ``record_prompt_end``, ``record_turn_end`` do something); the planner skips the extra
-    work otherwise."""
-
     @abstractmethod
     def admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
               num_prompt_tokens: int) -> Admit:
@@ -171,14 +166,6 @@ class AdmissionPolicy(ABC):
         return block in window_at(group, point)
 
 
-class StoreEverything(AdmissionPolicy):
-    """Store every block that can be stored (the reference behaviour)."""
-
-    def admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
-              num_prompt_tokens: int) -> Admit:
-        return Admit.YES
-
-
 class HitPointAdmission(AdmissionPolicy):
     """Store window blocks and Mamba states only around likely hit points (module doc).
 
@@ -195,7 +182,6 @@ class HitPointAdmission(AdmissionPolicy):
         granule_share: the share of observed prefix ends a granule must divide.
     """
 
-    learns = True
     MAX_GRANULE_SHIFT = 12
     GRANULE_EVIDENCE = 64.0
     """Continuations counted at marked granule points (decayed) before their depths are
@@ -445,24 +431,4 @@ class HitPointAdmission(AdmissionPolicy):
     @property
     def num_learned(self) -> int:
         return len(self._learned)
-
-
-SELECTIVE_POLICIES = frozenset({"hybrid", "value"})
-"""Eviction policy names that come with hit-point admission."""
-
-VALUE_AWARE_POLICIES = frozenset({"value"})
-"""Eviction policy names that rank keys by ``ValueHint`` (the planner sends them)."""
-
-
-def make_admission(eviction_policy: str, hash_block_size: int, alignment: int,
-                   has_room: Callable[[], bool]) -> AdmissionPolicy:
-    """The admission that goes with an eviction policy name ("hybrid" and "value" are
-    selective)."""
-    if eviction_policy in SELECTIVE_POLICIES:
-        # "value" also keeps windows at the last multiples of the learned sharing granule.
-        if eviction_policy == "value":
-            return HitPointAdmission(hash_block_size, alignment, has_room,
-                                     granule_points=2, max_granule_points=8)
-        return HitPointAdmission(hash_block_size, alignment, has_room, granule_points=0)
-    return StoreEverything()
 

@@ -29,14 +29,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from collections.abc import Set as AbstractSet
-from typing import cast
 
 from kvoffload.completion import count_rank_report
-from kvoffload.config import GroupKind, OffloadConfig, ResolvedGroup
+from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
 from kvoffload.jobs import (
-    NULL_BLOCK_ID,
     Direction,
     GroupTransfer,
     JobId,
@@ -44,14 +41,8 @@ from kvoffload.jobs import (
     TransferJob,
     WorkerReport,
 )
-from kvoffload.keys import BlockHash, OffloadKey, key_group, make_offload_key
+from kvoffload.keys import OffloadKey
 from kvoffload.metrics import PlannerStats
-from kvoffload.planner.admission import (
-    VALUE_AWARE_POLICIES,
-    Admit,
-    make_admission,
-    window_at,
-)
 from kvoffload.planner.contract import (
     LoadFailure,
     MatchResult,
@@ -61,21 +52,18 @@ from kvoffload.planner.contract import (
     StepInput,
 )
 from kvoffload.planner.fence import Fence
-from kvoffload.planner.insertion import InsertionDuel, is_hot_request
-from kvoffload.planner.lookup import BlockReadable, GroupView, combined_hit_end, lookup_order
+from kvoffload.planner.insertion import InsertionDuel
+from kvoffload.planner.lookup import lookup_order
+from kvoffload.planner.positions import load_positions
+from kvoffload.planner.prefix_lookup import PrefixLookup
 from kvoffload.planner.state import GroupState, JobState, PlannedLoad, RequestState
-from kvoffload.planner.value import PrefillFlops, PrefixValuer
+from kvoffload.planner.store_planning import StorePlanner
+from kvoffload.planner.store_policy import StorePolicy, StorePolicyContext
+from kvoffload.planner.valuation import PrefillFlops
+from kvoffload.policies import cache_policy
 from kvoffload.tiers.base import LookupResult, Tier, TierEvent
 
 logger = logging.getLogger(__name__)
-
-CHECKPOINT_SHARE = 0.1
-"""A prefill's passed resume point stays (is not demoted) when its window blocks and
-state charge at most this share of the full-attention blocks the request stored since
-its last kept point (or its first hit): a cheap checkpoint where a later request may
-branch off. On the shared trace that keeps every resume point of gpt-oss-20b (a window
-is one block) and one every ~53k tokens on Gemma 3 (a window is 4 blocks of 52 layers)."""
-
 
 class Planner:
     """Engine-neutral scheduler side of kvoffload. See the module docstring."""
@@ -102,37 +90,21 @@ class Planner:
         self._early_failed: list[LoadFailure] = []
         self._abandoned: set[JobId] = set()
         self._early_released: list[JobId] = []
-        self._admission = make_admission(config.eviction_policy, config.hash_block_size,
-                                         self._alignment, self._tier_has_room)
-        self._full_views = [g for g in self._order if g.window_blocks is None]
-        self._learns_points = (self._admission.learns
-                               and 0 < len(self._full_views) < len(self._order))
-        """Whether admission learns hit points (a hybrid layout under selective admission)."""
-        self._valuer = (PrefixValuer(config, prefill_flops)
-                        if config.eviction_policy in VALUE_AWARE_POLICIES else None)
-        self._charge = [g.block_bytes if config.charges_bytes else 1 for g in self._groups]
-        self._insertion = self._new_insertion()
-        self._key_suffix = [make_offload_key(BlockHash(b""), g.index) for g in self._groups]
-        self._step_end_states = (not config.mamba_states_every_block
-                                 and any(g.kind is GroupKind.MAMBA for g in self._groups))
-        self._point_charge = sum(self._charge[g.index] * (g.window_blocks or 1)
-                                 for g in self._groups if g.window_blocks is not None)
-        """What the window blocks and state of one hit point charge, all groups."""
-        self._full_charge_per_token = sum(self._charge[g.index] / g.offloaded_block_size
-                                          for g in self._groups if g.window_blocks is None)
+        self._policy = cache_policy(config.eviction_policy).store(
+            StorePolicyContext(config, tier, self.stats, prefill_flops))
+        self._lookups = PrefixLookup(config, tier, self._policy)
+        self._stores = StorePlanner(config, tier, self._policy, self.stats)
 
-    def _new_insertion(self) -> InsertionDuel | None:
-        """A fresh insertion duel at the tier's budget (value-aware policies only)."""
-        if self._valuer is None or not self._full_views:
-            return None
-        config = self.config
-        return InsertionDuel(config.host_capacity_bytes if config.charges_bytes
-                             else config.num_host_slots, self._full_views[0].offloaded_block_size)
+    @property
+    def store_policy(self) -> StorePolicy:
+        """What the planner stores beyond a hit's rules, and the hints it sends
+        (``kvoffload.planner.store_policy``; chosen by ``config.eviction_policy``)."""
+        return self._policy
 
     @property
     def insertion(self) -> InsertionDuel | None:
-        """The duel between LRU and bimodal insertion (value-aware policies only)."""
-        return self._insertion
+        """The store policy's duel between LRU and bimodal insertion, if it runs one."""
+        return self._policy.insertion
 
     # ------------------------------------------------------------------ lookup
 
@@ -156,9 +128,9 @@ class Planner:
         if st.jobs:
             return self._defer_or(st, 0)
         st.reset_table()
-        self._refresh_keys(st)
+        self._lookups.refresh_keys(st)
         st.num_local_tokens = num_computed_tokens
-        end, deferred = self._lookup(st, num_computed_tokens)
+        end, deferred = self._lookups.find(st, num_computed_tokens)
         if deferred:
             result = self._defer_or(st, end - num_computed_tokens)
             if result.is_deferred:
@@ -168,17 +140,10 @@ class Planner:
         first = not st.looked_up
         if first:
             st.looked_up = True
-            st.first_hit_tokens = end
             for g, gs in zip(self._groups, st.groups, strict=True):
                 gs.num_hit_blocks = end // g.offloaded_block_size
-        duel = self._insertion
-        if duel is not None and first:
-            full = self._full_views[0]
-            duel.observe_lookup(st.groups[full.index].keys,
-                                num_computed_tokens // full.offloaded_block_size, hits)
-            st.cold_candidate = not is_hot_request(request.request_id)
-            st.stores_cold = st.cold_candidate and duel.bimodal_ahead
-        self._touch(st, frozenset(st.passed_keys))
+            self._policy.first_lookup(st, num_computed_tokens, end)
+        self._lookups.touch(st, self._policy.touch_skip(st, finishing=False))
         if hits > 0:
             st.planned = PlannedLoad(num_computed_tokens, end)
             self.stats.lookup_hit_tokens += hits
@@ -200,92 +165,6 @@ class Planner:
         if st.jobs:
             return MatchResult(0)
         return MatchResult(fallback, load_async=fallback > 0)
-
-    def _lookup(self, st: RequestState, num_computed: int) -> tuple[int, bool]:
-        """(hit end with what is readable now, whether waiting could give more)."""
-        request = st.request
-        max_end = request.num_tokens - (1 if self.config.has_windowed_group else 0)
-        tier_lookup = self.tier.lookup
-        hit, miss, pending = LookupResult.HIT, LookupResult.MISS, LookupResult.PENDING
-        # Each (group, block) is asked of the tier at most once per lookup, whatever the
-        # fixpoint re-checks; one closure per group keeps the per-block cost to one call.
-        seen: list[dict[int, LookupResult]] = [{} for _ in self._groups]
-        saw_pending = False
-
-        def readable(keys: list[OffloadKey], cache: dict[int, LookupResult],
-                     accept_pending: bool) -> BlockReadable:
-            def status(i: int) -> LookupResult:
-                nonlocal saw_pending
-                found = cache.get(i)
-                if found is None:
-                    found = cache[i] = tier_lookup(keys[i])
-                    if found is pending:
-                        saw_pending = True
-                return found
-
-            if accept_pending:
-                return lambda i: (cache.get(i) or status(i)) is not miss
-            return lambda i: (cache.get(i) or status(i)) is hit
-
-        def views(accept_pending: bool) -> list[GroupView]:
-            return [GroupView(g, len(st.groups[g.index].keys),
-                              readable(st.groups[g.index].keys, seen[g.index], accept_pending))
-                    for g in self._order]
-
-        end = combined_hit_end(views(False), num_computed, max_end, self._alignment)
-        once_landed = views(True)
-        full_end = 0
-        if self._learns_points:
-            # Learn from where the prefix reaches once the stores in flight land: a lookup
-            # that is deferred and asked again must tell the admission what the answer does.
-            # (Before ``hopeful``: probing the full-attention prefix may find stores pending.)
-            full_only = [v for v in once_landed if v.group.window_blocks is None]
-            full_end = combined_hit_end(full_only, num_computed, max_end, self._alignment)
-        hopeful = (combined_hit_end(once_landed, num_computed, max_end, self._alignment)
-                   if saw_pending else end)
-        if self._learns_points:
-            self._admission.observe_lookup(full_end, hopeful, request.block_hashes)
-            if full_end > hopeful:
-                self._admission.learn_miss(request.block_hashes, full_end)
-        if not saw_pending:
-            return end, False
-        if hopeful > end:
-            self.tier.prefetch(self._hit_keys(st, num_computed, hopeful))
-        return end, hopeful > end
-
-    def _hit_keys(self, st: RequestState, start: int, end: int) -> list[OffloadKey]:
-        """Keys a load of tokens ``[start, end)`` reads: every block of a full-attention
-        group, the last window of a window group, the state at ``end`` of a Mamba group."""
-        keys: list[OffloadKey] = []
-        for g, gs in zip(self._groups, st.groups, strict=True):
-            last = end // g.offloaded_block_size
-            first = start // g.offloaded_block_size
-            if g.window_blocks is not None:
-                first = max(first, last - g.window_blocks)
-            keys.extend(gs.keys[first:last])
-        return keys
-
-    def _touch(self, st: RequestState, skip: AbstractSet[OffloadKey] = frozenset()) -> None:
-        """Keep warm what a future hit on this request's prefix needs (SYSTEM.md 2.4).
-
-        Full attention: every key. Window and Mamba groups: the keys from the last W
-        blocks of the first hit on -- of those, only blocks that some aligned hit can use:
-        the others are never stored (``_useful_blocks``), so touching them would only
-        cost time (for a 16-block alignment, 15 of every 16 Mamba keys). Keys in ``skip``
-        are left as they are.
-        """
-        keys: list[OffloadKey] = []
-        for g, gs in zip(self._groups, st.groups, strict=True):
-            if g.window_blocks is None:
-                keys.extend(gs.keys)
-                continue
-            blocks = self._useful_blocks(g, max(0, gs.num_hit_blocks - g.window_blocks),
-                                         len(gs.keys))
-            keys.extend(gs.keys[blocks.start:blocks.stop:blocks.step]
-                        if isinstance(blocks, range) else [gs.keys[k] for k in blocks])
-        if skip:
-            keys = [key for key in keys if key not in skip]
-        self.tier.touch(keys)
 
     # ------------------------------------------------------------------- loads
 
@@ -327,7 +206,7 @@ class Planner:
         keys: list[OffloadKey] = []
         key_groups: list[tuple[int, int]] = []  # (index into transfers, number of keys)
         for g, gs, table in zip(self._groups, st.groups, tables, strict=True):
-            positions = self._load_positions(g, table, planned)
+            positions = load_positions(g, table, planned)
             if not positions:
                 continue
             f = g.factor
@@ -366,28 +245,6 @@ class Planner:
         self._loads.append(TransferJob(job_id, Direction.LOAD, rid, tuple(filled)))
         self.stats.load_jobs += 1
 
-    @staticmethod
-    def _load_positions(g: ResolvedGroup, ids: Sequence[int], planned: PlannedLoad) -> list[int]:
-        """Engine block positions of group ``g`` the hit needs that the engine lacks."""
-        bs = g.spec.block_size
-        end_pos = planned.end // bs
-        first = planned.num_local_tokens // bs
-        if g.kind is GroupKind.MAMBA:
-            first = max(first, end_pos - 1)
-        elif g.kind is GroupKind.SLIDING_WINDOW:
-            assert g.spec.sliding_window is not None
-            first = max(first, (planned.end - g.spec.sliding_window) // bs)
-        if len(ids) < end_pos:
-            raise InvariantError(f"group {g.index}: block table has {len(ids)} blocks, the "
-                                 f"load needs {end_pos}")
-        positions = [p for p in range(first, end_pos) if ids[p] != NULL_BLOCK_ID]
-        if g.kind is not GroupKind.SLIDING_WINDOW and len(positions) != end_pos - first:
-            raise InvariantError(f"group {g.index} ({g.kind.value}): null block where the "
-                                 "load must write; allocate a block for every needed position")
-        if positions and positions[-1] - positions[0] + 1 != len(positions):
-            raise InvariantError(f"group {g.index}: null blocks inside the loaded range")
-        return positions
-
     # ------------------------------------------------------------------ stores
 
     def build_step_plan(self, step: StepInput) -> StepPlan:
@@ -402,13 +259,7 @@ class Planner:
                 continue
             self._flush |= st.jobs
             st.reset_table()
-            if self._insertion is not None:
-                # It reloads its prefix when it resumes: cold blocks of it (whoever stored
-                # them) become normal after all.
-                keys = [key for gs in st.groups for key in gs.keys]
-                self.tier.warm(keys)
-                self._insertion.observe_preempt(keys)
-                st.cold_keys = []
+            self._policy.preempted(st)
         stores: list[TransferJob] = []
         for sched in step.scheduled:
             job = self._schedule_request(sched)
@@ -446,7 +297,7 @@ class Planner:
                                  "is in flight; wait for finished_loads")
         if sched.resumed:
             st.reset_table()
-        self._refresh_keys(st)
+        self._lookups.refresh_keys(st)
         for gs, ids in zip(st.groups, sched.new_block_ids, strict=True):
             if ids:
                 gs.block_ids.extend(ids)
@@ -457,272 +308,20 @@ class Planner:
                 gs.num_freed = max(gs.num_freed, n)
         offloadable = min(sched.num_computed_tokens + sched.num_scheduled_tokens,
                           request.num_tokens)
-        if self._step_end_states and offloadable % self._alignment == 0 and offloadable:
+        if self._stores.step_end_states and offloadable % self._alignment == 0 and offloadable:
             # A Mamba state exists only where a step ends (module docstring of state.py).
             st.state_ends.add(offloadable)
-        return self._plan_store(st, offloadable)
-
-    def _plan_store(self, st: RequestState, offloadable: int) -> TransferJob | None:
-        """A store job for the request's newly complete blocks, or None.
-
-        Store progress advances only when the blocks were stored, found present or
-        skipped; a failed ``prepare_store`` leaves it in place to retry next step.
-        """
-        limits = [min(offloadable // g.offloaded_block_size, len(gs.keys),
-                      len(gs.block_ids) // g.factor)
-                  for g, gs in zip(self._groups, st.groups, strict=True)]
-        if all(limit <= gs.next_stored for limit, gs in zip(limits, st.groups, strict=True)):
-            return None  # no block completed since the last store (the common decode step)
-        candidates: list[list[tuple[int, list[int]]]] = []
-        keys: list[OffloadKey] = []
-        request = st.request
-        resume = self._admission.resume_point(offloadable, request.num_prompt_tokens)
-        if resume and self._step_end_states and resume not in st.state_ends:
-            resume = 0  # no Mamba state there: the last resume point stays the one
-        provisional: list[tuple[int, int, OffloadKey]] = []
-        spare: list[OffloadKey] = []
-        for g, gs, limit in zip(self._groups, st.groups, limits, strict=True):
-            entries = []
-            first = gs.next_stored
-            f = g.factor
-            if (g.kind is GroupKind.FULL_ATTENTION and first < limit and gs.num_freed <= first * f
-                    and NULL_BLOCK_ID not in gs.block_ids[first * f:limit * f]):
-                # Every block live (the usual case): what _store_positions would say,
-                # without a call per block.
-                entries = [(k, list(range(k * f, (k + 1) * f))) for k in range(first, limit)]
-                keys.extend(gs.keys[first:limit])
-                candidates.append(entries)
-                continue
-            blocks = (range(first, limit) if g.window_blocks is None
-                      else self._useful_blocks(g, first, limit))
-            for k in blocks:
-                positions = self._store_positions(g, gs, k, st.state_ends)
-                if not positions:
-                    continue
-                verdict = Admit.YES if g.window_blocks is None else self._admission.admit(
-                    g, k, request.block_hashes, request.num_prompt_tokens)
-                if verdict is Admit.YES:
-                    pass
-                elif resume and self._admission.admit_for_resume(g, k, resume):
-                    provisional.append((g.index, k, gs.keys[k]))
-                elif verdict is Admit.SPARE_ROOM:
-                    spare.append(gs.keys[k])
-                else:
-                    continue
-                entries.append((k, positions))
-                keys.append(gs.keys[k])
-            candidates.append(entries)
-        if not keys:
-            self._advance(st, limits)
+        planned = self._stores.plan(st, offloadable)
+        if planned is None:
             return None
-        result = self.tier.prepare_store(keys)
-        if result is None:
-            self.stats.store_retries += 1
-            return None
-        self._advance(st, limits)
-        if resume and not self._holds_window(st, resume):
-            resume = 0  # a block of its window (or its state) was never stored: keep the last
-        self._track_resume_point(st, resume, provisional, result.keys_to_store)
-        resume_keys = frozenset(key for _, _, key in provisional)
-        if self._insertion is not None:
-            charge = self._charge
-            self._insertion.observe_store([(key, charge[key_group(key)]) for key in keys],
-                                          st.cold_candidate, normal=resume_keys)
-        if st.stores_cold:
-            self._store_cold(st, result.keys_to_store, resume_keys)
-        if spare:
-            fresh = set(result.keys_to_store)
-            st.spare_keys.extend(key for key in spare if key in fresh)
-        if not result.keys_to_store:
-            return None
-        slot_of = dict(zip(result.keys_to_store, result.slots, strict=True))
-        transfers: list[GroupTransfer] = []
-        windowed_ids: list[int] = []
-        other_ids: list[int] = []
-        valued: list[list[tuple[int, OffloadKey]]] = []
-        for g, gs, entries in zip(self._groups, st.groups, candidates, strict=True):
-            chosen = [(k, p) for k, p in entries if gs.keys[k] in slot_of]
-            if self._valuer is not None:
-                valued.append([(k, gs.keys[k]) for k, _ in chosen])
-            if not chosen:
-                continue
-            self.stats.add_blocks(self.stats.blocks_stored, g.index, len(chosen))
-            group_transfers = self._group_store_transfers(g, gs, chosen, slot_of)
-            transfers.extend(group_transfers)
-            ids = [b for t in group_transfers for b in t.block_ids]
-            (windowed_ids if g.is_windowed else other_ids).extend(ids)
-        if self._valuer is not None:
-            frontier = max(limit * g.offloaded_block_size
-                           for g, limit in zip(self._groups, limits, strict=True))
-            self.tier.set_values(self._valuer.hints(frontier, valued,
-                                                    [gs.keys for gs in st.groups],
-                                                    self._reuse(st)))
         job_id = self._new_job_id()
-        rid = st.request.request_id
-        self._jobs[job_id] = JobState(job_id, rid, Direction.STORE, result.keys_to_store,
-                                      tuple(windowed_ids), tuple(other_ids))
-        self._fence.add(job_id, windowed_ids)
+        rid = request.request_id
+        self._jobs[job_id] = JobState(job_id, rid, Direction.STORE, planned.keys,
+                                      planned.windowed_block_ids, planned.other_block_ids)
+        self._fence.add(job_id, planned.windowed_block_ids)
         st.jobs.add(job_id)
         self.stats.store_jobs += 1
-        return TransferJob(job_id, Direction.STORE, rid, tuple(transfers))
-
-    def _store_cold(self, st: RequestState, stored: Sequence[OffloadKey],
-                    provisional: AbstractSet[OffloadKey]) -> None:
-        """Bimodal insertion: the newly stored keys go in cold, except the window and state
-        blocks stored only for the resume point (``provisional``: a preemption reloads
-        them)."""
-        cold = [key for key in stored if key not in provisional]
-        st.cold_keys.extend(cold)
-        self.stats.cold_stored_keys += self.tier.cool(cold)
-
-    def _demote(self, keys: list[OffloadKey]) -> None:
-        """Tell the tier (and the insertion duel's directories) that no likely hit uses
-        ``keys``."""
-        self.tier.demote(keys)
-        if self._insertion is not None:
-            self._insertion.observe_demote(keys)
-
-    def _track_resume_point(self, st: RequestState, point: int,
-                           provisional: list[tuple[int, int, OffloadKey]],
-                           stored: Sequence[OffloadKey]) -> None:
-        """Record the blocks stored only for a resume at ``point``; when the prefill moved
-        past the previous resume point, demote that point's blocks that ``point`` does not
-        need itself (admission's resume points), unless it is a cheap checkpoint
-        (``CHECKPOINT_SHARE``) or ``_keeps_resume_point``."""
-        if point > st.resume_point:
-            still: list[tuple[int, int, OffloadKey]] = []
-            if st.resume_keys and self._cheap_checkpoint(st):
-                st.kept_point = st.resume_point  # its blocks stay as stored
-            elif st.resume_keys and not self._keeps_resume_point(st, point):
-                passed: list[OffloadKey] = []
-                for entry in st.resume_keys:
-                    group, block, key = entry
-                    if block in window_at(self._groups[group], point):
-                        still.append(entry)
-                    else:
-                        passed.append(key)
-                self._demote(passed)
-                st.passed_keys.extend(passed)
-            st.resume_keys = still
-            st.resume_point = point
-        if provisional:
-            fresh = set(stored)
-            st.resume_keys.extend(entry for entry in provisional if entry[2] in fresh)
-
-    def _cheap_checkpoint(self, st: RequestState) -> bool:
-        """Whether the blocks of the request's resume point charge at most
-        ``CHECKPOINT_SHARE`` of the full-attention blocks it stored since its last kept
-        point (or its first hit)."""
-        since = max(st.kept_point, st.first_hit_tokens)
-        full = (st.resume_point - since) * self._full_charge_per_token
-        return 0 < self._point_charge <= CHECKPOINT_SHARE * full
-
-    def _holds_window(self, st: RequestState, point: int) -> bool:
-        """Whether the tier holds (ready or being written) every window block and state a
-        hit at ``point`` reads: else ``point`` cannot be resumed from."""
-        tier = self.tier
-        return all(gs.keys[k] in tier
-                   for g, gs in zip(self._groups, st.groups, strict=True)
-                   if g.window_blocks is not None for k in window_at(g, point))
-
-    def _keeps_resume_point(self, st: RequestState, stop: int) -> bool:
-        """Whether the blocks of the request's resume point stay (are not demoted) when
-        its prefill moves on to ``stop``: in a layout with Mamba groups, a state exists
-        only where a step ended, so when a likely hit point lies in ``[resume point,
-        stop)``, the resume point is the deepest one a hit there can use."""
-        request = st.request
-        return self._step_end_states and self._admission.hit_point_between(
-            st.resume_point, stop, request.block_hashes, request.num_prompt_tokens)
-
-    @staticmethod
-    def _group_store_transfers(g: ResolvedGroup, gs: GroupState,
-                               chosen: list[tuple[int, list[int]]],
-                               slot_of: dict[OffloadKey, int]) -> list[GroupTransfer]:
-        """Transfers for the chosen offloaded blocks of one group.
-
-        One transfer per run of adjacent blocks, so ``first_block_index + i`` names the
-        position of each block (blocks already in the tier split a run). Only the first
-        block of a run may be partial (nulls are a prefix). A Mamba group stores only the
-        last state of each block, one transfer per block.
-        """
-        ids = gs.block_ids
-        if g.kind is GroupKind.MAMBA:
-            return [GroupTransfer(g.index, (ids[p[0]],), p[0], (slot_of[gs.keys[k]],))
-                    for k, p in chosen]
-        runs: list[list[tuple[int, list[int]]]] = []
-        for k, positions in chosen:
-            if runs and runs[-1][-1][0] == k - 1:
-                if len(positions) != g.factor:
-                    raise InvariantError(f"group {g.index}: a partial block inside a run")
-                runs[-1].append((k, positions))
-            else:
-                runs.append([(k, positions)])
-        return [GroupTransfer(
-            g.index,
-            tuple(ids[p] for _, positions in run for p in positions),
-            run[0][1][0],
-            tuple(slot_of[gs.keys[k]] for k, _ in run),
-        ) for run in runs]
-
-    def _store_positions(self, g: ResolvedGroup, gs: GroupState, k: int,
-                         state_ends: set[int]) -> list[int] | None:
-        """Engine positions to store for offloaded block ``k``, or None to skip it.
-
-        Window and Mamba blocks come from ``_useful_blocks`` (so a Mamba block ends at a
-        hit alignment point, and some aligned hit's window uses a window block). Skipped:
-        blocks that are null or freed, Mamba states that (``mamba_states_every_block`` off)
-        no step of the request produced (``state_ends``: a step ending mid-block leaves the
-        block holding another state), and partial window blocks whose missing part a hit's
-        window would need.
-        """
-        f = g.factor
-        lo, hi = k * f, (k + 1) * f
-        ids = gs.block_ids
-        obs = g.offloaded_block_size
-        if g.kind is GroupKind.MAMBA:
-            last = hi - 1  # the state after the block's last token
-            if (last < gs.num_freed or ids[last] == NULL_BLOCK_ID
-                    or (self._step_end_states and (k + 1) * obs not in state_ends)):
-                return None
-            return [last]
-        live = [p for p in range(max(lo, gs.num_freed), hi) if ids[p] != NULL_BLOCK_ID]
-        if g.kind is GroupKind.FULL_ATTENTION:
-            if len(live) != f:
-                raise InvariantError(f"group {g.index} (full attention): null or freed block "
-                                     f"at offloaded block {k}")
-            return live
-        if not live:
-            return None
-        assert g.spec.sliding_window is not None
-        step = self._alignment // obs
-        first_hit_block = (k // step + 1) * step
-        if live[0] > lo and (first_hit_block * obs - g.spec.sliding_window
-                             < live[0] * g.spec.block_size):
-            return None
-        return live
-
-    def _useful_blocks(self, g: ResolvedGroup, start: int, stop: int) -> Sequence[int]:
-        """Blocks in ``[start, stop)`` of window or Mamba group ``g`` that some aligned hit
-        can use: with hits every ``step`` blocks and a window of ``W``, block ``k`` serves
-        one iff ``k % step >= step - W``. No other block of the group is ever stored."""
-        assert g.window_blocks is not None
-        step = self._alignment // g.offloaded_block_size
-        width = min(g.window_blocks, step)
-        if width == step:
-            return range(start, stop)
-        if width == 1:
-            return range(start + (step - 1 - start % step), stop, step)
-        return [k for seg in range(start - start % step, stop, step)
-                for k in range(max(start, seg + step - width), min(seg + step, stop))]
-
-    def _advance(self, st: RequestState, limits: list[int]) -> None:
-        for gs, limit in zip(st.groups, limits, strict=True):
-            gs.next_stored = max(gs.next_stored, limit)
-        if st.state_ends:
-            done = min(gs.next_stored * g.offloaded_block_size
-                       for g, gs in zip(self._groups, st.groups, strict=True)
-                       if g.kind is GroupKind.MAMBA)
-            st.state_ends = {end for end in st.state_ends if end > done}
+        return TransferJob(job_id, Direction.STORE, rid, planned.transfers)
 
     # ------------------------------------------------------------- completion
 
@@ -845,17 +444,9 @@ class Planner:
         # Refresh the whole prefix once, at the end: early blocks end most recent (they
         # serve the most future hits). Stores insert their keys as most recent already;
         # touching the whole prefix on every store would cost O(context) per block. What
-        # the request stored cold stays cold.
-        self._touch(st, frozenset(st.cold_keys).union(st.passed_keys))
-        st.cold_keys = []
-        st.passed_keys = []
-        if self._learns_points:
-            self._admission.record_prompt_end(request.block_hashes, request.num_prompt_tokens)
-            if request.num_tokens > request.num_prompt_tokens:
-                self._admission.record_turn_end(request.block_hashes,
-                                                request.num_prompt_tokens, request.num_tokens)
-        self._value_finished(st)
-        self._demote_finished(st)
+        # the store policy keeps apart (stored cold, passed resume points) stays so.
+        self._lookups.touch(st, self._policy.touch_skip(st, finishing=True))
+        self._policy.finished(st)
         if not st.jobs:
             del self._requests[request.request_id]
             return
@@ -864,57 +455,6 @@ class Planner:
             if not js.fenced_other:
                 self._fence.add(job_id, js.other_block_ids)
                 js.fenced_other = True
-
-    def _value_finished(self, st: RequestState) -> None:
-        """Value every key the request stored or reused as its whole prefix."""
-        if self._valuer is None:
-            return
-        frontier = max(min(gs.next_stored, len(gs.keys)) * g.offloaded_block_size
-                       for g, gs in zip(self._groups, st.groups, strict=True))
-        if frontier <= 0:
-            return
-        entries: list[list[tuple[int, OffloadKey]]] = []
-        for g, gs in zip(self._groups, st.groups, strict=True):
-            stop = min(gs.next_stored, len(gs.keys))
-            blocks = (range(stop) if g.window_blocks is None
-                      else self._useful_blocks(g, 0, stop))
-            entries.append([(k, gs.keys[k]) for k in blocks])
-        self.tier.set_values(self._valuer.hints(frontier, entries,
-                                                [gs.keys for gs in st.groups],
-                                                self._reuse(st)))
-
-    @staticmethod
-    def _reuse(st: RequestState) -> float:
-        """Share of the request's prompt that was cached when it arrived."""
-        prompt = st.request.num_prompt_tokens
-        return min(1.0, st.first_hit_tokens / prompt) if prompt > 0 else 0.0
-
-    def _demote_finished(self, st: RequestState) -> None:
-        """Tell the tier which of the request's stored blocks no likely hit can use."""
-        request = st.request
-        worthless: list[OffloadKey] = []
-        for g, gs in zip(self._groups, st.groups, strict=True):
-            if g.window_blocks is None:
-                continue
-            blocks = self._admission.demote_on_finish(g, 0, min(gs.next_stored, len(gs.keys)),
-                                                      request.num_prompt_tokens,
-                                                      request.num_tokens)
-            worthless.extend(gs.keys[k] for k in blocks)
-        # The last resume point lies at or before the prompt's end point, a likely hit
-        # point, so where states exist only at step ends (``_keeps_resume_point``) its
-        # state may be the deepest one a hit there can use: kept. Else it is kept only as
-        # a cheap checkpoint.
-        if not self._step_end_states and not self._cheap_checkpoint(st):
-            worthless.extend(entry[2] for entry in st.resume_keys)
-        st.resume_keys = []
-        # Stored only because the tier had room: first to go once memory is short.
-        worthless.extend(st.spare_keys)
-        st.spare_keys = []
-        if worthless:
-            self._demote(worthless)
-
-    def _tier_has_room(self) -> bool:
-        return not self.tier.is_full()
 
     def take_events(self) -> list[TierEvent]:
         """Cache events (blocks stored or removed) since the last call, for routers."""
@@ -932,7 +472,6 @@ class Planner:
         self._flush |= set(self._jobs)
         self._loads = []
         self.tier.reset()
-        self._admission.forget_cached()
         self._stale_below = self._next_job
         self._jobs.clear()
         self._abandoned.clear()
@@ -942,14 +481,9 @@ class Planner:
         for st in self._requests.values():
             st.jobs.clear()
             st.planned = None
-            st.resume_point = st.kept_point = 0
-            st.resume_keys = []
-            st.spare_keys = []
-            st.passed_keys = []
-            st.cold_keys = []
             for gs in st.groups:
                 gs.next_stored = 0
-        self._insertion = self._new_insertion()  # its directories modelled what is gone
+        self._policy.reset(list(self._requests.values()))
 
     def shutdown(self) -> None:
         """Forget every request; the tier keeps its contents until reset."""
@@ -1015,16 +549,3 @@ class Planner:
         job_id = JobId(self._next_job)
         self._next_job += 1
         return job_id
-
-    def _refresh_keys(self, st: RequestState) -> None:
-        """Append a key for every offloaded block completed since the last call."""
-        hashes = st.request.block_hashes
-        num_hashes = len(hashes)
-        for g, gs, suffix in zip(self._groups, st.groups, self._key_suffix, strict=True):
-            hpb = g.hashes_per_block
-            keys = gs.keys
-            if len(keys) < num_hashes // hpb:
-                # hash + suffix is make_offload_key(hash, g.index), minus a call per key.
-                first = (len(keys) + 1) * hpb - 1
-                keys.extend(cast("list[OffloadKey]",
-                                 [hashes[i] + suffix for i in range(first, num_hashes, hpb)]))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from kvoffload.jobs import Direction, JobId
 from kvoffload.keys import OffloadKey
 from kvoffload.planner.contract import RequestInfo
+from kvoffload.planner.store_policy import PolicyRequestState
 
 
 @dataclass
@@ -59,35 +60,12 @@ class RequestState:
     planned: PlannedLoad | None = None
     num_local_tokens: int = 0
     looked_up: bool = False
-    first_hit_tokens: int = 0
-    """Tokens of the prompt already cached (engine or tier) at the first lookup."""
     deferred_steps: int = 0
     deferred_since: float = 0.0
     finished: bool = False
     state_ends: set[int] = field(default_factory=set)
-    resume_point: int = 0
-    """The prefill point (tokens) whose windows and states ``resume_keys`` hold."""
-    resume_keys: list[tuple[int, int, OffloadKey]] = field(default_factory=list)
-    """(group, offloaded block, key) stored only because a resume at ``resume_point``
-    needs them (provisional: demoted once a later resume point does not need them, or the
-    request finishes, unless kept as a cheap checkpoint)."""
-    kept_point: int = 0
-    """The last resume point (tokens) whose blocks were kept as a cheap checkpoint
-    (``planner.CHECKPOINT_SHARE``); 0 for none."""
-    passed_keys: list[OffloadKey] = field(default_factory=list)
-    """Blocks of resume points the prefill moved past, demoted: the request's own
-    touches (a lookup after a preemption, its finish) leave them demoted."""
-    spare_keys: list[OffloadKey] = field(default_factory=list)
-    """Window blocks and states the request stored only because the tier had free room
-    (``Admit.SPARE_ROOM``): demoted when it finishes."""
-    cold_candidate: bool = False
-    """Bimodal insertion stores this request's blocks cold (not ``is_hot_request``)."""
-    stores_cold: bool = False
-    """The request stores its new blocks cold: a cold candidate that arrived while
-    bimodal insertion was ahead."""
-    cold_keys: list[OffloadKey] = field(default_factory=list)
-    """Keys the request stored cold (bimodal insertion): the touch at its finish leaves
-    them cold. Cleared on a preemption, which warms the request's whole prefix."""
+    policy: PolicyRequestState = field(default_factory=PolicyRequestState)
+    """What the store policy keeps for the request (``kvoffload.planner.store_policy``)."""
 
     def reset_table(self) -> None:
         """Forget the engine's block table (and the step ends seen with it): a new lookup,
