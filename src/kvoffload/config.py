@@ -12,21 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import Enum
 
 from kvoffload.errors import ConfigError
+from kvoffload.group_kinds import KIND_RULES, GroupKind, KindRules
 from kvoffload.policies import cache_policy
 
-
-class GroupKind(str, Enum):
-    """What one block of a group holds, and therefore what a cache hit needs from it."""
-
-    FULL_ATTENTION = "full_attention"
-    """K/V of ``block_size`` tokens; a hit at token t needs every block before t."""
-    SLIDING_WINDOW = "sliding_window"
-    """K/V of ``block_size`` tokens; a hit at t needs the blocks covering the last W tokens."""
-    MAMBA = "mamba"
-    """One recurrent-state snapshot after the block's last token; a hit at t needs that state."""
+__all__ = ["GroupKind", "GroupSpec", "OffloadConfig", "ResolvedGroup"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +49,8 @@ class GroupSpec:
         if self.block_size <= 0:
             raise ConfigError(f"{where}.block_size", f"must be positive, got {self.block_size}",
                               "Use the engine's block size in tokens, e.g. 16.")
-        if self.kind is GroupKind.SLIDING_WINDOW:
+        rules = KIND_RULES[self.kind]
+        if rules.takes_window:
             if self.sliding_window is None or self.sliding_window <= 0:
                 raise ConfigError(f"{where}.sliding_window",
                                   f"must be a positive token count, got {self.sliding_window}",
@@ -74,7 +66,7 @@ class GroupSpec:
             raise ConfigError(f"{where}.page_bytes", f"must be >= 0, got {self.page_bytes}",
                               "Give the bytes of one block of one layer on one rank.")
         if self.state_alignment is not None:
-            if self.kind is not GroupKind.MAMBA:
+            if not rules.takes_state_alignment:
                 raise ConfigError(f"{where}.state_alignment", "is set on a non-Mamba group",
                                   "Only Mamba groups checkpoint states; drop it.")
             if self.state_alignment <= 0 or self.state_alignment % self.block_size:
@@ -111,6 +103,11 @@ class ResolvedGroup:
     @property
     def kind(self) -> GroupKind:
         return self.spec.kind
+
+    @property
+    def rules(self) -> KindRules:
+        """The rules of the group's kind (``kvoffload.group_kinds``)."""
+        return KIND_RULES[self.spec.kind]
 
     @property
     def is_windowed(self) -> bool:
@@ -225,17 +222,9 @@ class OffloadConfig:
                               f"block_size_factor {factor}) is not a multiple of hash_block_size "
                               f"{self.hash_block_size}",
                               "Make hash_block_size a common divisor of every group's block size.")
-        window: int | None
-        alignment = obs
-        if spec.kind is GroupKind.FULL_ATTENTION:
-            window = None
-        elif spec.kind is GroupKind.SLIDING_WINDOW:
-            assert spec.sliding_window is not None
-            window = math.ceil(spec.sliding_window / obs)
-        else:
-            window = 1
-            if spec.state_alignment is not None:
-                alignment = math.lcm(obs, spec.state_alignment)
+        rules = KIND_RULES[spec.kind]
+        window = rules.window_blocks(spec, obs)
+        alignment = rules.alignment(spec, obs)
         return ResolvedGroup(
             index=index, spec=spec, factor=factor, offloaded_block_size=obs,
             hashes_per_block=obs // self.hash_block_size, window_blocks=window,

@@ -106,8 +106,6 @@ def combined_hit_end(views: Sequence[GroupView], num_computed: int, max_end: int
 
 
 def lookup_order(groups: Sequence[ResolvedGroup]) -> list[ResolvedGroup]:
-    """Full-attention groups first, then window groups by window size, largest first."""
-    full = [g for g in groups if g.window_blocks is None]
-    windowed = sorted((g for g in groups if g.window_blocks is not None),
-                      key=lambda g: -(g.window_blocks or 0) * g.offloaded_block_size)
-    return full + windowed
+    """Full-attention groups first, then window groups by window size in tokens, largest
+    first (``KindRules.lookup_rank``, over offloaded blocks)."""
+    return sorted(groups, key=lambda g: g.rules.lookup_rank(g.spec, g.offloaded_block_size))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvoffload.config import GroupKind, ResolvedGroup
+from kvoffload.config import ResolvedGroup
 from kvoffload.errors import InvariantError
 from kvoffload.jobs import NULL_BLOCK_ID, GroupTransfer
 from kvoffload.keys import OffloadKey
@@ -30,17 +30,13 @@ def load_positions(g: ResolvedGroup, ids: Sequence[int], planned: PlannedLoad) -
     """
     bs = g.spec.block_size
     end_pos = planned.end // bs
-    first = planned.num_local_tokens // bs
-    if g.kind is GroupKind.MAMBA:
-        first = max(first, end_pos - 1)
-    elif g.kind is GroupKind.SLIDING_WINDOW:
-        assert g.spec.sliding_window is not None
-        first = max(first, (planned.end - g.spec.sliding_window) // bs)
+    rules = g.rules
+    first = rules.load_start(g.spec, planned.num_local_tokens // bs, planned.end)
     if len(ids) < end_pos:
         raise InvariantError(f"group {g.index}: block table has {len(ids)} blocks, the "
                              f"load needs {end_pos}")
     positions = [p for p in range(first, end_pos) if ids[p] != NULL_BLOCK_ID]
-    if g.kind is not GroupKind.SLIDING_WINDOW and len(positions) != end_pos - first:
+    if rules.loads_every_position and len(positions) != end_pos - first:
         raise InvariantError(f"group {g.index} ({g.kind.value}): null block where the "
                              "load must write; allocate a block for every needed position")
     if positions and positions[-1] - positions[0] + 1 != len(positions):
@@ -80,14 +76,14 @@ def store_positions(g: ResolvedGroup, gs: GroupState, k: int, alignment: int,
     lo, hi = k * f, (k + 1) * f
     ids = gs.block_ids
     obs = g.offloaded_block_size
-    if g.kind is GroupKind.MAMBA:
+    if g.rules.stores_boundary_state:
         last = hi - 1  # the state after the block's last token
         if (last < gs.num_freed or ids[last] == NULL_BLOCK_ID
                 or (state_ends is not None and (k + 1) * obs not in state_ends)):
             return None
         return [last]
     live = [p for p in range(max(lo, gs.num_freed), hi) if ids[p] != NULL_BLOCK_ID]
-    if g.kind is GroupKind.FULL_ATTENTION:
+    if g.window_blocks is None:
         if len(live) != f:
             raise InvariantError(f"group {g.index} (full attention): null or freed block "
                                  f"at offloaded block {k}")
@@ -114,7 +110,7 @@ def group_store_transfers(g: ResolvedGroup, gs: GroupState,
     last state of each block, one transfer per block.
     """
     ids = gs.block_ids
-    if g.kind is GroupKind.MAMBA:
+    if g.rules.stores_boundary_state:
         return [GroupTransfer(g.index, (ids[p[0]],), p[0], (slot_of[gs.keys[k]],))
                 for k, p in chosen]
     runs: list[list[tuple[int, list[int]]]] = []

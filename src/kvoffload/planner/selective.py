@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
-from kvoffload.config import GroupKind, ResolvedGroup
+from kvoffload.config import ResolvedGroup
 from kvoffload.keys import OffloadKey, key_group
 from kvoffload.planner.admission import Admit, HitPointAdmission, window_at
 from kvoffload.planner.insertion import InsertionDuel, is_hot_request
@@ -96,7 +96,7 @@ class HitPointStorePolicy(StorePolicy):
         self.values_keys = valuer is not None
         self._charge = [g.block_bytes if config.charges_bytes else 1 for g in self._groups]
         self._step_end_states = (not config.mamba_states_every_block
-                                 and any(g.kind is GroupKind.MAMBA for g in self._groups))
+                                 and any(g.rules.stores_boundary_state for g in self._groups))
         self._point_charge = sum(self._charge[g.index] * (g.window_blocks or 1)
                                  for g in self._groups if g.window_blocks is not None)
         """What the window blocks and state of one hit point charge, all groups."""

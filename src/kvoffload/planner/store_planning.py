@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvoffload.config import GroupKind, OffloadConfig
+from kvoffload.config import OffloadConfig
 from kvoffload.jobs import NULL_BLOCK_ID, GroupTransfer
 from kvoffload.keys import OffloadKey
 from kvoffload.metrics import PlannerStats
@@ -54,8 +54,8 @@ class StorePlanner:
         self._stats = stats
         self._groups = config.resolved
         self._alignment = config.hit_alignment
-        self._mamba_index = [g for g in self._groups if g.kind is GroupKind.MAMBA]
-        self.step_end_states = not config.mamba_states_every_block and bool(self._mamba_index)
+        self._state_groups = [g for g in self._groups if g.rules.stores_boundary_state]
+        self.step_end_states = not config.mamba_states_every_block and bool(self._state_groups)
         """Mamba states exist only where a step ended (``RequestState.state_ends``)."""
 
     def plan(self, st: RequestState, offloadable: int) -> PlannedStore | None:
@@ -94,7 +94,7 @@ class StorePlanner:
         for g, gs, limit in zip(self._groups, st.groups, limits, strict=True):
             first = gs.next_stored
             f = g.factor
-            if (g.kind is GroupKind.FULL_ATTENTION and first < limit and gs.num_freed <= first * f
+            if (g.window_blocks is None and first < limit and gs.num_freed <= first * f
                     and NULL_BLOCK_ID not in gs.block_ids[first * f:limit * f]):
                 # Every block live (the usual case): what store_positions would say,
                 # without a call per block.
@@ -145,5 +145,5 @@ class StorePlanner:
             gs.next_stored = max(gs.next_stored, limit)
         if st.state_ends:
             done = min(st.groups[g.index].next_stored * g.offloaded_block_size
-                       for g in self._mamba_index)
+                       for g in self._state_groups)
             st.state_ends = {end for end in st.state_ends if end > done}

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvoffload.config import GroupKind, OffloadConfig, ResolvedGroup
+from kvoffload.config import OffloadConfig, ResolvedGroup
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.eviction.base import ValueHint
 
@@ -55,15 +55,16 @@ def proxy_prefill_flops(config: OffloadConfig) -> PrefillFlops:
     earlier tokens for full attention, at most the window for sliding window, none for
     Mamba. Only ratios between prefixes of one model matter to the policy.
     """
-    groups = [(g.spec.num_layers, g.kind, g.spec.sliding_window) for g in config.resolved]
+    groups = [(g.spec.num_layers, g.rules.attention_cost, g.spec.sliding_window)
+              for g in config.resolved]
 
     def flops(end: int, start: int = 0) -> float:
         if end <= start:
             return 0.0
         total = 0
-        for layers, kind, window in groups:
+        for layers, attends, window in groups:
             total += layers * PROXY_TOKENS_PER_LAYER * (end - start)
-            if kind is not GroupKind.MAMBA:
+            if attends:
                 total += layers * _span_sum(start + 1, end, window)
         return float(total)
 
@@ -84,7 +85,7 @@ class PrefixValuer:
         self.reuse_bonus = reuse_bonus
         self._groups = config.resolved
         self._flops = prefill_flops or proxy_prefill_flops(config)
-        fulls = [g for g in self._groups if g.kind is GroupKind.FULL_ATTENTION]
+        fulls = [g for g in self._groups if g.window_blocks is None]
         self._anchor_group: ResolvedGroup | None = fulls[0] if fulls else None
 
     def bytes_needed(self, t: int) -> int:
