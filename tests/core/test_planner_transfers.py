@@ -17,6 +17,7 @@ from planner_kit import (
     mamba,
     only,
     prompt,
+    start_load,
     three_groups,
     window,
 )
@@ -297,3 +298,28 @@ def test_factor_2_mamba_stores_and_loads_the_last_state_of_an_offloaded_block() 
     load = only(h.step().loads)
     assert h.moved(load, b) == [Moved(0, (21, 22, 23, 24), 0, (0, 1)),
                                 Moved(1, (34,), 3, (1,))]
+
+
+def test_a_request_whose_load_failed_is_offered_no_load_again() -> None:
+    """The engine recomputes a failed load; offering the same blocks again could fail
+    the same way forever, so the planner answers 0 for the request from then on, though
+    its blocks are still readable. Another request sharing the prefix still hits."""
+    h = Harness(three_groups(slots=40))
+    a, load = start_load(h)
+    outcome = h.complete(failed=(load.job_id,))
+    assert outcome.failed_loads == (LoadFailure("a", 0),)
+    assert h.status(a, 0, range(6)) == [LookupResult.HIT] * 6
+    assert h.lookup(a) == MatchResult(0)
+    b = h.request("b", prompt(25))
+    assert h.lookup(b) == MatchResult(24, load_async=True)
+
+
+def test_an_abandoned_load_and_a_refused_request_are_offered_no_load_again() -> None:
+    h = Harness(three_groups(slots=40))
+    a, load = start_load(h)
+    assert h.planner.abandon_load(a) == load.job_id
+    assert h.lookup(a) == MatchResult(0)
+    c = h.request("c", prompt(25))
+    assert h.lookup(c) == MatchResult(24, load_async=True)
+    h.planner.refuse_loads(c)  # the engine found a load's bytes wrong
+    assert h.lookup(c) == MatchResult(0)

@@ -116,6 +116,10 @@ class Planner:
         is still being written, or while the request still has jobs in flight (e.g. stores
         of a preempted request); after ``max_deferred_steps`` such answers in a row it
         answers with what is readable now. Touches the blocks a future hit may need.
+
+        A request whose load failed or was abandoned is answered 0 from then on (it
+        recomputes; the same blocks could fail the same way forever), after the same
+        lookup, touches and deferrals as any other.
         """
         st = self._requests.get(request.request_id)
         if st is None:
@@ -145,8 +149,10 @@ class Planner:
             self._policy.first_lookup(st, num_computed_tokens, end)
         self._lookups.touch(st, self._policy.touch_skip(st, finishing=False))
         if hits > 0:
-            st.planned = PlannedLoad(num_computed_tokens, end)
             self.stats.lookup_hit_tokens += hits
+            if st.refuses_loads:
+                return MatchResult(0)
+            st.planned = PlannedLoad(num_computed_tokens, end)
         return MatchResult(hits, load_async=hits > 0)
 
     def _defer_or(self, st: RequestState, fallback: int) -> MatchResult:
@@ -362,6 +368,10 @@ class Planner:
                            "had reported already)", self.stats.duplicate_reports - duplicates)
         self.tier.update_from_tier_reports(reports)
         self.stats.failed_loads += len(failures)
+        for failure in failures:
+            refused = self._requests.get(failure.request_id)
+            if refused is not None:
+                refused.refuses_loads = True
         self.stats.failed_stores += failed_stores
         return ReportOutcome(tuple(finished), tuple(failures), failed_stores,
                              tuple(released))
@@ -391,6 +401,13 @@ class Planner:
             del self._requests[js.request_id]
         return False
 
+    def refuse_loads(self, request: RequestInfo) -> None:
+        """Offer the request no load again (the engine found a load's bytes wrong); the
+        planner does this itself for loads that fail or are abandoned."""
+        st = self._requests.get(request.request_id)
+        if st is not None:
+            st.refuses_loads = True
+
     def abandon_load(self, request: RequestInfo) -> JobId | None:
         """The engine gives up waiting for the request's load; return the load's job id.
 
@@ -405,6 +422,7 @@ class Planner:
         st = self._requests.get(request.request_id)
         if st is None:
             return None
+        st.refuses_loads = True
         loads = [j for j in st.jobs if self._jobs[j].direction is Direction.LOAD]
         if not loads:
             return None

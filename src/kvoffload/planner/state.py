@@ -63,6 +63,9 @@ class RequestState:
     deferred_steps: int = 0
     deferred_since: float = 0.0
     finished: bool = False
+    refuses_loads: bool = False
+    """A load of the request failed or was abandoned: it is offered none again
+    (``Planner.refuse_loads``)."""
     state_ends: set[int] = field(default_factory=set)
     policy: PolicyRequestState = field(default_factory=PolicyRequestState)
     """What the store policy keeps for the request (``kvoffload.planner.store_policy``)."""

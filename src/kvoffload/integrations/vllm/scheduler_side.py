@@ -14,7 +14,8 @@ planner's outcomes back onto vLLM's expectations:
   that ends without ever reaching a worker (blocks evicted between lookup and
   allocation, or dropped by a cache reset) is announced through ``resolved_loads`` in the
   next metadata instead, so each waiting request is released exactly once;
-* a request whose load failed is not offered a load again: vLLM recomputes it.
+* a request whose load failed is not offered a load again (the planner answers 0): vLLM
+  recomputes it.
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ class SchedulerSide:
         self._managers: Sequence[Any] | None = None
         self._loads_at_workers: set[str] = set()
         self._resolved: list[tuple[str, bool]] = []
-        self._load_failed: set[str] = set()
         self.num_preempted = 0
         """Requests vLLM preempted so far (each preemption counts)."""
         self._stats = StatsCollector()
@@ -74,12 +74,9 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
                                    ) -> tuple[int | None, bool]:
-        """The planner's answer, except for a request whose load already failed: vLLM
-        recomputes it from scratch, and offering the same blocks again could fail again
-        forever."""
+        """The planner's answer (0 for a request whose load failed or was abandoned: vLLM
+        recomputes it, and offering the same blocks again could fail again forever)."""
         self._requests[request.request_id] = request
-        if request.request_id in self._load_failed:
-            return 0, False
         result = self.planner.get_num_new_matched_tokens(request, num_computed_tokens)
         return result.num_tokens, result.load_async
 
@@ -157,7 +154,6 @@ class SchedulerSide:
         if not outcome.finished_loads:
             return
         failed = {f.request_id for f in outcome.failed_loads}
-        self._load_failed |= failed
         for rid in outcome.finished_loads:
             if rid in self._loads_at_workers:
                 # The worker that ran (or runs) the job tells vLLM itself.
@@ -170,7 +166,6 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> None:
         """The request ended; vLLM may free its blocks now (the planner fences them)."""
         self._requests.pop(request.request_id, None)
-        self._load_failed.discard(request.request_id)
         self.planner.request_finished(request)
 
     def take_events(self) -> list[Any]:
