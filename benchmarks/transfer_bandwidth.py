@@ -55,7 +55,7 @@ import torch
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.jobs import Direction, GroupTransfer, JobId, StepPlan, TransferJob
-from kvoffload.worker import CpuBackend, GroupTensors, TransferWorker
+from kvoffload.worker import GroupTensors, TransferWorker, cpu_backend
 
 KIB = 1024
 SIZES = [16 * KIB, 64 * KIB, 256 * KIB, 1024 * KIB, 4096 * KIB]
@@ -127,8 +127,8 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device,
     # so stores read and loads write scattered blocks.
     cache = [torch.randint(0, 256, (2 * engine_blocks + 1, page), dtype=torch.uint8,
                            device=device) for _ in range(segments)]
-    backend = CpuBackend(copy_threads=args.threads or None,
-                         native_copy=False if args.memmove else None) \
+    backend = cpu_backend(copy_threads=args.threads or None,
+                          native_copy=False if args.memmove else None) \
         if device.type == "cpu" else None
     worker = TransferWorker(config, backend=backend)
     worker.register_kv_caches([GroupTensors(0, [(f"s{i}", t) for i, t in enumerate(cache)])])
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    probe = CpuBackend(native_copy=False if args.memmove else None)
+    probe = cpu_backend(native_copy=False if args.memmove else None)
     copy_threads = args.threads or probe.copy_threads
     copy_path = "native queue" if probe.native_copy else "memmove"
     scrub_mib = args.scrub_mib if args.scrub_mib is not None \

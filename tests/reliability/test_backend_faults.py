@@ -13,8 +13,7 @@ import torch
 from kvoffload.faults.backend import FaultyBackend
 from kvoffload.faults.plan import FaultKind, FaultPlan
 from kvoffload.jobs import JobId, StepPlan, TransferJob
-from kvoffload.worker import TransferWorker
-from kvoffload.worker.cpu import CpuBackend
+from kvoffload.worker import TransferWorker, cpu_backend
 from worker.worker_kit import CacheSet, kv_separate, load, make_worker, mamba_states, store
 
 
@@ -23,7 +22,7 @@ class Harness:
         gen = torch.Generator().manual_seed(3)
         self.sets: list[CacheSet] = [kv_separate(12, gen), mamba_states(12, gen)]
         self.faults: dict[JobId, FaultKind] = {}
-        self.backend = FaultyBackend(CpuBackend(copy_threads=1), FaultPlan(0.0),
+        self.backend = FaultyBackend(cpu_backend(copy_threads=1), FaultPlan(0.0),
                                      choose=lambda job: self.faults.get(job.job_id))
         self.worker: TransferWorker = make_worker(self.sets, num_slots=8, backend=self.backend,
                                                   pin_memory=False)

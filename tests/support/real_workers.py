@@ -16,8 +16,7 @@ import torch
 
 from kvoffload.config import OffloadConfig
 from kvoffload.jobs import JobId, StepPlan, TransferJob, WorkerReport
-from kvoffload.worker import GroupTensors, TransferWorker
-from kvoffload.worker.cpu import CpuBackend
+from kvoffload.worker import GroupTensors, TransferWorker, cpu_backend
 from support.sim_engine import Content, SimEngine
 
 PAGE_BYTES = 32
@@ -86,7 +85,7 @@ class RealWorkers:
         self.faults = [RandomFaults(seed, rank) for rank in range(config.num_workers)]
         self.workers = []
         for rank in range(config.num_workers):
-            worker = TransferWorker(config, rank, CpuBackend(fault_hook=self.faults[rank]),
+            worker = TransferWorker(config, rank, cpu_backend(fault_hook=self.faults[rank]),
                                     pin_memory=False)
             worker.register_kv_caches(device.group_tensors(rank))
             self.workers.append(worker)

@@ -32,8 +32,7 @@ from kvoffload.planner.planner import Planner
 from kvoffload.tiers.cascade import CascadeTier
 from kvoffload.tiers.config import DiskTierConfig, RemoteTierConfig, TierConfig, WriteMode
 from kvoffload.tiers.factory import make_tier
-from kvoffload.worker import TransferWorker
-from kvoffload.worker.cpu import CpuBackend
+from kvoffload.worker import TransferWorker, cpu_backend
 from support.real_workers import RandomFaults, TensorDevice, with_pages
 from support.sim_engine import SimEngine
 
@@ -173,7 +172,7 @@ class TieredWorkers:
         self.faults = [RandomFaults(seed, rank) for rank in range(config.num_workers)]
         self.workers = []
         for rank in range(config.num_workers):
-            worker = TransferWorker(config, rank, CpuBackend(fault_hook=self.faults[rank]),
+            worker = TransferWorker(config, rank, cpu_backend(fault_hook=self.faults[rank]),
                                     pin_memory=False, tiers=tiers)
             worker.register_kv_caches(device.group_tensors(rank))
             self.workers.append(worker)

@@ -1,8 +1,9 @@
 """The CPU backend's copy path: address pieces, merging, cutting, bounds, copy threads.
 
-Both copy paths are covered: the native queue (the default where the install built it) and
-the ``memmove`` path from Python threads (``native_copy=False``). Tests of the Python lanes'
-internals (passes, helpers) build the backend with ``native_copy=False``.
+Both copy paths are covered: the native queue (``NativeCpuBackend``, the default of
+``cpu_backend`` where the install built it) and the ``memmove`` path from Python threads
+(``MemmoveCpuBackend``, ``native_copy=False``). Tests of the Python lanes' internals
+(passes, helpers) use ``MemmoveCpuBackend``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,14 @@ from worker_kit import (
 )
 
 from kvoffload.jobs import Direction, GroupTransfer, StepPlan, TransferJob
-from kvoffload.worker import CpuBackend, TransferWorker
-from kvoffload.worker import cpu as cpu_module
+from kvoffload.worker import (
+    CpuBackend,
+    MemmoveCpuBackend,
+    NativeCpuBackend,
+    TransferWorker,
+    cpu_backend,
+    cpu_memmove,
+)
 
 SENTINEL = 0xEE
 
@@ -73,7 +80,7 @@ def test_round_trip_with_runs_cuts_and_scattered_pages(name: str, factor: int,
     num_blocks = 12 * factor + 2
     cache = LAYOUTS[name](num_blocks, torch.Generator().manual_seed(factor))
     worker = make_worker([cache], factor=factor, num_slots=10,
-                         backend=CpuBackend(**BACKENDS[backend]))  # type: ignore[arg-type]
+                         backend=cpu_backend(**BACKENDS[backend]))  # type: ignore[arg-type]
     worker.host_pool.arena.fill_(SENTINEL)
     n = 3 * factor - 1 if factor > 1 else 3  # three slots, the first one partly
     run_src = list(range(1, 1 + n))  # consecutive engine blocks
@@ -116,7 +123,7 @@ def _native_pieces(worker: TransferWorker, job: TransferJob, *,
     """The pieces the native queue builds for ``job`` (unsorted unless ``sort_bytes``
     says so), from the very arguments the backend pushes."""
     backend = worker.backend
-    assert isinstance(backend, CpuBackend) and backend._native is not None
+    assert isinstance(backend, NativeCpuBackend) and backend._native is not None
     store = job.direction is Direction.STORE
     out: list[tuple[int, int, int]] = []
     for transfer in job.groups:
@@ -130,7 +137,7 @@ def test_contiguous_pages_become_one_copy_and_long_copies_are_cut() -> None:
     # consecutive slots are one contiguous range on both sides.
     cache = kv_fused_block_major(20, torch.Generator().manual_seed(1), layers=1)
     worker = make_worker([cache], factor=2, num_slots=8,
-                         backend=CpuBackend(copy_threads=1))
+                         backend=cpu_backend(copy_threads=1))
     page = worker.layout.groups[0].page_bytes
     arena = worker.host_pool.arena.data_ptr()
     engine = worker.layout.groups[0].segments[0].pages.data_ptr()
@@ -146,7 +153,7 @@ def test_contiguous_pages_become_one_copy_and_long_copies_are_cut() -> None:
     assert _pieces(worker, job) == [(engine + 3 * page, arena + 5 * slot_bytes, 2 * page)]
     worker.shutdown()
     chunked = make_worker([cache], factor=2, num_slots=8,
-                          backend=CpuBackend(copy_threads=1, chunk_bytes=page + 7))
+                          backend=cpu_backend(copy_threads=1, chunk_bytes=page + 7))
     arena = chunked.host_pool.arena.data_ptr()
     pieces = _pieces(chunked, store(0, [3, 4, 5, 6], [1, 2]))
     assert [n for _, _, n in pieces] == [page + 7] * 3 + [4 * page - 3 * (page + 7)]
@@ -158,14 +165,14 @@ def test_pages_are_not_merged_across_segments_padding_or_slots() -> None:
     # K and V segments: consecutive sub-blocks of one slot merge per segment, but slot 2's
     # K pages do not continue slot 1's (its V pages lie between).
     cache = kv_separate(20, torch.Generator().manual_seed(2), layers=1)
-    worker = make_worker([cache], factor=2, num_slots=8, backend=CpuBackend(copy_threads=1))
+    worker = make_worker([cache], factor=2, num_slots=8, backend=cpu_backend(copy_threads=1))
     pieces = _pieces(worker, store(0, [3, 4, 5, 6], [1, 2]))
     assert len(pieces) == 4  # (K, V) x (slot 1, slot 2)
     assert sum(n for _, _, n in pieces) == 4 * worker.layout.groups[0].page_bytes
     worker.shutdown()
     # Padded engine rows (stride > page): every page is its own copy.
     padded = mamba_raw_padded(20, torch.Generator().manual_seed(3), layers=1)
-    worker = make_worker([padded], factor=2, num_slots=8, backend=CpuBackend(copy_threads=1))
+    worker = make_worker([padded], factor=2, num_slots=8, backend=cpu_backend(copy_threads=1))
     assert len(_pieces(worker, store(0, [3, 4, 5, 6], [1, 2]))) == 4
     worker.shutdown()
 
@@ -174,7 +181,7 @@ def test_scattered_pages_longer_than_a_chunk_are_cut_page_by_page() -> None:
     # No two consecutive block ids: the one-piece-per-page path, still cut at chunk_bytes.
     cache = kv_fused_block_major(20, torch.Generator().manual_seed(7), layers=1)
     worker = make_worker([cache], factor=1, num_slots=8,
-                         backend=CpuBackend(copy_threads=1, chunk_bytes=1000))
+                         backend=cpu_backend(copy_threads=1, chunk_bytes=1000))
     page = worker.layout.groups[0].page_bytes
     arena = worker.host_pool.arena.data_ptr()
     engine = worker.layout.groups[0].segments[0].pages.data_ptr()
@@ -192,21 +199,21 @@ def test_scattered_pages_longer_than_a_chunk_are_cut_page_by_page() -> None:
 def test_consecutive_blocks_into_scattered_slots_stay_separate_copies() -> None:
     # Consecutive engine blocks (a candidate run) whose slots do not continue each other.
     cache = kv_fused_block_major(20, torch.Generator().manual_seed(8), layers=1)
-    worker = make_worker([cache], factor=1, num_slots=8, backend=CpuBackend(copy_threads=1))
+    worker = make_worker([cache], factor=1, num_slots=8, backend=cpu_backend(copy_threads=1))
     page = worker.layout.groups[0].page_bytes
     pieces = _pieces(worker, store(0, [3, 4, 5, 9], [6, 1, 2, 3]))
     assert [n for _, _, n in pieces] == [page, 2 * page, page]  # 3 | 4-5 | 9
     worker.shutdown()
 
 
-class _RecordingBackend(CpuBackend):
+class _RecordingBackend(MemmoveCpuBackend):
     """The ``memmove`` path, recording the pieces of every pass it copies."""
 
     def __init__(self, **kwargs: object) -> None:
-        super().__init__(native_copy=False, **kwargs)  # type: ignore[arg-type]
+        super().__init__(**kwargs)  # type: ignore[arg-type]
         self.passes: list[list[tuple[int, int, int]]] = []
 
-    def _copy(self, batch: list[cpu_module._Entry]) -> None:
+    def _copy(self, batch: list[cpu_memmove._MemmoveEntry]) -> None:
         self.passes.append([p for e in batch for p in e.pieces])
         super()._copy(batch)
 
@@ -214,7 +221,7 @@ class _RecordingBackend(CpuBackend):
 @pytest.mark.parametrize("sorted_from", [0, 1 << 40])
 def test_a_job_is_copied_in_source_address_order_if_its_pieces_are_large(
         sorted_from: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_module, "_SORTED_PIECE_BYTES", sorted_from)
+    monkeypatch.setattr(cpu_memmove, "SORTED_PIECE_BYTES", sorted_from)
     cache = kv_separate(40, torch.Generator().manual_seed(9), layers=2)
     backend = _RecordingBackend(copy_threads=1)
     worker = make_worker([cache], factor=2, num_slots=20, backend=backend)
@@ -237,7 +244,7 @@ def test_the_native_queue_sorts_large_pieces_by_source_address_too() -> None:
     cache = kv_separate(40, torch.Generator().manual_seed(9), layers=2)
     rng = random.Random(9)
     job = store(0, rng.sample(range(1, 40), 8), rng.sample(range(20), 4))
-    native = make_worker([cache], factor=2, num_slots=20, backend=CpuBackend(copy_threads=1))
+    native = make_worker([cache], factor=2, num_slots=20, backend=cpu_backend(copy_threads=1))
     unsorted = _native_pieces(native, job)
     assert unsorted == _pieces(native, job)
     by_source = _native_pieces(native, job, sort_bytes=0)
@@ -246,7 +253,7 @@ def test_the_native_queue_sorts_large_pieces_by_source_address_too() -> None:
     native.shutdown()
 
 
-class _FirstPassGate(CpuBackend):
+class _FirstPassGate(MemmoveCpuBackend):
     """Holds the first pass of each direction until ``gate`` is set, so that the jobs
     submitted meanwhile queue up and are copied together in the next pass."""
 
@@ -255,7 +262,7 @@ class _FirstPassGate(CpuBackend):
         self.gate = threading.Event()
         self.passes: list[int] = []
 
-    def _copy(self, batch: list[cpu_module._Entry]) -> None:
+    def _copy(self, batch: list[cpu_memmove._MemmoveEntry]) -> None:
         self.passes.append(len(batch))
         self.gate.wait()
         super()._copy(batch)
@@ -266,12 +273,11 @@ def test_jobs_copied_together_in_one_pass_round_trip(factor: int,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Many small jobs of one pass, sorted together: consecutive blocks of different jobs,
     partial slots, scattered slots, both directions, two copy threads."""
-    monkeypatch.setattr(cpu_module, "_SORTED_PIECE_BYTES", 0)  # sort even small pages
+    monkeypatch.setattr(cpu_memmove, "SORTED_PIECE_BYTES", 0)  # sort even small pages
     rng = random.Random(factor)
     num_blocks = 40 * factor
     cache = kv_separate(num_blocks, torch.Generator().manual_seed(factor), layers=2)
-    backend = _FirstPassGate(copy_threads=2, parallel_bytes=0, chunk_bytes=512,
-                             native_copy=False)
+    backend = _FirstPassGate(copy_threads=2, parallel_bytes=0, chunk_bytes=512)
     worker = make_worker([cache], factor=factor, num_slots=24, backend=backend)
     before = {b: cache.block(b).clone() for b in range(1, num_blocks)}
     slots = rng.sample(range(24), 12)
@@ -319,7 +325,7 @@ def test_out_of_bounds_pages_fail_the_job_without_touching_memory(
         transfer: GroupTransfer, native: bool | None) -> None:
     cache = kv_separate(16, torch.Generator().manual_seed(4), layers=1)
     worker = make_worker([cache], num_slots=4,
-                         backend=CpuBackend(copy_threads=1, native_copy=native))
+                         backend=cpu_backend(copy_threads=1, native_copy=native))
     worker.host_pool.arena.fill_(SENTINEL)
     job = TransferJob(next_job_id(), Direction.STORE, "req", (transfer,))
     assert _submit_direct(worker, job) == ([], [int(job.job_id)])
@@ -334,7 +340,7 @@ def test_a_cache_whose_storage_moved_after_registration_fails_jobs_safely(
         native: bool | None) -> None:
     cache = kv_separate(16, torch.Generator().manual_seed(5), layers=1)
     worker = make_worker([cache], num_slots=4,
-                         backend=CpuBackend(copy_threads=1, native_copy=native))
+                         backend=cpu_backend(copy_threads=1, native_copy=native))
     key = cache.layers[0][1][0]
     assert isinstance(key, torch.Tensor)
     storage = key.untyped_storage()
@@ -353,10 +359,10 @@ def test_copy_threads_share_a_pass(monkeypatch: pytest.MonkeyPatch) -> None:
         time.sleep(0.002)
         ctypes.memmove(dst, src, n)
 
-    monkeypatch.setattr(cpu_module, "_memmove", slow_memmove)
+    monkeypatch.setattr(cpu_memmove, "_memmove", slow_memmove)
     cache = kv_separate(40, torch.Generator().manual_seed(6), layers=2)
     worker = make_worker([cache], num_slots=20,
-                         backend=CpuBackend(copy_threads=2, parallel_bytes=0, native_copy=False))
+                         backend=cpu_backend(copy_threads=2, parallel_bytes=0, native_copy=False))
     src, dst = list(range(1, 17)), list(range(20, 36))
     expected = [cache.block(b).clone() for b in src]
     slots = random.Random(6).sample(range(20), 16)
@@ -381,7 +387,7 @@ def test_a_pass_does_not_wait_for_a_helper_that_never_started(helpers: int) -> N
     gate = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         pool.submit(gate.wait)  # the only helper thread is busy elsewhere
-        cpu_module._SharedPass(pieces).run(pool, helpers=helpers)
+        cpu_memmove._SharedPass(pieces).run(pool, helpers=helpers)
         assert torch.equal(src, dst)
         gate.set()
 
@@ -395,9 +401,9 @@ def test_helpers_share_the_pieces_of_a_pass(monkeypatch: pytest.MonkeyPatch) -> 
         time.sleep(0.002)
         ctypes.memmove(dst_, src_, n)
 
-    monkeypatch.setattr(cpu_module, "_memmove", memmove)
+    monkeypatch.setattr(cpu_memmove, "_memmove", memmove)
     with ThreadPoolExecutor(2, thread_name_prefix="helper") as pool:
-        cpu_module._SharedPass(pieces).run(pool, helpers=2)
+        cpu_memmove._SharedPass(pieces).run(pool, helpers=2)
     assert torch.equal(src, dst)
     assert len(threads) >= 2
 
@@ -412,17 +418,18 @@ def test_an_error_in_a_helper_fails_the_pass(monkeypatch: pytest.MonkeyPatch) ->
             raise OSError("helper failed")
         ctypes.memmove(dst, src, n)
 
-    monkeypatch.setattr(cpu_module, "_memmove", memmove)
+    monkeypatch.setattr(cpu_memmove, "_memmove", memmove)
     with ThreadPoolExecutor(1) as pool, pytest.raises(OSError, match="helper failed"):
-        cpu_module._SharedPass(pieces).run(pool, helpers=1)
+        cpu_memmove._SharedPass(pieces).run(pool, helpers=1)
     del src, dst  # alive until every thread stopped
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="copy_threads"):
-        CpuBackend(copy_threads=0)
-    with pytest.raises(ValueError, match="chunk_bytes"):
-        CpuBackend(chunk_bytes=0)
+    for make in (cpu_backend, MemmoveCpuBackend, NativeCpuBackend):
+        with pytest.raises(ValueError, match="copy_threads"):
+            make(copy_threads=0)
+        with pytest.raises(ValueError, match="chunk_bytes"):
+            make(chunk_bytes=0)
 
 
 def _reference_pieces(worker: TransferWorker, job: TransferJob,
@@ -466,7 +473,7 @@ def test_planned_pieces_match_the_page_by_page_reference(
     num_blocks, num_slots = 30, 8
     cache = LAYOUTS[layout](num_blocks, torch.Generator().manual_seed(factor))
     worker = make_worker([cache], factor=factor, num_slots=num_slots,
-                         backend=CpuBackend(copy_threads=1, chunk_bytes=chunk))
+                         backend=cpu_backend(copy_threads=1, chunk_bytes=chunk))
     try:
         skip = data.draw(st.integers(0, factor - 1), "skip")
         n = data.draw(st.integers(1, 3 * factor - skip), "blocks")

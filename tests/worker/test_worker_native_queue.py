@@ -26,7 +26,7 @@ from worker_kit import (
 )
 
 from kvoffload.jobs import Direction, GroupTransfer, StepPlan, TransferJob
-from kvoffload.worker import CpuBackend
+from kvoffload.worker import CpuBackend, NativeCpuBackend, cpu_backend
 from kvoffload.worker.native_copy import DISABLE_ENV, NativeCopy, load_native_copy, pack
 
 NATIVE = load_native_copy()
@@ -36,15 +36,17 @@ def test_the_native_queue_is_built_where_required() -> None:
     if os.environ.get("KVOFFLOAD_REQUIRE_NATIVE_COPY") != "1":
         pytest.skip("set KVOFFLOAD_REQUIRE_NATIVE_COPY=1 to require the native queue")
     assert NATIVE is not None, "kvoffload.worker._copy was not built: is a C compiler there?"
-    assert CpuBackend().native_copy
+    assert cpu_backend().native_copy
 
 
 def test_native_copy_true_without_the_library_says_how_to_get_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DISABLE_ENV, "0")
-    assert not CpuBackend().native_copy
+    assert not cpu_backend().native_copy
     with pytest.raises(RuntimeError, match="reinstall kvoffload where a C compiler"):
-        CpuBackend(native_copy=True)
+        cpu_backend(native_copy=True)
+    with pytest.raises(RuntimeError, match="reinstall kvoffload where a C compiler"):
+        NativeCpuBackend()
 
 
 def _native() -> NativeCopy:
@@ -132,7 +134,7 @@ def test_waiting_for_a_job_never_pushed_returns() -> None:
 def test_stores_and_loads_in_flight_together_round_trip_on_padded_mamba_pages() -> None:
     cache = mamba_raw_padded(40, torch.Generator().manual_seed(2), layers=2)
     worker = make_worker([cache], factor=2, num_slots=12,
-                         backend=CpuBackend(copy_threads=3, parallel_bytes=1 << 10))
+                         backend=cpu_backend(copy_threads=3, parallel_bytes=1 << 10))
     first = store(0, list(range(1, 9)), [0, 1, 2, 3])
     assert run_all(worker, [first]).finished == (first.job_id,)
     want = [cache.block(b).clone() for b in range(1, 9)]

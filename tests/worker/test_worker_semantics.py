@@ -26,29 +26,34 @@ from worker_kit import (
 
 from kvoffload.errors import InvariantError, LayoutError
 from kvoffload.jobs import Direction, GroupTransfer, JobId, StepPlan, TransferJob
-from kvoffload.worker import CpuBackend, CudaBackend, FailJobs, TransferWorker
-from kvoffload.worker.cpu import _Entry
+from kvoffload.worker import (
+    CudaBackend,
+    FailJobs,
+    MemmoveCpuBackend,
+    TransferWorker,
+    cpu_backend,
+)
+from kvoffload.worker.cpu_memmove import _MemmoveEntry
 
 SENTINEL = 0xEE
 
 
-class GatedCpuBackend(CpuBackend):
+class GatedCpuBackend(MemmoveCpuBackend):
     """A CPU backend whose store copies wait for a gate, and every copy a fixed delay.
 
     The gate holds the Python copy lanes, so this backend copies with ``memmove``
-    (``native_copy=False``); tests run on both copy paths hold jobs with
+    (``MemmoveCpuBackend``); tests run on both copy paths hold jobs with
     ``CpuBackend.hold`` instead (``COPY_PATHS``).
     """
 
     def __init__(self, delay: float = 0.0, **kwargs: object) -> None:
-        kwargs.setdefault("native_copy", False)
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.delay = delay
         self.gate = threading.Event()
         self.gate.set()
         self.started: list[JobId] = []
 
-    def _copy(self, batch: list[_Entry]) -> None:
+    def _copy(self, batch: list[_MemmoveEntry]) -> None:
         self.started.extend(e.job.job_id for e in batch)
         if batch[0].job.direction is Direction.STORE:
             self.gate.wait()
@@ -70,7 +75,7 @@ COPY_PATHS = [
 @pytest.mark.parametrize("native", COPY_PATHS)
 def test_stores_run_asynchronously_until_polled(native: bool) -> None:
     cache = _cache(seed=1)
-    backend = CpuBackend(native_copy=native)
+    backend = cpu_backend(native_copy=native)
     worker = make_worker([cache], backend=backend)
     backend.hold(Direction.STORE)
     s = store(0, [1, 2], [0, 1])
@@ -137,7 +142,7 @@ def test_completion_is_in_submission_order_per_direction() -> None:
 @pytest.mark.parametrize("native", COPY_PATHS)
 def test_loads_do_not_wait_behind_stores(native: bool) -> None:
     cache = _cache()
-    backend = CpuBackend(native_copy=native)
+    backend = cpu_backend(native_copy=native)
     worker = make_worker([cache], backend=backend)
     first = store(0, [1], [0])
     assert run_all(worker, [first]).finished == (first.job_id,)
@@ -170,7 +175,7 @@ def test_failed_store_is_reported_failed_and_its_slots_are_reusable(
     cache = _cache()
     bad = store(0, [1, 2, 3, 4], [2, 3, 4, 5])
     hook = FailJobs([bad.job_id])
-    worker = make_worker([cache], backend=CpuBackend(fault_hook=hook))
+    worker = make_worker([cache], backend=cpu_backend(fault_hook=hook))
     with caplog.at_level(logging.WARNING):
         report = run_all(worker, [bad])
     assert report.failed == (bad.job_id,) and report.finished == ()
@@ -192,7 +197,7 @@ def test_failed_load_is_reported_failed_and_a_retry_loads_the_right_bytes() -> N
     cache = mamba_states(12, torch.Generator().manual_seed(5))
     first = store(0, [1, 2], [0, 1])
     bad = load(0, [5, 6], [0, 1])
-    worker = make_worker([cache], backend=CpuBackend(fault_hook=FailJobs([bad.job_id])))
+    worker = make_worker([cache], backend=cpu_backend(fault_hook=FailJobs([bad.job_id])))
     assert run_all(worker, [first]).finished == (first.job_id,)
     assert run_all(worker, [bad]).failed == (bad.job_id,)
     retry = load(0, [5, 6], [0, 1])
@@ -253,7 +258,7 @@ def test_a_job_listed_in_the_wrong_direction_fails() -> None:
 
 @pytest.mark.parametrize("native", COPY_PATHS)
 def test_resubmitting_a_job_in_flight_is_a_planner_bug(native: bool) -> None:
-    backend = CpuBackend(native_copy=native)
+    backend = cpu_backend(native_copy=native)
     worker = make_worker([_cache()], backend=backend)
     backend.hold(Direction.STORE)
     s = store(0, [1], [0])
@@ -283,7 +288,7 @@ def test_large_jobs_split_over_copy_threads_round_trip() -> None:
     # 64 KiB pages with factor 2: jobs of 2 MiB are split into sub-grain pieces.
     cache = kv_separate(40, gen, layers=1, block_size=64, heads=4, head_dim=64)
     worker = make_worker([cache], factor=2, num_slots=12,
-                         backend=CpuBackend(copy_threads=3, parallel_bytes=1 << 16))
+                         backend=cpu_backend(copy_threads=3, parallel_bytes=1 << 16))
     src, dst = list(range(1, 17)), list(range(20, 36))
     expected = [cache.block(b).clone() for b in src]
     s = store(0, src, list(range(8)))
@@ -356,7 +361,7 @@ def test_an_injected_fault_fails_only_its_job_and_is_logged_on_either_copy_path(
     cache = _cache(num_blocks=20, seed=3)
     jobs = [store(0, [1 + i], [i]) for i in range(5)]
     bad = jobs[2].job_id
-    backend = CpuBackend(fault_hook=FailJobs([bad]), native_copy=native)
+    backend = cpu_backend(fault_hook=FailJobs([bad]), native_copy=native)
     worker = make_worker([cache], backend=backend, num_slots=8)
     backend.hold(Direction.STORE)  # all five queue up behind each other
     worker.execute(StepPlan(stores=tuple(jobs)))

@@ -28,11 +28,11 @@ from kvoffload.jobs import JobId, StepPlan, TransferStats, WorkerReport
 from kvoffload.keys import BlockHash
 from kvoffload.tiers.config import TierConfig
 from kvoffload.worker import (
-    CpuBackend,
     GroupTensors,
     HostPool,
     TransferBackend,
     TransferWorker,
+    cpu_backend,
 )
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -181,7 +181,7 @@ class WorkerExecutor:
         """``tiers``: real lower tiers (a directory, a Redis server) the worker reads and
         writes for the plans' tier jobs; waited for like transfers."""
         self.worker = TransferWorker(config, rank=0,
-                                     backend=backend or CpuBackend(copy_threads=1),
+                                     backend=backend or cpu_backend(copy_threads=1),
                                      pin_memory=False, tiers=tiers)
         self.worker.register_kv_caches(caches.group_tensors())
         self._in_flight: set[JobId] = set()

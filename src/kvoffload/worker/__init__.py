@@ -1,11 +1,15 @@
 """Worker side: register engine caches, move KV blocks between them and host memory.
 
 Needs torch (the ``torch`` extra). ``TransferWorker`` is the entry point; backends
-(``CpuBackend``, ``CudaBackend``) implement ``TransferBackend``.
+(``CudaBackend``, and the CPU backends ``NativeCpuBackend`` and ``MemmoveCpuBackend``, which
+share ``CpuBackend``) implement ``TransferBackend``. ``cpu_backend`` picks the CPU copy path,
+``default_backend`` the backend for a device.
 """
 
 from kvoffload.worker.backend import FailJobs, FaultHook, InjectedFaultError, TransferBackend
-from kvoffload.worker.cpu import CpuBackend
+from kvoffload.worker.cpu_common import CpuBackend
+from kvoffload.worker.cpu_memmove import MemmoveCpuBackend
+from kvoffload.worker.cpu_native import NativeCpuBackend
 from kvoffload.worker.cuda import CudaBackend, StagedCopier
 from kvoffload.worker.host_pool import HostPool
 from kvoffload.worker.layout import (
@@ -15,7 +19,7 @@ from kvoffload.worker.layout import (
     GroupTensors,
     PageSegment,
 )
-from kvoffload.worker.worker import TransferWorker, default_backend
+from kvoffload.worker.worker import TransferWorker, cpu_backend, default_backend
 
 __all__ = [
     "CacheLayout",
@@ -28,9 +32,12 @@ __all__ = [
     "GroupTensors",
     "HostPool",
     "InjectedFaultError",
+    "MemmoveCpuBackend",
+    "NativeCpuBackend",
     "PageSegment",
     "StagedCopier",
     "TransferBackend",
     "TransferWorker",
+    "cpu_backend",
     "default_backend",
 ]

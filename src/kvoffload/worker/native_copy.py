@@ -6,7 +6,7 @@ copy them with no Python involved, so copies overlap the planning of the next jo
 several threads copy in parallel without handing the GIL back and forth between pages.
 Jobs complete in push order. Without the library (no C compiler at install, or
 ``KVOFFLOAD_NATIVE_COPY=0``) the CPU backend copies piece by piece with ``ctypes.memmove``
-from Python threads: the same bytes, slower.
+from Python threads (``MemmoveCpuBackend``): the same bytes, slower.
 """
 
 from __future__ import annotations

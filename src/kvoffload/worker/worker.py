@@ -47,23 +47,54 @@ from kvoffload.jobs import (
     WorkerReport,
 )
 from kvoffload.tiers.config import TierConfig
-from kvoffload.worker.backend import TransferBackend
+from kvoffload.worker.backend import FaultHook, TransferBackend
+from kvoffload.worker.cpu_common import CHUNK_BYTES, PARALLEL_BYTES
+from kvoffload.worker.cpu_memmove import BATCH_BYTES, MemmoveCpuBackend
+from kvoffload.worker.cpu_native import NativeCpuBackend
 from kvoffload.worker.host_pool import HostPool
 from kvoffload.worker.layout import CacheLayout, GroupTensors
+from kvoffload.worker.native_copy import load_native_copy
 from kvoffload.worker.tier_io import TierIO
 
 logger = logging.getLogger(__name__)
 
 
 def default_backend(device: torch.device) -> TransferBackend:
-    """The backend for caches on ``device``: CUDA streams for a GPU, threads for the CPU."""
+    """The backend for caches on ``device``: CUDA streams for a GPU, threads for the CPU
+    (``cpu_backend``)."""
     if device.type == "cuda":
         from kvoffload.worker.cuda import CudaBackend
 
         return CudaBackend()
-    from kvoffload.worker.cpu import CpuBackend
+    return cpu_backend()
 
-    return CpuBackend()
+
+def cpu_backend(*, native_copy: bool | None = None, copy_threads: int | None = None,
+                parallel_bytes: int = PARALLEL_BYTES, batch_bytes: int = BATCH_BYTES,
+                chunk_bytes: int = CHUNK_BYTES,
+                fault_hook: FaultHook | None = None) -> NativeCpuBackend | MemmoveCpuBackend:
+    """A new, unbound CPU backend on the copy path ``native_copy`` asks for.
+
+    Args:
+        native_copy: ``None`` (default): the native queue (``_copy.c``) where the install
+            built it and ``KVOFFLOAD_NATIVE_COPY=0`` does not turn it off, else
+            ``ctypes.memmove`` from Python threads; ``True`` requires the native queue
+            (``RuntimeError`` saying how to get it where it is missing); ``False`` copies
+            with ``ctypes.memmove``.
+        batch_bytes: the ``memmove`` path's pass size (``MemmoveCpuBackend``); the native
+            queue takes no batches.
+        copy_threads, parallel_bytes, chunk_bytes, fault_hook: as ``CpuBackend`` takes
+            them (each copy path's class says how it uses ``parallel_bytes``).
+    """
+    library = load_native_copy() if native_copy is None else None
+    if native_copy or library is not None:
+        # native_copy=True: no library passed, so the backend loads it, or raises.
+        return NativeCpuBackend(library=library, copy_threads=copy_threads,
+                                parallel_bytes=parallel_bytes, chunk_bytes=chunk_bytes,
+                                fault_hook=fault_hook)
+    return MemmoveCpuBackend(copy_threads=copy_threads, parallel_bytes=parallel_bytes,
+                             batch_bytes=batch_bytes, chunk_bytes=chunk_bytes,
+                             fault_hook=fault_hook)
 
 
 class TransferWorker:
