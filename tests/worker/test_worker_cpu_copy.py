@@ -459,6 +459,7 @@ def _reference_pieces(worker: TransferWorker, job: TransferJob,
     return out
 
 
+@needs_native  # compares the native planner with Python's
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), factor=st.integers(1, 4), layout=st.sampled_from(sorted(LAYOUTS)),
        direction=st.sampled_from([Direction.STORE, Direction.LOAD]),
