@@ -1,7 +1,7 @@
 """OffloadConfig and GroupSpec: validation messages and derived numbers.
 
 Every invalid value raises ``ConfigError`` naming the field and saying what to change
-(SYSTEM.md 5; brief 8, "reject unsupported configurations at startup").
+(docs/architecture.md: what the engine cannot honour is refused at start-up).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ CASES: list[tuple[str, Callable[[], object], str, str]] = [
      "bound by steps only"),
     ("capacity", lambda: cfg(FULL16, host_capacity_bytes=127), "host_capacity_bytes",
      "at least 128 bytes"),
-    # A group finer than the hash unit would get a hash factor of 0 (brief 8, #55038).
+    # A group finer than the hash unit would get a hash factor of 0 (a bug vLLM fixed in #55038).
     ("finer than hash", lambda: cfg(FULL16, GroupSpec(SW, 8, sliding_window=32)),
      "groups[1].block_size", "Lower hash_block_size"),
     ("not a multiple of hash", lambda: cfg(GroupSpec(FA, 24)), "groups[0].block_size",

@@ -1,4 +1,5 @@
-"""Chained block hashes and offload keys (keys.py; brief 9.1 "key identity", 10 "hash seed").
+"""Chained block hashes and offload keys (keys.py): what identifies a
+prefix, and hashes that agree across processes (a disk or shared tier needs them).
 
 A block hash identifies a whole prefix: tokens, LoRA adapter, multimodal inputs and the
 tenant salt all change it, and it must be the same in every process (disk and shared tiers

@@ -1,6 +1,6 @@
 """Jobs over a request's life: fences and flushes, aborts, preemption, reset, reports.
 
-Rule 4 (SYSTEM.md 5): no engine block is overwritten while a job still uses it. Window and
+Rule 4 (docs/architecture.md): no engine block is overwritten while a job still uses it. Window and
 Mamba blocks are fenced as soon as their store exists (the engine frees them mid-request);
 full-attention blocks when the request finishes; a preempted request's stores are flushed
 in the same plan. Rules 2-3: ref counts are exact and every job completes once, counted

@@ -7,7 +7,7 @@ and which of the request's keys the slots hold. Unless a story says otherwise, g
 4-token engine blocks, hash blocks of 4 tokens and ``block_size_factor`` 1, so offloaded
 block ``k`` covers tokens ``[4k, 4k + 4)``.
 
-Brief references: vllm-offload-brief.md sections 4.4-4.6 and 10.
+The edge cases are those of docs/architecture.md, "Edge cases the design answers".
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ def test_min_deferral_keeps_a_fast_stepping_engine_waiting_for_the_write(
 def test_a_pending_key_in_a_window_a_miss_already_broke_does_not_defer() -> None:
     # Window of 2 blocks: block 5 is being written, block 4 is missing. Even once 5
     # lands, no window can end at 6 or 5, so waiting cannot help: the lookup answers at
-    # once with the window at 4 (brief 4.4, #56486).
+    # once with the window at 4 (vLLM #56486).
     h = Harness(make_config(full(), window(8)))
     a = h.request("a", prompt(25))  # cap 24 = 6 blocks
     h.put(a, 0, range(6))
@@ -299,8 +299,8 @@ def test_a_pending_key_in_a_window_a_miss_already_broke_does_not_defer() -> None
 
 
 def test_two_requests_load_one_prefix_concurrently_with_exact_ref_counts() -> None:
-    # The brief's reference design defers the second request until the first load lands
-    # (a convoy, #44294). kvoffload lets both load: each pins the keys once.
+    # vLLM's offloading connector defers the second request until the first load lands
+    # (a convoy, vLLM #44294). kvoffload lets both load: each pins the keys once.
     h = Harness(three_groups())
     tokens = prompt(24)
     h.put_all(h.request("writer", tokens), 6)

@@ -1,10 +1,11 @@
 """Store and load planning: which engine blocks go where, and when store progress moves.
 
 Stories in hybrid layouts with hand-written block tables (id 0 = null). Store progress
-(SYSTEM.md 5.7) may advance only over blocks stored, found present or skipped as null; a
-failed ``prepare_store`` leaves it in place, and a window position the engine has freed is
-never stored, whatever id the planner saw there before. ``block_size_factor > 1`` stories
-check the partial first offloaded block of a load or a store (brief 10, "block_size_factor").
+(docs/architecture.md, rule 7) may advance only over blocks stored, found present or
+skipped as null; a failed ``prepare_store`` leaves it in place, and a window position the
+engine has freed is never stored, whatever id the planner saw there before.
+``block_size_factor > 1`` stories check the partial first offloaded block of a load or a
+store (docs/architecture.md, "Edge cases the design answers").
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ def test_present_blocks_advance_store_progress() -> None:
 
 
 def test_groups_with_different_block_sizes_store_each_block_when_it_completes() -> None:
-    # Block sizes 12 and 16 (brief 7.6): each group stores its own blocks at its own
-    # boundaries, whatever the other group does in that step.
+    # Block sizes 12 and 16 (mixed block sizes per group): each group stores its own
+    # blocks at its own boundaries, whatever the other group does in that step.
     h = Harness(make_config(full(12, "a"), full(16, "b")))
     a = h.request("a", prompt(48))
     h.admit(a, [(), ()])
@@ -145,7 +146,7 @@ def test_groups_with_different_block_sizes_store_each_block_when_it_completes() 
 def test_finer_window_blocks_store_only_what_an_aligned_hit_can_use() -> None:
     # Full attention in 16-token blocks, a window of 8 tokens in 4-token blocks: hits are
     # multiples of 16, and each needs window blocks 2-3 of its 16 tokens. Blocks 0-1 of
-    # every 16 can serve no hit and are not stored (brief 7.13, the SWA alignment skip).
+    # every 16 can serve no hit and are not stored (the alignment skip of window groups).
     h = Harness(make_config(full(16), window(8)))
     a = h.request("a", prompt(32))
     table = [(1, 2), tuple(range(11, 19))]
@@ -190,7 +191,8 @@ def test_a_mamba_state_a_step_crossed_is_never_stored() -> None:
 
 def test_store_progress_jumps_past_a_loaded_prefix() -> None:
     # After a load, the loaded blocks are not stored again, even once they have been
-    # evicted meanwhile: store progress starts at the end of the hit (brief 4.6, rule 9).
+    # evicted meanwhile: store progress starts at the end of the hit (as in vLLM's
+    # offloading connector).
     h = Harness(three_groups(slots=18))
     a = h.request("a", prompt(21))
     h.put_all(a, 5)

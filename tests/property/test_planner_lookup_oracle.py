@@ -1,4 +1,4 @@
-"""The planner's lookup and load plan against a brute-force oracle (SYSTEM.md 5, rule 5).
+"""The planner's lookup and load plan against a brute-force oracle (docs/architecture.md, rule 5).
 
 For a random hybrid layout, a random request and a random set of readable (and of
 being-written) offloaded blocks per group, the oracle tries every candidate end ``t`` and

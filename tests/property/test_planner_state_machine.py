@@ -1,4 +1,4 @@
-"""Random engine event sequences against the planner's rules (SYSTEM.md section 5).
+"""Random engine event sequences against the planner's rules (the rules of docs/architecture.md).
 
 Each run draws a hybrid layout (1-4 groups mixing full attention, sliding window and Mamba,
 block_size_factor 1-4, 1-4 workers, a small host capacity and engine pool), then a random

@@ -2,7 +2,7 @@
 accounting, plus the policy's own admission rule.
 
 The engine event sequences are those of ``test_planner_state_machine`` (every rule of
-SYSTEM.md section 5 is checked after every step by ``support.sim_engine``); the layouts
+docs/architecture.md is checked after every step by ``support.sim_engine``); the layouts
 here give groups different page sizes, charge the host budget in bytes, and select the
 ``value`` policy (or, for comparison, LRU/ARC under the same byte budget).
 

@@ -34,7 +34,7 @@ GARBAGE: Content = (-1,)
 
 
 class RuleViolation(AssertionError):  # noqa: N818 - reads as the rule it reports
-    """The planner broke one of SYSTEM.md's section-5 rules."""
+    """The planner broke one of the rules of docs/architecture.md."""
 
 
 @dataclass

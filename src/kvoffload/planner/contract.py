@@ -1,4 +1,4 @@
-"""The engine-facing types of the planner (SYSTEM.md section 4).
+"""The engine-facing types of the planner (``docs/architecture.md``, "The engine contract").
 
 An engine adapter maps its own request and scheduler-output objects onto these small types;
 the planner never sees an engine's classes. The reference engine and the vLLM connector

@@ -1,4 +1,4 @@
-"""Per-group hit rules and the fixpoint that combines them (SYSTEM.md section 5, rule 5).
+"""Per-group hit rules and the fixpoint that combines them (``docs/architecture.md``, rule 5).
 
 Pure functions over lookup results, so they are tested without a tier.
 

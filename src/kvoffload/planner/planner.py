@@ -1,4 +1,4 @@
-"""The planner: kvoffload's scheduler side (SYSTEM.md sections 2, 4 and 5).
+"""The planner: kvoffload's scheduler side (``docs/architecture.md``: the contract and the rules).
 
 The engine calls, each step and in this order:
 
