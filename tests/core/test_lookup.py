@@ -2,9 +2,9 @@
 
 Pure functions over "is offloaded block i readable", so each part of rule 5
 (docs/architecture.md) is pinned here without a tier: full attention takes the readable
-prefix, a window group the rightmost run of W readable blocks (or the leading run when fewer than W blocks lie past
-the device's prefix), Mamba one state at an aligned end, and the fixpoint the largest end
-every group accepts.
+prefix, a window group the rightmost run of W readable blocks (or the leading run when
+fewer than W blocks lie past the device's prefix), Mamba one state at an aligned end, and
+the fixpoint the largest end every group accepts.
 """
 
 from __future__ import annotations
