@@ -35,13 +35,11 @@ from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
 from kvoffload.jobs import (
     Direction,
-    GroupTransfer,
     JobId,
     StepPlan,
     TransferJob,
     WorkerReport,
 )
-from kvoffload.keys import OffloadKey
 from kvoffload.metrics import PlannerStats
 from kvoffload.planner.contract import (
     LoadFailure,
@@ -53,8 +51,7 @@ from kvoffload.planner.contract import (
 )
 from kvoffload.planner.fence import Fence
 from kvoffload.planner.insertion import InsertionDuel
-from kvoffload.planner.lookup import lookup_order
-from kvoffload.planner.positions import load_positions
+from kvoffload.planner.positions import load_transfers, with_slots
 from kvoffload.planner.prefix_lookup import PrefixLookup
 from kvoffload.planner.state import GroupState, JobState, PlannedLoad, RequestState
 from kvoffload.planner.store_planning import StorePlanner
@@ -64,6 +61,7 @@ from kvoffload.policies import cache_policy
 from kvoffload.tiers.base import LookupResult, Tier, TierEvent
 
 logger = logging.getLogger(__name__)
+
 
 class Planner:
     """Engine-neutral scheduler side of kvoffload. See the module docstring."""
@@ -76,7 +74,6 @@ class Planner:
         self.tier = tier
         self.stats = PlannerStats()
         self._groups = config.resolved
-        self._order = lookup_order(self._groups)
         self._alignment = config.hit_alignment
         self._all_ranks = (1 << config.num_workers) - 1
         self._requests: dict[str, RequestState] = {}
@@ -208,20 +205,7 @@ class Planner:
     def _plan_load(self, st: RequestState, planned: PlannedLoad,
                    tables: Sequence[Sequence[int]]) -> None:
         rid = st.request.request_id
-        transfers: list[GroupTransfer] = []
-        keys: list[OffloadKey] = []
-        key_groups: list[tuple[int, int]] = []  # (index into transfers, number of keys)
-        for g, gs, table in zip(self._groups, st.groups, tables, strict=True):
-            positions = load_positions(g, table, planned)
-            if not positions:
-                continue
-            f = g.factor
-            first_block, last_block = positions[0] // f, positions[-1] // f
-            group_keys = gs.keys[first_block:last_block + 1]
-            keys.extend(group_keys)
-            key_groups.append((len(transfers), len(group_keys)))
-            transfers.append(GroupTransfer(g.index, tuple(table[p] for p in positions),
-                                           positions[0], ()))
+        keys, parts = load_transfers(self._groups, st.groups, tables, planned)
         if any(self.tier.lookup(k) is not LookupResult.HIT for k in keys):
             # Evicted between lookup and allocation: the engine recomputes instead.
             self._early_finished.append(rid)
@@ -233,22 +217,16 @@ class Planner:
         slots = self.tier.prepare_load(keys)
         for g, gs in zip(self._groups, st.groups, strict=True):
             gs.next_stored = max(gs.next_stored, planned.end // g.offloaded_block_size)
-        for t in transfers:
+        filled = with_slots(parts, slots)
+        for t in filled:
             self.stats.add_blocks(self.stats.blocks_loaded, t.group, len(t.block_ids))
-        filled: list[GroupTransfer] = []
-        cursor = 0
-        for index, count in key_groups:
-            t = transfers[index]
-            filled.append(GroupTransfer(t.group, t.block_ids, t.first_block_index,
-                                        slots[cursor:cursor + count]))
-            cursor += count
         job_id = self._new_job_id()
         dests = tuple(b for t in filled for b in t.block_ids)
         self._jobs[job_id] = JobState(job_id, rid, Direction.LOAD, tuple(keys), (), dests,
                                       num_local_tokens=planned.num_local_tokens)
         st.jobs.add(job_id)
         self._flush |= self._fence.jobs_using(dests)
-        self._loads.append(TransferJob(job_id, Direction.LOAD, rid, tuple(filled)))
+        self._loads.append(TransferJob(job_id, Direction.LOAD, rid, filled))
         self.stats.load_jobs += 1
 
     # ------------------------------------------------------------------ stores

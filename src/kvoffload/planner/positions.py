@@ -127,3 +127,35 @@ def group_store_transfers(g: ResolvedGroup, gs: GroupState,
         run[0][1][0],
         tuple(slot_of[gs.keys[k]] for k, _ in run),
     ) for run in runs]
+
+
+def load_transfers(groups: Sequence[ResolvedGroup], states: Sequence[GroupState],
+                   tables: Sequence[Sequence[int]], planned: PlannedLoad
+                   ) -> tuple[list[OffloadKey], list[tuple[GroupTransfer, int]]]:
+    """What a planned load reads and writes: the keys in read order, and per group that
+    writes something its transfer (slots not yet filled) with how many of the keys it
+    reads. ``tables`` are the request's engine block tables, one per group."""
+    keys: list[OffloadKey] = []
+    parts: list[tuple[GroupTransfer, int]] = []
+    for g, gs, table in zip(groups, states, tables, strict=True):
+        positions = load_positions(g, table, planned)
+        if not positions:
+            continue
+        f = g.factor
+        group_keys = gs.keys[positions[0] // f:positions[-1] // f + 1]
+        keys.extend(group_keys)
+        parts.append((GroupTransfer(g.index, tuple(table[p] for p in positions),
+                                    positions[0], ()), len(group_keys)))
+    return keys, parts
+
+
+def with_slots(parts: Sequence[tuple[GroupTransfer, int]], slots: Sequence[int]
+               ) -> tuple[GroupTransfer, ...]:
+    """The transfers of ``load_transfers`` with the tier's slots of their keys, in order."""
+    filled: list[GroupTransfer] = []
+    cursor = 0
+    for t, count in parts:
+        filled.append(GroupTransfer(t.group, t.block_ids, t.first_block_index,
+                                    tuple(slots[cursor:cursor + count])))
+        cursor += count
+    return tuple(filled)
