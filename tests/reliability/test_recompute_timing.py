@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from engine.engine_kit import make_engine, req, tiny_preset, toks
 from kvoffload.engine.requests import EngineRequest
-from kvoffload.engine.scheduler import _Entry
+from kvoffload.engine.scheduling import StepEntry
 from kvoffload.engine.simulation import Mode
 
 
-def entry(engine: object, start: int, count: int, high_water: int) -> _Entry:
+def entry(engine: object, start: int, count: int, high_water: int) -> StepEntry:
     request = EngineRequest(req("r", toks(200), output=50), engine.hasher)  # type: ignore[attr-defined]
     request.num_emitted = 1
     request.high_water = high_water
-    return _Entry(request, start, count, None)  # type: ignore[arg-type]
+    return StepEntry(request, start, count, None)  # type: ignore[arg-type]
 
 
 def test_a_recomputed_chunk_of_a_decoding_request_is_prefill_not_decode() -> None:

@@ -30,8 +30,23 @@ def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
 
 def simulation_text(result: SimulationResult, workload_label: str) -> str:
     """The human summary ``kvoffload simulate`` prints."""
-    cfg, lay, caps = result.config, result.layout, result.capacities
+    lines = _setup_lines(result, workload_label)
+    lines.append("")
+    lines += _comparison_lines(result)
+    lines.append("")
+    lines += _storage_lines(result)
+    lines += _worker_lines(result)
     o, b = result.offload, result.baseline
+    wall = o.wall_s + (b.wall_s if b is not None else 0.0)
+    lines.append(f"  modelled makespan {format_seconds(o.makespan_s)}, {o.steps:,} steps; "
+                 f"wall time {wall:.1f} s")
+    return "\n".join(lines)
+
+
+def _setup_lines(result: SimulationResult, workload_label: str) -> list[str]:
+    """What was simulated: model, workload, groups, mode, capacities, modelled hardware."""
+    cfg, lay, caps = result.config, result.layout, result.capacities
+    o = result.offload
     t = cfg.timing
     lines = [f"kvoffload simulate: {lay.preset.name}, {workload_label}, "
              f"{o.requests} requests, {o.prompt_tokens:,} prompt tokens, {cfg.mode.value} mode"]
@@ -53,8 +68,12 @@ def simulation_text(result: SimulationResult, workload_label: str) -> str:
              f", one step stands for {cfg.decode_tokens_per_step} engine iterations")
     lines.append(f"  model: {t.accelerator_flops / 1e12:g} TFLOP/s accelerator, "
                  f"{t.link_bytes_per_s / 1e9:g} GB/s host link per direction{steps}")
-    lines.append("")
-    base = b
+    return lines
+
+
+def _comparison_lines(result: SimulationResult) -> list[str]:
+    """Hits, prefill work, TTFT and preemptions without and with offloading."""
+    o, base = result.offload, result.baseline
     rows = [["", "without offload", "with offload"]]
     rows.append(["prompt tokens from engine prefix cache",
                  _pct(base.engine_hit_rate) if base else "-", _pct(o.engine_hit_rate)])
@@ -71,18 +90,23 @@ def simulation_text(result: SimulationResult, workload_label: str) -> str:
     rows.append(["TTFT on the clock (with queueing)",
                  _ttft(base.clock_ttft) if base else "-", _ttft(o.clock_ttft)])
     rows.append(["preemptions", f"{base.preemptions:,}" if base else "-", f"{o.preemptions:,}"])
-    lines += _table(rows)
+    lines = _table(rows)
     if base is not None and base.prefill_tokens_computed:
         saved = 1 - o.prefill_tokens_computed / base.prefill_tokens_computed
         speed = base.ttft.mean / o.ttft.mean if o.ttft.mean else float("inf")
         lines.append(f"  offloading computes {100 * saved:.1f} % fewer prefill tokens; mean "
                      f"modelled TTFT {speed:.2f}x faster")
-    lines.append("")
+    return lines
+
+
+def _storage_lines(result: SimulationResult) -> list[str]:
+    """Bytes moved and held per group and tier, host slots, link time."""
+    o = result.offload
     grows = [["group", "stored", "loaded", "host held (peak)", "host held (end)"]]
     for g in o.groups:
         grows.append([f"{g.name}", format_bytes(g.stored_bytes), format_bytes(g.loaded_bytes),
                       format_bytes(g.host_bytes_peak), format_bytes(g.host_bytes_final)])
-    lines += _table(grows)
+    lines = _table(grows)
     for name, held in o.lower_tier_bytes.items():
         blocks = o.lower_tier_blocks.get(name, 0)
         size = format_bytes(held) + (" moved, scaled" if result.config.mode is Mode.BYTES
@@ -96,7 +120,14 @@ def simulation_text(result: SimulationResult, workload_label: str) -> str:
     if o.cold_keys:
         lines.append(f"  bimodal insertion: {o.cold_keys:,} host blocks stored cold (first "
                      "to evict)")
-    if cfg.mode.value == "bytes":
+    return lines
+
+
+def _worker_lines(result: SimulationResult) -> list[str]:
+    """Bytes mode's measured transfers and verification, and the contract warnings."""
+    o = result.offload
+    lines: list[str] = []
+    if result.config.mode.value == "bytes":
         lines.append(f"  worker moved {format_bytes(o.moved_stored_bytes)} to host and "
                      f"{format_bytes(o.moved_loaded_bytes)} back in "
                      f"{format_seconds(o.measured_transfer_s)} (measured, scaled pages)")
@@ -113,10 +144,7 @@ def simulation_text(result: SimulationResult, workload_label: str) -> str:
     if o.misplaced_store_blocks:
         lines.append(f"  WARNING: {o.misplaced_store_blocks} stored block(s) were not at the "
                      "position their transfer implies (GroupTransfer contract broken)")
-    wall = o.wall_s + (b.wall_s if b is not None else 0.0)
-    lines.append(f"  modelled makespan {format_seconds(o.makespan_s)}, {o.steps:,} steps; "
-                 f"wall time {wall:.1f} s")
-    return "\n".join(lines)
+    return lines
 
 
 def run_dict(summary: RunSummary | None) -> dict[str, Any] | None:

@@ -4,8 +4,12 @@ A small, honest model of an inference engine's KV-cache side, used by tests, the
 and the ``kvoffload`` command. It speaks to the core only through the planner's public
 contract, so it exercises exactly what an engine adapter would.
 
-* ``block_pool``, ``group_policies``: the hybrid prefix-caching block pool.
-* ``scheduler``: the step loop (``ReferenceEngine``): scheduling, admission, transfers.
+* ``block_pool``, ``group_policies``, ``prefix_cache``: the hybrid prefix-caching block
+  pool, its per-kind rules (hits, freed positions, allocation) and its cache index.
+* ``scheduler``: the step loop (``ReferenceEngine``, the entry point, and ``EngineConfig``);
+  ``scheduling``: queues, scheduling, preemption, admission; ``transfers``: jobs in flight,
+  report delivery, loads waiting, late loads and parked blocks; ``recording``: hits per
+  request and tier, samples.
 * ``executors``, ``device``, ``verify``: the worker side (accounting, or the real worker
   on real tensors) and bytes mode's contents and checks.
 * ``timing``, ``metrics``, ``summary``: modelled time and what a run measured.

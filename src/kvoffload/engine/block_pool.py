@@ -30,6 +30,9 @@ Call order for one request, per engine step::
     ...
     pool.free(rid)
 
+What is cached under which key is ``prefix_cache.PrefixCacheIndex``; the per-kind rules
+(hits, freed positions, what an allocation appends) are ``group_policies``'.
+
 Everything is deterministic: no randomness, insertion-ordered containers only.
 """
 
@@ -38,35 +41,19 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvoffload.config import GroupKind, GroupSpec
-from kvoffload.engine.group_policies import GroupPolicy, cdiv, lookup_order, make_policy
+from kvoffload.engine.group_policies import GroupPolicy, lookup_order, make_policy
+from kvoffload.engine.prefix_cache import CacheHit, PrefixCacheIndex
 from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.jobs import NULL_BLOCK_ID
 from kvoffload.keys import BlockHash
 
+__all__ = ["MAX_AVOID_SCAN", "Allocation", "CacheHit", "HybridBlockPool", "PoolStats"]
+
 MAX_AVOID_SCAN = 256
 """Free blocks the allocator passes over per allocation at most (``HybridBlockPool.avoid``)."""
-
-_CacheKey = tuple[int, BlockHash]
-
-
-@dataclass(frozen=True)
-class CacheHit:
-    """A prefix-cache hit valid for every group at once.
-
-    Attributes:
-        num_tokens: hit length; a multiple of every group's alignment.
-        block_ids: per group, ``num_tokens // block_size`` block ids, null where the group
-            needs no data (outside the window, Mamba positions before the hit).
-    """
-
-    num_tokens: int
-    block_ids: tuple[tuple[int, ...], ...]
-    stamps: tuple[tuple[int, ...], ...] = field(default=(), compare=False, repr=False)
-    """Per block, the pool's cache stamp at lookup (0 for nulls): ``allocate`` refuses the
-    hit if a block was evicted or re-cached since. Empty: only checked for being cached."""
 
 
 @dataclass(frozen=True)
@@ -136,14 +123,10 @@ class HybridBlockPool:
         self.hit_alignment = math.lcm(*(p.alignment for p in self._policies))
         """Tokens every hit is a multiple of (LCM of the groups' alignments)."""
         self._ref = [0] * num_blocks
-        self._key: list[_CacheKey | None] = [None] * num_blocks
-        self._stamp = [0] * num_blocks
-        """When each block was last cached (a counter), to detect stale hits."""
-        self._next_stamp = 1
-        self._cached: dict[_CacheKey, int] = {}
+        self._index = PrefixCacheIndex(num_blocks)
+        """What is cached under which key (``prefix_cache``)."""
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._requests: dict[str, _Tables] = {}
-        self._evictions = 0
         self.avoid: Callable[[int], bool] | None = None
         """Free blocks to hand out last (say, still used by a stuck transfer): the
         allocator passes over up to ``MAX_AVOID_SCAN`` of them at the free queue's front
@@ -179,7 +162,7 @@ class HybridBlockPool:
         length = min(max_tokens, len(block_hashes) * self.hash_block_size)
         length = max(0, length) // align * align
         hits: list[list[int]] = [[] for _ in self._policies]
-        lookup = self._lookup
+        lookup = self._index.lookup
         others: list[GroupPolicy] = []
         for policy in self._order:
             if policy.kind is GroupKind.FULL_ATTENTION:
@@ -198,12 +181,10 @@ class HybridBlockPool:
                     changed = True
         block_ids = tuple(tuple(h[:length // p.block_size])
                           for p, h in zip(self._policies, hits, strict=True))
-        stamps = tuple(tuple(self._stamp[b] if b != NULL_BLOCK_ID else 0 for b in ids)
+        stamp = self._index.stamps
+        stamps = tuple(tuple(stamp[b] if b != NULL_BLOCK_ID else 0 for b in ids)
                        for ids in block_ids)
         return CacheHit(num_tokens=length, block_ids=block_ids, stamps=stamps)
-
-    def _lookup(self, group: int, block_hash: BlockHash) -> int | None:
-        return self._cached.get((group, block_hash))
 
     # --------------------------------------------------------------- allocation
 
@@ -237,8 +218,9 @@ class HybridBlockPool:
         if req is not None:
             freed = self.remove_skipped_blocks(request_id, num_computed_tokens)
         tables = req.tables if req is not None else [[] for _ in self._policies]
-        plans = [self._plan(policy, tables[policy.index], num_computed_tokens, num_tokens,
-                            hit) for policy in self._policies]
+        plans = [policy.plan_appends(len(tables[policy.index]), num_computed_tokens, num_tokens,
+                                     hit.block_ids[policy.index] if hit is not None else ())
+                 for policy in self._policies]
         ref = self._ref
         touch = [b for plan in plans for b in plan if b]  # hit blocks (None and 0 are falsy)
         need = sum(plan.count(None) for plan in plans)
@@ -278,50 +260,19 @@ class HybridBlockPool:
                                  f"needs {hit.num_tokens // policy.block_size} ids, got "
                                  f"{len(ids)}")
             stamps = hit.stamps[policy.index] if hit.stamps else (0,) * len(ids)
+            index = self._index
             for b, stamp in zip(ids, stamps, strict=True):
                 if b == NULL_BLOCK_ID:
                     continue
-                key = self._key[b] if 0 < b < self.num_blocks else None
-                if key is None or key[0] != policy.index or stamp not in (0, self._stamp[b]):
+                key = index.keys[b] if 0 < b < self.num_blocks else None
+                if key is None or key[0] != policy.index or stamp not in (0, index.stamps[b]):
                     raise ValueError(f"group {policy.index}: hit block {b} is no longer "
                                      "cached as found (stale hit: look up again)")
 
-    def _plan(self, policy: GroupPolicy, table: list[int], num_computed: int,
-              num_tokens: int, hit: CacheHit | None) -> list[int | None]:
-        """Entries to append: the null id, a hit block id, or None for a new block."""
-        dead = policy.dead_before(num_computed)
-        hit_ids = hit.block_ids[policy.index] if hit is not None else ()
-        start, end = len(table), cdiv(num_tokens, policy.block_size)
-        if start >= end:
-            return []
-        if policy.kind is not GroupKind.MAMBA:
-            # Every live position needs a block: nulls, then hit blocks, then new blocks.
-            live = max(start, min(dead, end))
-            adopted = max(live, min(len(hit_ids), end))
-            plan: list[int | None] = [NULL_BLOCK_ID] * (live - start)
-            plan.extend(hit_ids[live:adopted])
-            if NULL_BLOCK_ID in plan[live - start:]:
-                pos = live + plan[live - start:].index(NULL_BLOCK_ID)
-                raise ValueError(f"group {policy.index}: hit has no block at live "
-                                 f"position {pos}")
-            plan.extend([None] * (end - adopted))
-            return plan
-        plan = []
-        for pos in range(start, end):
-            if pos < dead or not policy.needs_block(pos, num_computed, num_tokens):
-                plan.append(NULL_BLOCK_ID)
-            elif pos < len(hit_ids):
-                if hit_ids[pos] == NULL_BLOCK_ID:
-                    raise ValueError(f"group {policy.index}: hit has no block at live "
-                                     f"position {pos}")
-                plan.append(hit_ids[pos])
-            else:
-                plan.append(None)
-        return plan
-
     def _allocate_blocks(self, count: int) -> list[int]:
         """Take ``count`` blocks from the free queue's front, evicting their cached contents."""
-        free, keys, cached, ref = self._free, self._key, self._cached, self._ref
+        free, ref, index = self._free, self._ref, self._index
+        keys, cached = index.keys, index.blocks
         out = []
         avoid = self.avoid
         passed: list[int] = []
@@ -337,7 +288,7 @@ class HybridBlockPool:
             if key is not None:
                 del cached[key]
                 keys[block] = None
-                self._evictions += 1
+                index.evictions += 1
             ref[block] = 1
             out.append(block)
         for block in reversed(passed):  # back to the front, in their order
@@ -396,8 +347,9 @@ class HybridBlockPool:
         """
         req = self._require(request_id)
         added = 0
-        cached, keys, stamps = self._cached, self._key, self._stamp
-        stamp = self._next_stamp
+        index = self._index
+        cached, keys, stamps = index.blocks, index.keys, index.stamps
+        stamp = index.next_stamp
         for policy in self._policies:
             g = policy.index
             table = req.tables[g]
@@ -425,7 +377,7 @@ class HybridBlockPool:
                     stamp += 1
                     added += 1
             req.checked[g] = policy.next_checked(num_computed_tokens, req.checked[g])
-        self._next_stamp = stamp
+        index.next_stamp = stamp
         return added
 
     def free(self, request_id: str) -> None:
@@ -475,11 +427,11 @@ class HybridBlockPool:
         return self._ref[block_id]
 
     def is_cached(self, block_id: int) -> bool:
-        return self._key[block_id] is not None
+        return self._index.keys[block_id] is not None
 
     def cache_key(self, block_id: int) -> tuple[int, BlockHash] | None:
         """(group index, block hash) the block is cached under, or None."""
-        return self._key[block_id]
+        return self._index.keys[block_id]
 
     def free_queue(self) -> tuple[int, ...]:
         """Free block ids, next to be allocated first."""
@@ -487,30 +439,21 @@ class HybridBlockPool:
 
     def stats(self) -> PoolStats:
         return PoolStats(num_blocks=self.num_blocks, num_free_blocks=len(self._free),
-                         num_cached_blocks=len(self._cached),
-                         num_requests=len(self._requests), num_evictions=self._evictions)
+                         num_cached_blocks=len(self._index),
+                         num_requests=len(self._requests), num_evictions=self._index.evictions)
 
     # ---------------------------------------------------------------- operator
 
     def evict_blocks(self, block_ids: Iterable[int]) -> int:
         """Drop blocks from the prefix cache (e.g. after a failed load made their data
         invalid); returns how many were cached. Blocks in use stay with their requests."""
-        dropped = 0
-        for block in block_ids:
-            key = self._key[block] if 0 < block < self.num_blocks else None
-            if key is not None:
-                del self._cached[key]
-                self._key[block] = None
-                dropped += 1
-        return dropped
+        return self._index.drop(block_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any block is in use."""
         if len(self._free) != self.num_blocks - 1:
             return False
-        for block in self._cached.values():
-            self._key[block] = None
-        self._cached.clear()
+        self._index.clear()
         return True
 
     def check_integrity(self) -> None:
@@ -535,7 +478,8 @@ class HybridBlockPool:
                         raise InvariantError(f"request {rid!r} holds block {b} twice")
                     seen.add(b)
                     refs[b] += 1
-        if self._ref[NULL_BLOCK_ID] or NULL_BLOCK_ID in self._free or self._key[NULL_BLOCK_ID]:
+        if (self._ref[NULL_BLOCK_ID] or NULL_BLOCK_ID in self._free
+                or self._index.keys[NULL_BLOCK_ID]):
             raise InvariantError("the null block was allocated, freed or cached")
         if refs[NULL_BLOCK_ID]:
             raise InvariantError("the null block is counted as referenced")
@@ -546,9 +490,4 @@ class HybridBlockPool:
             if (self._ref[b] == 0) != (b in self._free):
                 raise InvariantError(f"block {b}: ref count {self._ref[b]} but "
                                      f"{'in' if b in self._free else 'not in'} the free queue")
-            key = self._key[b]
-            if key is not None and self._cached.get(key) != b:
-                raise InvariantError(f"block {b}: key not mapped back to it")
-        for key, b in self._cached.items():
-            if self._key[b] != key:
-                raise InvariantError(f"cache entry for block {b} disagrees with its key")
+        self._index.check_integrity()

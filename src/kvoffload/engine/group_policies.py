@@ -5,7 +5,9 @@ Each policy answers, for one KV-cache group, the questions whose answers differ 
 * ``find_hit``: the longest prefix-cache hit this group can serve up to a length;
 * ``dead_before``: which leading block positions a running request no longer needs;
 * ``needs_block``: whether a newly covered position gets a real block or the null block;
-* ``cache_positions``: which positions hold data that may be registered in the prefix cache.
+* ``cache_positions``: which positions hold data that may be registered in the prefix cache;
+* ``plan_appends``: the allocation rule, what ``HybridBlockPool.allocate`` appends to the
+  group's table (the null block, a block of the hit, or a new block per position).
 
 Position ``p`` of a group with block size ``bs`` covers tokens ``[p*bs, (p+1)*bs)``; for a
 Mamba group it holds the recurrent state *after* its last covered token, i.e. the state at
@@ -96,6 +98,28 @@ class GroupPolicy(ABC):
     def next_checked(self, num_computed_tokens: int, checked: int) -> int:
         """The new ``checked`` after ``cache_positions`` was processed."""
         return max(checked, num_computed_tokens // self.block_size)
+
+    def plan_appends(self, start: int, num_computed: int, num_tokens: int,
+                     hit_ids: Sequence[int]) -> list[int | None]:
+        """Entries to append to a table of ``start`` positions so that it covers
+        ``num_tokens`` tokens: the null id, a hit block id, or None for a new block.
+
+        Attention: every live position needs a block: nulls, then hit blocks, then new
+        blocks. Raises ``ValueError`` if the hit has no block at a live position.
+        """
+        end = cdiv(num_tokens, self.block_size)
+        if start >= end:
+            return []
+        live = max(start, min(self.dead_before(num_computed), end))
+        adopted = max(live, min(len(hit_ids), end))
+        plan: list[int | None] = [NULL_BLOCK_ID] * (live - start)
+        plan.extend(hit_ids[live:adopted])
+        if NULL_BLOCK_ID in plan[live - start:]:
+            pos = live + plan[live - start:].index(NULL_BLOCK_ID)
+            raise ValueError(f"group {self.index}: hit has no block at live "
+                             f"position {pos}")
+        plan.extend([None] * (end - adopted))
+        return plan
 
 
 class FullAttentionPolicy(GroupPolicy):
@@ -213,6 +237,27 @@ class MambaPolicy(GroupPolicy):
             return range(0)
         pos = num_computed_tokens // self.block_size - 1
         return range(pos, pos + 1)
+
+    def plan_appends(self, start: int, num_computed: int, num_tokens: int,
+                     hit_ids: Sequence[int]) -> list[int | None]:
+        """Mamba: only the positions of the states read and written (``needs_block``)
+        get a block, the hit's where it has one; every other position is null."""
+        end = cdiv(num_tokens, self.block_size)
+        if start >= end:
+            return []
+        dead = self.dead_before(num_computed)
+        plan: list[int | None] = []
+        for pos in range(start, end):
+            if pos < dead or not self.needs_block(pos, num_computed, num_tokens):
+                plan.append(NULL_BLOCK_ID)
+            elif pos < len(hit_ids):
+                if hit_ids[pos] == NULL_BLOCK_ID:
+                    raise ValueError(f"group {self.index}: hit has no block at live "
+                                     f"position {pos}")
+                plan.append(hit_ids[pos])
+            else:
+                plan.append(None)
+        return plan
 
 
 POLICIES: dict[GroupKind, type[GroupPolicy]] = {
