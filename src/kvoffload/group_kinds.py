@@ -41,13 +41,16 @@ class KindRules:
     """The rules one group kind follows. Subclasses set the class attributes."""
 
     kind: ClassVar[GroupKind]
+    whole_prefix: ClassVar[bool] = False
+    """A hit needs every block before it (full attention): looked up once, never re-checked
+    by the fixpoint."""
     takes_window: ClassVar[bool] = False
     """Its spec gives a ``sliding_window`` (and must)."""
     takes_state_alignment: ClassVar[bool] = False
     """Its spec may give a ``state_alignment``."""
     loads_every_position: ClassVar[bool] = True
     """A load writes every engine position from its first to the hit's end (no nulls)."""
-    stores_boundary_state: ClassVar[bool] = False
+    holds_state: ClassVar[bool] = False
     """A block holds one recurrent state, that after its last token (Mamba): only that
     position is stored, and only where a step ended there."""
     attention_cost: ClassVar[bool] = True
@@ -91,6 +94,7 @@ class FullAttentionRules(KindRules):
     """Every token attends to every earlier one: a hit needs every block before it."""
 
     kind = GroupKind.FULL_ATTENTION
+    whole_prefix = True
 
 
 class SlidingWindowRules(KindRules):
@@ -126,7 +130,7 @@ class MambaRules(KindRules):
     """A recurrent state: a hit needs exactly the state at its end."""
 
     takes_state_alignment = True
-    stores_boundary_state = True
+    holds_state = True
     attention_cost = False
 
     kind = GroupKind.MAMBA

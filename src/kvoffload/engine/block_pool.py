@@ -1,5 +1,5 @@
 """The reference engine's hybrid block pool: a small, honest model of vLLM's ``BlockPool``
-plus its ``HybridKVCacheCoordinator`` (reference brief §5).
+plus its ``HybridKVCacheCoordinator`` (``vllm/v1/core/kv_cache_coordinator.py``).
 
 One pool of ``num_blocks`` block ids is shared by every KV-cache group (vLLM's hybrid
 allocator pads pages to one size; here pages are ids, their bytes are accounted elsewhere).
@@ -43,10 +43,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from kvoffload.config import GroupKind, GroupSpec
-from kvoffload.engine.group_policies import GroupPolicy, lookup_order, make_policy
+from kvoffload.config import GroupSpec
+from kvoffload.engine.group_policies import GroupPolicy, group_policy, lookup_order
 from kvoffload.engine.prefix_cache import CacheHit, PrefixCacheIndex
 from kvoffload.errors import ConfigError, InvariantError
+from kvoffload.group_kinds import KIND_RULES
 from kvoffload.jobs import NULL_BLOCK_ID
 from kvoffload.keys import BlockHash
 
@@ -118,7 +119,7 @@ class HybridBlockPool:
         self.groups = tuple(groups)
         self.num_blocks = num_blocks
         self.hash_block_size = hbs
-        self._policies = tuple(make_policy(i, g, hbs) for i, g in enumerate(self.groups))
+        self._policies = tuple(group_policy(i, g, hbs) for i, g in enumerate(self.groups))
         self._order = lookup_order(self._policies)
         self.hit_alignment = math.lcm(*(p.alignment for p in self._policies))
         """Tokens every hit is a multiple of (LCM of the groups' alignments)."""
@@ -165,7 +166,7 @@ class HybridBlockPool:
         lookup = self._index.lookup
         others: list[GroupPolicy] = []
         for policy in self._order:
-            if policy.kind is GroupKind.FULL_ATTENTION:
+            if KIND_RULES[policy.kind].whole_prefix:
                 hits[policy.index] = policy.find_hit(lookup, block_hashes, length, align)
                 length = min(length, len(hits[policy.index]) * policy.block_size)
             else:

@@ -1,4 +1,7 @@
-"""Per-kind rules of the reference engine's block pool (one small class per ``GroupKind``).
+"""Per-kind block rules of the reference engine's pool (one small class per ``GroupKind``).
+
+The numbers every layer shares (how many blocks a window retains, the lookup order) come
+from ``kvoffload.group_kinds``; these classes apply them to the pool's block tables.
 
 Each policy answers, for one KV-cache group, the questions whose answers differ by kind:
 
@@ -14,7 +17,7 @@ Mamba group it holds the recurrent state *after* its last covered token, i.e. th
 token ``(p+1)*bs`` when the block is full (a boundary state), or at the request's current
 length when the request stops inside it (a running state, never cached).
 
-The rules mirror vLLM's ``single_type_kv_cache_manager`` (see the reference brief §5):
+The rules mirror vLLM's own prefix cache (``vllm/v1/core/single_type_kv_cache_manager.py``):
 
 * full attention: a hit at t needs every block before t;
 * sliding window W: a hit at t needs the ``ceil((W-1)/bs)`` blocks covering the last W-1
@@ -32,6 +35,7 @@ from typing import ClassVar
 
 from kvoffload.config import GroupKind, GroupSpec
 from kvoffload.errors import ConfigError
+from kvoffload.group_kinds import KIND_RULES
 from kvoffload.jobs import NULL_BLOCK_ID
 from kvoffload.keys import BlockHash
 
@@ -153,8 +157,10 @@ class SlidingWindowPolicy(GroupPolicy):
         super().__init__(index, spec, hash_block_size)
         assert spec.sliding_window is not None
         self.window = spec.sliding_window
-        self.run_blocks = cdiv(self.window - 1, self.block_size)
-        """Contiguous cached blocks a hit needs at its end."""
+        run_blocks = KIND_RULES[spec.kind].engine_retention_blocks(spec)
+        assert run_blocks is not None
+        self.run_blocks = run_blocks
+        """Contiguous cached blocks a hit needs at its end (``ceil((W - 1) / block)``)."""
 
     def find_hit(self, cached: CachedLookup, block_hashes: Sequence[BlockHash],
                  max_tokens: int, alignment: int) -> list[int]:
@@ -268,15 +274,13 @@ POLICIES: dict[GroupKind, type[GroupPolicy]] = {
 """The policy class of each group kind."""
 
 
-def make_policy(index: int, spec: GroupSpec, hash_block_size: int) -> GroupPolicy:
-    """The policy for group ``index``."""
+def group_policy(index: int, spec: GroupSpec, hash_block_size: int) -> GroupPolicy:
+    """The block rules of group ``index``."""
     return POLICIES[spec.kind](index, spec, hash_block_size)
 
 
 def lookup_order(policies: Sequence[GroupPolicy]) -> list[GroupPolicy]:
-    """Order of the fixpoint: full attention, sliding windows largest first, then Mamba."""
-    def rank(p: GroupPolicy) -> tuple[int, int]:
-        if isinstance(p, SlidingWindowPolicy):
-            return (1, -p.window)
-        return (0, 0) if p.kind is GroupKind.FULL_ATTENTION else (2, 0)
-    return sorted(policies, key=rank)
+    """Order of the fixpoint (``KindRules.lookup_rank``, over engine blocks): full
+    attention, then windows widest first in tokens (a Mamba state is one block)."""
+    return sorted(policies,
+                  key=lambda p: KIND_RULES[p.kind].lookup_rank(p.spec, p.block_size))

@@ -93,8 +93,6 @@ class EngineRequest:
         """The next schedule sends the whole block table (first one after admission)."""
         self.resumed = False
         """Set by a preemption; cleared by the next schedule."""
-        self.refuse_external = False
-        """Set after a failed or corrupt load: later admissions accept no external tokens."""
         self.pending_hits = (0, 0)
         """(engine, host) hit tokens of the load in progress."""
         self.pending_origin: dict[tuple[str, int], int] = {}

@@ -29,13 +29,14 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from kvoffload.config import GroupKind, GroupSpec
+from kvoffload.config import GroupSpec
 from kvoffload.engine.block_pool import Allocation, HybridBlockPool
 from kvoffload.engine.metrics import EngineMetrics
 from kvoffload.engine.recording import Recorder
 from kvoffload.engine.requests import EngineRequest, Status
 from kvoffload.engine.transfers import Clocked, TransferTracker
 from kvoffload.errors import ConfigError
+from kvoffload.group_kinds import KIND_RULES
 from kvoffload.planner.contract import ReportOutcome, ScheduledRequest
 from kvoffload.planner.planner import Planner
 
@@ -90,7 +91,7 @@ class Scheduler:
         self._metrics = metrics
         self._checks = checks
         self._state_block = max((s.block_size for s in specs
-                                 if s.kind is GroupKind.MAMBA), default=0)
+                                 if KIND_RULES[s.kind].holds_state), default=0)
         """Mamba block size (0 without Mamba): prefill chunks end on its multiples."""
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
@@ -230,7 +231,7 @@ class Scheduler:
                 # Deferred past the deadline: run now with the engine's own hit only.
                 self._metrics.deferral_give_ups += 1
             self._transfers.off_offload_path(rid)  # the lookup answered: its wait is over
-            external = 0 if req.refuse_external or match.num_tokens is None \
+            external = 0 if match.num_tokens is None \
                 else match.num_tokens
         if external > 0:
             end = local + external
@@ -278,6 +279,7 @@ class Scheduler:
     def loads_done(self, outcome: ReportOutcome) -> None:
         """Loads the planner reports finished: run their requests, or recompute those
         whose load failed or (bytes mode) brought wrong bytes."""
+        assert self._planner is not None  # only a planner reports loads
         failed = {f.request_id for f in outcome.failed_loads}
         for rid in outcome.finished_loads:
             finished = self._transfers.load_finished(rid)
@@ -285,17 +287,16 @@ class Scheduler:
                 continue
             req, job = finished
             if rid in failed:
-                # Recompute from the engine's own prefix: the re-admission accepts no
-                # external tokens (a retried load could fail the same way forever).
+                # Recompute from the engine's own prefix: the planner offers the
+                # re-admission no external tokens (a retried load could fail forever).
                 req.record.failed_loads += 1
-                req.refuse_external = True
                 self.requeue(req)
                 continue
             if job is not None and self._checks is not None and self._checks.check_load(req,
                                                                                         job):
                 # Wrong bytes: never use them; recompute, and take no external tokens.
                 req.record.corrupt_loads += 1
-                req.refuse_external = True
+                self._planner.refuse_loads(req)
                 self.requeue(req)
                 continue
             local, external = req.pending_hits

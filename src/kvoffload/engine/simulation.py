@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from kvoffload.config import GroupKind, OffloadConfig
+from kvoffload.config import OffloadConfig
 from kvoffload.engine.executors import AccountingExecutor, TransferExecutor
 from kvoffload.engine.model_presets import ModelLayout, ModelPreset, get_preset
 from kvoffload.engine.replay import Arrival, Progress, replay
@@ -35,6 +35,7 @@ from kvoffload.engine.summary import RunSummary, summarize
 from kvoffload.engine.timing import TimingModel
 from kvoffload.engine.workloads.request import WorkloadRequest
 from kvoffload.errors import ConfigError
+from kvoffload.group_kinds import KIND_RULES
 from kvoffload.tiers.base import Tier
 from kvoffload.tiers.config import DiskTierConfig, RemoteTierConfig, TierConfig
 from kvoffload.tiers.factory import make_tier
@@ -358,8 +359,6 @@ def describe_groups(layout: ModelLayout) -> list[str]:
     out = []
     for g in layout.groups:
         s = g.spec
-        kind = {GroupKind.FULL_ATTENTION: "full attention",
-                GroupKind.SLIDING_WINDOW: f"sliding window {s.sliding_window}",
-                GroupKind.MAMBA: "mamba"}[s.kind]
+        kind = KIND_RULES[s.kind].label(s)
         out.append(f"{kind}: {s.num_layers} layers, block {s.block_size} tokens")
     return out

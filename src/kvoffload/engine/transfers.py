@@ -220,8 +220,7 @@ class TransferTracker:
             req = self.loading.pop(rid)
             self._load_jobs.pop(rid, None)
             self.off_offload_path(rid)
-            job_id = self._planner.abandon_load(req)
-            req.refuse_external = True
+            job_id = self._planner.abandon_load(req)  # offers it no load again
             req.record.failed_loads += 1
             self._metrics.abandoned_loads += 1
             if job_id is None:

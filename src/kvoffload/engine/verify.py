@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvoffload.config import GroupKind, GroupSpec
+from kvoffload.config import GroupSpec
 from kvoffload.engine.block_pool import CacheHit, HybridBlockPool
 from kvoffload.engine.device import DeviceCaches, HostAuditor, full_block_seed
 from kvoffload.engine.metrics import EngineMetrics
 from kvoffload.engine.requests import EngineRequest
+from kvoffload.group_kinds import KIND_RULES
 from kvoffload.jobs import NULL_BLOCK_ID, TierJob, TierOp, TransferJob
 from kvoffload.keys import key_group
 from kvoffload.tiers.cpu import HostTier
@@ -62,7 +63,7 @@ class ByteChecks:
                 bs = spec.block_size
                 full_end = end // bs  # positions below this are full
                 first = start // bs
-                if spec.kind is GroupKind.MAMBA:
+                if KIND_RULES[spec.kind].holds_state:
                     if end % bs:
                         continue  # only the state at the step's end exists, and it is partial
                     first = full_end - 1

@@ -76,7 +76,7 @@ def store_positions(g: ResolvedGroup, gs: GroupState, k: int, alignment: int,
     lo, hi = k * f, (k + 1) * f
     ids = gs.block_ids
     obs = g.offloaded_block_size
-    if g.rules.stores_boundary_state:
+    if g.rules.holds_state:
         last = hi - 1  # the state after the block's last token
         if (last < gs.num_freed or ids[last] == NULL_BLOCK_ID
                 or (state_ends is not None and (k + 1) * obs not in state_ends)):
@@ -110,7 +110,7 @@ def group_store_transfers(g: ResolvedGroup, gs: GroupState,
     last state of each block, one transfer per block.
     """
     ids = gs.block_ids
-    if g.rules.stores_boundary_state:
+    if g.rules.holds_state:
         return [GroupTransfer(g.index, (ids[p[0]],), p[0], (slot_of[gs.keys[k]],))
                 for k, p in chosen]
     runs: list[list[tuple[int, list[int]]]] = []

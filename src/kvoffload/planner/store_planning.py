@@ -54,7 +54,7 @@ class StorePlanner:
         self._stats = stats
         self._groups = config.resolved
         self._alignment = config.hit_alignment
-        self._state_groups = [g for g in self._groups if g.rules.stores_boundary_state]
+        self._state_groups = [g for g in self._groups if g.rules.holds_state]
         self.step_end_states = not config.mamba_states_every_block and bool(self._state_groups)
         """Mamba states exist only where a step ended (``RequestState.state_ends``)."""
 
