@@ -12,7 +12,7 @@ from kvoffload.planner.admission import Admit, HitPointAdmission, StoreEverythin
 from kvoffload.planner.contract import ScheduledRequest, StepInput
 from kvoffload.planner.planner import Planner
 from kvoffload.tiers.base import LookupResult
-from kvoffload.tiers.cpu import HostTier
+from kvoffload.tiers.host import HostTier
 
 
 class Req:

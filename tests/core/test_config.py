@@ -12,7 +12,7 @@ import pytest
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import ConfigError
-from kvoffload.tiers.cpu import HostTier
+from kvoffload.tiers.host import HostTier
 
 FA = GroupKind.FULL_ATTENTION
 SW = GroupKind.SLIDING_WINDOW

@@ -15,7 +15,8 @@ import textwrap
 CORE_MODULES = [
     "kvoffload.planner.planner",
     "kvoffload.planner.lookup",
-    "kvoffload.tiers.cpu",
+    "kvoffload.tiers.host",
+    "kvoffload.ledger",
     "kvoffload.config",
     "kvoffload.keys",
     "kvoffload.jobs",

@@ -65,7 +65,7 @@ from kvoffload.planner.insertion import InsertionDuel, is_hot_request
 from kvoffload.planner.lookup import BlockReadable, GroupView, combined_hit_end, lookup_order
 from kvoffload.planner.state import GroupState, JobState, PlannedLoad, RequestState
 from kvoffload.planner.value import PrefillFlops, PrefixValuer
-from kvoffload.tiers.base import LookupResult, Tier, TierEvent
+from kvoffload.tiers.base import LookupResult, Tier, TierEvent, TierHints
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ class Planner:
         if not saw_pending:
             return end, False
         if hopeful > end:
-            self.tier.prefetch(self._hit_keys(st, num_computed, hopeful))
+            self.tier.hint(TierHints(prefetch=tuple(self._hit_keys(st, num_computed, hopeful))))
         return end, hopeful > end
 
     def _hit_keys(self, st: RequestState, start: int, end: int) -> list[OffloadKey]:
@@ -345,7 +345,7 @@ class Planner:
         if not keys:
             self._early_finished.append(rid)
             return
-        slots = self.tier.prepare_load(keys)
+        slots = self.tier.prepare_load(keys).slots
         for g, gs in zip(self._groups, st.groups, strict=True):
             gs.next_stored = max(gs.next_stored, planned.end // g.offloaded_block_size)
         for t in transfers:
@@ -406,7 +406,7 @@ class Planner:
                 # It reloads its prefix when it resumes: cold blocks of it (whoever stored
                 # them) become normal after all.
                 keys = [key for gs in st.groups for key in gs.keys]
-                self.tier.warm(keys)
+                self.tier.hint(TierHints(warm=tuple(keys)))
                 self._insertion.observe_preempt(keys)
                 st.cold_keys = []
         stores: list[TransferJob] = []
@@ -554,9 +554,8 @@ class Planner:
         if self._valuer is not None:
             frontier = max(limit * g.offloaded_block_size
                            for g, limit in zip(self._groups, limits, strict=True))
-            self.tier.set_values(self._valuer.hints(frontier, valued,
-                                                    [gs.keys for gs in st.groups],
-                                                    self._reuse(st)))
+            self.tier.hint(TierHints(values=tuple(self._valuer.hints(
+                frontier, valued, [gs.keys for gs in st.groups], self._reuse(st)))))
         job_id = self._new_job_id()
         rid = st.request.request_id
         self._jobs[job_id] = JobState(job_id, rid, Direction.STORE, result.keys_to_store,
@@ -573,12 +572,12 @@ class Planner:
         them)."""
         cold = [key for key in stored if key not in provisional]
         st.cold_keys.extend(cold)
-        self.stats.cold_stored_keys += self.tier.cool(cold)
+        self.stats.cold_stored_keys += self.tier.hint(TierHints(cool=tuple(cold)))
 
     def _demote(self, keys: list[OffloadKey]) -> None:
         """Tell the tier (and the insertion duel's directories) that no likely hit uses
         ``keys``."""
-        self.tier.demote(keys)
+        self.tier.hint(TierHints(demote=tuple(keys)))
         if self._insertion is not None:
             self._insertion.observe_demote(keys)
 
@@ -879,9 +878,8 @@ class Planner:
             blocks = (range(stop) if g.window_blocks is None
                       else self._useful_blocks(g, 0, stop))
             entries.append([(k, gs.keys[k]) for k in blocks])
-        self.tier.set_values(self._valuer.hints(frontier, entries,
-                                                [gs.keys for gs in st.groups],
-                                                self._reuse(st)))
+        self.tier.hint(TierHints(values=tuple(self._valuer.hints(
+            frontier, entries, [gs.keys for gs in st.groups], self._reuse(st)))))
 
     @staticmethod
     def _reuse(st: RequestState) -> float:
