@@ -50,7 +50,7 @@ from kvoffload.keys import BlockHash, BlockHasher, OffloadKey
 from kvoffload.planner.contract import ScheduledRequest, StepInput
 from kvoffload.planner.planner import Planner
 from kvoffload.tiers.base import PrepareStoreResult
-from kvoffload.tiers.cpu import HostTier
+from kvoffload.tiers.host import HostTier
 
 BLOCK = 16
 PHASES = ("plan", "reports", "lookups")

@@ -22,7 +22,7 @@ from kvoffload.planner.contract import (
 )
 from kvoffload.planner.planner import Planner
 from kvoffload.tiers.base import LookupResult
-from kvoffload.tiers.cpu import HostTier
+from kvoffload.tiers.host import HostTier
 
 Table = tuple[tuple[int, ...], ...]
 

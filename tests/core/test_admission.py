@@ -13,7 +13,7 @@ from kvoffload.planner.contract import ScheduledRequest, StepInput
 from kvoffload.planner.planner import Planner
 from kvoffload.planner.store_policy import ADMIT_ALL, StorePolicy
 from kvoffload.tiers.base import LookupResult
-from kvoffload.tiers.cpu import HostTier
+from kvoffload.tiers.host import HostTier
 
 
 class Req:

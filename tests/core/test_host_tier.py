@@ -8,8 +8,8 @@ from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.keys import BlockHash, OffloadKey, make_offload_key
 from kvoffload.tiers.base import LookupResult, PrepareStoreResult, TierEvent
-from kvoffload.tiers.cpu import HostTier
 from kvoffload.tiers.eviction import ARCPolicy
+from kvoffload.tiers.host import HostTier
 from kvoffload.tiers.slots import SlotAllocator
 
 FULL_BYTES = 128  # 2 layers x 64-byte pages
@@ -67,7 +67,7 @@ def test_a_key_is_readable_only_after_complete_store() -> None:
         tier.prepare_load(keys(1))
     tier.complete_store(keys(1))
     assert tier.lookup(k(1)) is LookupResult.HIT
-    assert tier.prepare_load(keys(1)) == (0,)
+    assert tier.prepare_load(keys(1)).slots == (0,)
     tier.complete_load(keys(1))
     assert (tier.stats.lookup_misses, tier.stats.lookup_pending, tier.stats.lookup_hits) == (
         1, 1, 1)
@@ -185,8 +185,8 @@ def test_prepare_store_of_a_key_from_an_unknown_group_raises_without_change() ->
 def test_ref_counts_are_exact_and_unbalanced_complete_load_raises() -> None:
     tier = make_tier(4)
     store(tier, 1, 2)
-    assert tier.prepare_load(keys(1, 2)) == (0, 1)
-    assert tier.prepare_load(keys(1)) == (0,)  # a second load job of the same prefix
+    assert tier.prepare_load(keys(1, 2)).slots == (0, 1)
+    assert tier.prepare_load(keys(1)).slots == (0,)  # a second load job of the same prefix
     assert tier.ref_count(k(1)) == 2 and tier.ref_count(k(2)) == 1
     assert tier.usage().pinned_slots == 2
     tier.complete_load(keys(1, 2))
@@ -347,7 +347,7 @@ def test_check_integrity_detects_corrupted_bookkeeping() -> None:
     with pytest.raises(InvariantError, match="share one slot"):
         tier.check_integrity()
     state.slot = 0
-    tier.allocator.free([0])  # the slot of a live key handed back
+    tier.space.slots.free([0])  # the slot of a live key handed back
     with pytest.raises(InvariantError, match="leaked or foreign"):
         tier.check_integrity()
 

@@ -18,8 +18,8 @@ from kvoffload.planner.insertion import (
     is_hot_request,
 )
 from kvoffload.planner.planner import Planner
-from kvoffload.tiers.cpu import HostTier
 from kvoffload.tiers.eviction import ValuePolicy
+from kvoffload.tiers.host import HostTier
 
 
 def test_about_one_request_in_hot_every_is_hot() -> None:

@@ -14,9 +14,9 @@ from kvoffload.planner.admission import HitPointAdmission
 from kvoffload.planner.contract import ScheduledRequest, StepInput
 from kvoffload.planner.planner import Planner
 from kvoffload.planner.valuation import PrefixValuer, proxy_prefill_flops
-from kvoffload.tiers.cpu import HostTier
 from kvoffload.tiers.eviction import BlockState, ValueHint, ValuePolicy, make_policy
 from kvoffload.tiers.eviction.value import NORMAL_SHARE
+from kvoffload.tiers.host import HostTier
 
 
 def k(i: int, group: int = 0) -> OffloadKey:

@@ -30,7 +30,7 @@ from kvoffload.jobs import StepPlan
 from kvoffload.keys import BlockHash, BlockHasher, OffloadKey, make_offload_key
 from kvoffload.planner.contract import StepInput
 from kvoffload.planner.planner import Planner
-from kvoffload.tiers.cpu import HostTier
+from kvoffload.tiers.host import HostTier
 
 
 class Req:

@@ -36,8 +36,8 @@ from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import InvariantError
 from kvoffload.keys import BlockHash, OffloadKey, key_group, make_offload_key
 from kvoffload.tiers.base import LookupResult
-from kvoffload.tiers.cpu import HostTier
 from kvoffload.tiers.eviction import ARCPolicy
+from kvoffload.tiers.host import HostTier
 
 BLOCK_BYTES = (128, 256)  # per group: full attention 2 x 64, Mamba 256 (= slot size)
 KEYS = [make_offload_key(BlockHash(i.to_bytes(16, "big")), i % 2) for i in range(10)]
@@ -144,7 +144,7 @@ class TierMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def prepare_load(self, data: st.DataObject) -> None:
         keys = data.draw(st.lists(st.sampled_from(sorted(self.ready)), min_size=1, max_size=4))
-        assert self.tier.prepare_load(keys) == tuple(self.slot[key] for key in keys)
+        assert self.tier.prepare_load(keys).slots == tuple(self.slot[key] for key in keys)
         for key in keys:
             self.ready[key] += 1
         self.load_jobs.append(tuple(keys))

@@ -27,7 +27,7 @@ from kvoffload.keys import BlockHash, BlockHasher
 from kvoffload.planner.contract import ScheduledRequest, StepInput
 from kvoffload.planner.planner import Planner
 from kvoffload.tiers.base import LookupResult
-from kvoffload.tiers.cpu import HostTier
+from kvoffload.tiers.host import HostTier
 
 Content = tuple[int, ...]
 GARBAGE: Content = (-1,)

@@ -20,12 +20,12 @@ from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import InvariantError
 from kvoffload.jobs import TierJob, TierJobId, TierOp, TierWork, WorkerReport
 from kvoffload.keys import OffloadKey, make_offload_key
-from kvoffload.tiers.base import LookupResult
+from kvoffload.tiers.base import LookupResult, TierHints
 from kvoffload.tiers.cascade import CascadeTier
 from kvoffload.tiers.config import DiskTierConfig, WriteMode
-from kvoffload.tiers.cpu import HostTier
 from kvoffload.tiers.disk import DiskIndex
 from kvoffload.tiers.framing import HEADER_BYTES
+from kvoffload.tiers.host import HostTier
 from kvoffload.tiers.lower import Presence
 from kvoffload.tiers.naming import block_path
 
@@ -93,7 +93,8 @@ def test_a_demoted_block_is_promoted_and_hit_once_every_rank_reported(tmp_path: 
 
     assert tier.lookup(key(0)) is PENDING
     assert tier.take_tier_work().jobs == ()  # a lookup alone promotes nothing
-    tier.prefetch([key(0), key(4)])  # key 4 is in host memory: shielded, not promoted
+    # key 4 is in host memory: shielded, not promoted
+    tier.hint(TierHints(prefetch=(key(0), key(4))))
     work = tier.take_tier_work()
     (promote,) = only(work, TierOp.PROMOTE)
     assert promote.key == key(0) and tier.host.slot_of(key(0)) == promote.slot
@@ -105,7 +106,10 @@ def test_a_demoted_block_is_promoted_and_hit_once_every_rank_reported(tmp_path: 
     report(tier, work.jobs, ranks=(0,))
     report(tier, (victim_demote,), ranks=(1,))
     assert tier.lookup(key(0)) is HIT
-    tier.prepare_load([key(0), key(4)])
+    grant = tier.prepare_load([key(0), key(4)])
+    assert grant.slots == (promote.slot, tier.host.slot_of(key(4)))
+    assert dict(grant.blocks_by_source) == tier.stats.loaded_group_blocks  # the first load
+    assert sum(grant.blocks_by_source.values()) == 2
     assert tier.stats.loaded_blocks == {"disk": 1, "host": 1}
     assert tier.stats.hit_shares() == {"disk": 0.5, "host": 0.5}
     tier.complete_load([key(0), key(4)])
@@ -117,7 +121,7 @@ def test_a_failed_promote_is_a_miss_and_the_disk_copy_is_deleted(tmp_path: Path)
     store(tier, key(0), key(1), key(2), key(3))
     store(tier, key(4))
     report(tier, tier.take_tier_work().jobs)
-    tier.prefetch([key(0)])
+    tier.hint(TierHints(prefetch=(key(0),)))
     (promote,) = only(tier.take_tier_work(), TierOp.PROMOTE)
     report(tier, (promote,), ranks=(0,))
     report(tier, (promote,), ranks=(1,), failed=True)  # e.g. rank 1's file was corrupt
@@ -183,7 +187,7 @@ def test_promotes_without_a_free_host_slot_answer_miss_once(tmp_path: Path) -> N
     store(tier, key(1))
     report(tier, tier.take_tier_work().jobs)  # key 0 on disk, key 1 in host memory
     tier.prepare_load([key(1)])  # pinned: nothing can be evicted
-    tier.prefetch([key(0)])
+    tier.hint(TierHints(prefetch=(key(0),)))
     assert only(tier.take_tier_work(), TierOp.PROMOTE) == ()
     assert tier.stats.promote_no_room == 1
     assert tier.lookup(key(0)) is MISS  # the request proceeds instead of waiting
@@ -269,7 +273,7 @@ def test_accounting_mode_models_both_lower_tiers_without_io(tmp_path: Path) -> N
     work = tier.take_tier_work()
     assert sorted(j.tier for j in work.jobs) == ["disk", "remote"]
     report(tier, work.jobs)
-    tier.prefetch([key(0)])  # disk first in the lookup order
+    tier.hint(TierHints(prefetch=(key(0),)))  # disk first in the lookup order
     (promote,) = only(tier.take_tier_work(), TierOp.PROMOTE)
     assert promote.tier == "disk"
     assert not missing.exists()
@@ -281,10 +285,11 @@ def test_demotion_and_cold_insertion_hints_reach_host_memory(tmp_path: Path) -> 
     disk = DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20), "ns")
     tier = CascadeTier(HostTier(cfg), [disk])
     store(tier, key(1), key(2), key(3))
-    tier.demote([key(3)])
-    tier.cool([key(2)])
+    tier.hint(TierHints(demote=(key(3),)))
+    tier.hint(TierHints(cool=(key(2),)))
     assert list(tier.host)[:2] == [key(3), key(2)]
-    tier.warm([key(2), key(3)])  # cold: normal again; demoted: left demoted
+    # cold: normal again; demoted: left demoted
+    tier.hint(TierHints(warm=(key(2), key(3))))
     assert list(tier.host) == [key(3), key(1), key(2)]
 
 
@@ -294,7 +299,7 @@ def test_a_demoted_key_is_not_written_back_when_host_memory_evicts_it(tmp_path: 
     disk = DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20), "ns")
     tier = CascadeTier(HostTier(cfg), [disk])
     store(tier, key(0), key(1), key(2), key(3))
-    tier.demote([key(2)])
+    tier.hint(TierHints(demote=(key(2),)))
     result = tier.prepare_store([key(4), key(5)])
     assert result is not None and set(result.evicted) == {key(2), key(0)}
     tier.complete_store(result.keys_to_store)
@@ -321,7 +326,7 @@ def two_key_value_cascade(tmp_path: Path) -> CascadeTier:
 def test_a_demoted_key_that_is_hit_is_written_back_after_all(tmp_path: Path) -> None:
     tier = two_key_value_cascade(tmp_path)
     store(tier, key(0), key(1))
-    tier.demote([key(1)])
+    tier.hint(TierHints(demote=(key(1),)))
     tier.prepare_load([key(1)])  # a request hits it: it has value after all
     tier.complete_load([key(1)])
     result = tier.prepare_store([key(2), key(3)])
@@ -333,7 +338,7 @@ def test_a_demoted_key_that_is_hit_is_written_back_after_all(tmp_path: Path) -> 
 def test_a_demoted_key_that_is_touched_is_written_back_after_all(tmp_path: Path) -> None:
     tier = two_key_value_cascade(tmp_path)
     store(tier, key(0), key(1))
-    tier.demote([key(1)])
+    tier.hint(TierHints(demote=(key(1),)))
     tier.touch([key(1)])  # used after all: the hint is undone
     result = tier.prepare_store([key(2), key(3)])
     assert result is not None and set(result.evicted) == {key(0), key(1)}

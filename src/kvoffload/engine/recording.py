@@ -28,7 +28,7 @@ from kvoffload.engine.transfers import Clocked
 from kvoffload.jobs import TransferJob
 from kvoffload.tiers.base import Tier
 from kvoffload.tiers.cascade import CascadeTier
-from kvoffload.tiers.cpu import HostTier
+from kvoffload.tiers.host import HostTier
 
 
 def loaded_by_tier(tier: Tier | None) -> dict[tuple[str, int], int]:

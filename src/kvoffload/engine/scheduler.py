@@ -74,7 +74,7 @@ from kvoffload.planner.contract import StepInput
 from kvoffload.planner.planner import Planner
 from kvoffload.tiers.base import Tier
 from kvoffload.tiers.cascade import CascadeTier
-from kvoffload.tiers.cpu import HostTier
+from kvoffload.tiers.host import HostTier
 
 if TYPE_CHECKING:  # bytes mode imports torch; accounting mode never does
     from kvoffload.engine.device import DeviceCaches, HostAuditor

@@ -26,7 +26,7 @@ from kvoffload.engine.requests import EngineRequest
 from kvoffload.group_kinds import KIND_RULES
 from kvoffload.jobs import NULL_BLOCK_ID, TierJob, TierOp, TransferJob
 from kvoffload.keys import key_group
-from kvoffload.tiers.cpu import HostTier
+from kvoffload.tiers.host import HostTier
 
 Work = tuple[EngineRequest, int, int]
 """A scheduled request with the first token and the number of tokens the step computes."""

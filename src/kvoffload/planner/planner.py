@@ -214,10 +214,10 @@ class Planner:
         if not keys:
             self._early_finished.append(rid)
             return
-        slots = self.tier.prepare_load(keys)
+        grant = self.tier.prepare_load(keys)
         for g, gs in zip(self._groups, st.groups, strict=True):
             gs.next_stored = max(gs.next_stored, planned.end // g.offloaded_block_size)
-        filled = with_slots(parts, slots)
+        filled = with_slots(parts, grant.slots)
         for t in filled:
             self.stats.add_blocks(self.stats.blocks_loaded, t.group, len(t.block_ids))
         job_id = self._new_job_id()

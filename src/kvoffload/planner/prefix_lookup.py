@@ -19,7 +19,7 @@ from kvoffload.planner.lookup import BlockReadable, GroupView, combined_hit_end,
 from kvoffload.planner.positions import useful_blocks
 from kvoffload.planner.state import RequestState
 from kvoffload.planner.store_policy import StorePolicy
-from kvoffload.tiers.base import LookupResult, Tier
+from kvoffload.tiers.base import LookupResult, Tier, TierHints
 
 
 class PrefixLookup:
@@ -100,7 +100,7 @@ class PrefixLookup:
         if not saw_pending:
             return end, False
         if hopeful > end:
-            self.tier.prefetch(self.hit_keys(st, num_computed, hopeful))
+            self.tier.hint(TierHints(prefetch=tuple(self.hit_keys(st, num_computed, hopeful))))
         return end, hopeful > end
 
     def hit_keys(self, st: RequestState, start: int, end: int) -> list[OffloadKey]:

@@ -32,6 +32,7 @@ from kvoffload.planner.positions import useful_blocks
 from kvoffload.planner.state import RequestState
 from kvoffload.planner.store_policy import StorePolicy, StorePolicyContext, StoreSelection
 from kvoffload.planner.valuation import PrefixValuer
+from kvoffload.tiers.base import TierHints
 
 CHECKPOINT_SHARE = 0.1
 """A prefill's passed resume point stays (is not demoted) when its window blocks and
@@ -153,7 +154,7 @@ class HitPointStorePolicy(StorePolicy):
         # It reloads its prefix when it resumes: cold blocks of it (whoever stored them)
         # become normal after all.
         keys = [key for gs in st.groups for key in gs.keys]
-        self.tier.warm(keys)
+        self.tier.hint(TierHints(warm=tuple(keys)))
         self._insertion.observe_preempt(keys)
         st.policy.cold_keys = []
 
@@ -183,7 +184,7 @@ class HitPointStorePolicy(StorePolicy):
             # state blocks stored only for the resume point (a preemption reloads them).
             cold = [key for key in stored if key not in resume_keys]
             pst.cold_keys.extend(cold)
-            self._stats.cold_stored_keys += self.tier.cool(cold)
+            self._stats.cold_stored_keys += self.tier.hint(TierHints(cool=tuple(cold)))
         if selection.spare:
             fresh = set(stored)
             pst.spare_keys.extend(key for key in selection.spare if key in fresh)
@@ -191,9 +192,8 @@ class HitPointStorePolicy(StorePolicy):
     def value_stored(self, st: RequestState, frontier: int,
                      chosen: Sequence[Sequence[tuple[int, OffloadKey]]]) -> None:
         assert self._valuer is not None
-        self.tier.set_values(self._valuer.hints(frontier, chosen,
-                                                [gs.keys for gs in st.groups],
-                                                self._reuse(st)))
+        self.tier.hint(TierHints(values=tuple(self._valuer.hints(
+            frontier, chosen, [gs.keys for gs in st.groups], self._reuse(st)))))
 
     def _track_resume_point(self, st: RequestState, point: int,
                             provisional: list[Provisional], stored: Sequence[OffloadKey]
@@ -252,7 +252,7 @@ class HitPointStorePolicy(StorePolicy):
     def _demote(self, keys: list[OffloadKey]) -> None:
         """Tell the tier (and the insertion duel's directories) that no likely hit uses
         ``keys``."""
-        self.tier.demote(keys)
+        self.tier.hint(TierHints(demote=tuple(keys)))
         if self._insertion is not None:
             self._insertion.observe_demote(keys)
 
@@ -285,9 +285,8 @@ class HitPointStorePolicy(StorePolicy):
             blocks = (range(stop) if g.window_blocks is None
                       else useful_blocks(g, self._alignment, 0, stop))
             entries.append([(k, gs.keys[k]) for k in blocks])
-        self.tier.set_values(self._valuer.hints(frontier, entries,
-                                                [gs.keys for gs in st.groups],
-                                                self._reuse(st)))
+        self.tier.hint(TierHints(values=tuple(self._valuer.hints(
+            frontier, entries, [gs.keys for gs in st.groups], self._reuse(st)))))
 
     @staticmethod
     def _reuse(st: RequestState) -> float:

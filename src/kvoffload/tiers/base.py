@@ -23,14 +23,22 @@ Rules every tier keeps (SYSTEM.md section 5):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from kvoffload.errors import InvariantError
 from kvoffload.jobs import TierWork, WorkerReport
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.eviction.base import ValueHint
+
+if TYPE_CHECKING:
+    from kvoffload.tiers.host import HostTier
+
+HOST = "host"
+"""Tier name of host memory (``LoadGrant.blocks_by_source``, ``CascadeStats``)."""
 
 
 class LookupResult(Enum):
@@ -54,12 +62,82 @@ class PrepareStoreResult:
         evicted_slots: the slot each evicted key held, same order (a lower tier demotes
             the victims' bytes from there before the slots are written again). Not
             compared: two results are equal when they reserve and evict the same keys.
+        evicted_demoted: the evicted keys that were under a demotion hint and not used
+            since (``HostTier.is_demoted``; only where the tier keeps that record): a
+            cascade does not write them back. Not compared either.
     """
 
     keys_to_store: tuple[OffloadKey, ...]
     slots: tuple[int, ...]
     evicted: tuple[OffloadKey, ...]
     evicted_slots: tuple[int, ...] = field(default=(), compare=False)
+    evicted_demoted: tuple[OffloadKey, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class TierHints:
+    """Eviction hints for one ``Tier.hint`` call; every field defaults to empty.
+
+    The planner knows what keys are worth; the tier's eviction policy decides what that
+    means for the order of evictions. Within one call the hints are applied in this order,
+    each to the keys present at that point (absent keys are ignored):
+
+    1. ``warm``: present cold keys are about to be used: they become normal, as if used.
+    2. ``demote``: present keys are worth little (no likely hit uses them): evicted first;
+       a tier with lower tiers also keeps them from write-back until they are used
+       (``touch`` or ``prepare_load``).
+    3. ``cool``: present keys not used since their insertion become *cold*: evicted before
+       keys inserted or used normally (see ``EvictionPolicy.cool``), until used; the
+       count of keys that went cold is what ``Tier.hint`` returns.
+    4. ``values``: what present keys are worth (``ValueHint``: key, compute saved, bytes
+       held, anchor) for value-aware eviction.
+    5. ``prefetch``: a lookup found these keys PENDING and would hit them once readable; a
+       tier whose PENDING means "in a slower tier" brings them up with the next step plan.
+
+    The order is the one in which the planner gives them within one step (a preempted
+    request's keys are warmed before the step's stores; a store demotes the previous
+    resume point, then cools its new keys, then values them), so one call with several
+    fields behaves as the separate calls made in that order.
+    """
+
+    warm: tuple[OffloadKey, ...] = ()
+    demote: tuple[OffloadKey, ...] = ()
+    cool: tuple[OffloadKey, ...] = ()
+    values: tuple[ValueHint, ...] = ()
+    prefetch: tuple[OffloadKey, ...] = ()
+
+
+@dataclass(frozen=True)
+class LoadGrant:
+    """Outcome of ``Tier.prepare_load``: where the pinned keys are and where they came from.
+
+    Attributes:
+        slots: the host slot of each key, in input order.
+        blocks_by_source: blocks of this load by (tier that served it, group index): the
+            tier is ``"host"`` (``HOST``) for a block that was in host memory when a request
+            asked for it, else the name of the lower tier it was promoted from for that
+            request. The counts sum to ``len(slots)``. Read-only.
+    """
+
+    slots: tuple[int, ...]
+    blocks_by_source: Mapping[tuple[str, int], int] = field(
+        default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True)
+class LowerUsage:
+    """A snapshot of one tier below host memory (``Tier.lower_usage``).
+
+    Attributes:
+        name: the lower tier's name ("disk", "remote", ...).
+        used_bytes: bytes it holds, where it tracks them (0 where it does not: a shared
+            remote store).
+        blocks: blocks it holds, where it tracks them (else 0).
+    """
+
+    name: str
+    used_bytes: int
+    blocks: int
 
 
 @dataclass(frozen=True)
@@ -113,8 +191,9 @@ class Tier(ABC):
         """Whether ``key`` can be read now. Changes nothing."""
 
     @abstractmethod
-    def prepare_load(self, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
-        """Pin every key (all must be HIT) and return their slots in order.
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> LoadGrant:
+        """Pin every key (all must be HIT); return their slots in order and the tier each
+        block came from (``LoadGrant``).
 
         Pins last until the matching ``complete_load``. A key that is not ready raises
         ``InvariantError``.
@@ -131,21 +210,12 @@ class Tier(ABC):
         Keys not present are ignored.
         """
 
-    def demote(self, keys: Sequence[OffloadKey]) -> None:
-        """Hint that present keys are worth little: evict them first. Default: ignored."""
-        del keys
-
-    def cool(self, keys: Sequence[OffloadKey]) -> int:
-        """Hint that present keys not used since their insertion are *cold*: evicted
-        before keys inserted or used normally (see ``EvictionPolicy.cool``), until used.
-        Returns how many keys went cold. Default: ignored (0)."""
-        del keys
+    def hint(self, hints: TierHints) -> int:
+        """Apply eviction hints to present keys (see ``TierHints`` for each kind and the
+        order they are applied in). Keys not present are ignored; nothing is pinned.
+        Returns how many keys went cold (``TierHints.cool``). Default: all ignored (0)."""
+        del hints
         return 0
-
-    def warm(self, keys: Sequence[OffloadKey]) -> None:
-        """Hint that present cold keys are about to be used: they become normal, as if
-        used. Default: ignored."""
-        del keys
 
     @abstractmethod
     def __contains__(self, key: object) -> bool:
@@ -211,9 +281,23 @@ class Tier(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release threads and connections (lower tiers); the tier is not used after."""
 
-    def set_values(self, values: Sequence[ValueHint]) -> None:  # noqa: B027
-        """Optional hint for value-aware eviction: (key, compute saved, bytes held)."""
+    # -- structure (for engines and reports; the planner needs none of it) -------------
 
-    def prefetch(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
-        """A lookup found ``keys`` PENDING and would hit them once readable: a tier whose
-        PENDING means "in a slower tier" starts bringing them up. Default: nothing."""
+    @property
+    def host_tier(self) -> HostTier:
+        """The ``HostTier`` that owns the host slots this tier's loads and stores name
+        (the tier itself, or the host memory under a cascade). For audits that compare
+        host bytes with the bookkeeping, read-only use. Changes nothing."""
+        raise NotImplementedError(f"{type(self).__name__} has no host tier")
+
+    def lower_usage(self) -> tuple[LowerUsage, ...]:
+        """Occupancy of each tier below host memory, in lookup order (empty without lower
+        tiers). Changes nothing."""
+        return ()
+
+    def wait_idle(self, timeout: float = 5.0) -> bool:
+        """Block until no lower tier has an asynchronous existence check in flight, at
+        most ``timeout`` seconds each; True when idle. For simulators and tests whose
+        steps take no wall time (a real step outlasts a check). Default: idle at once."""
+        del timeout
+        return True

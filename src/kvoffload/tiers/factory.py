@@ -11,8 +11,8 @@ from kvoffload.config import OffloadConfig
 from kvoffload.tiers.base import Tier
 from kvoffload.tiers.cascade import CascadeTier
 from kvoffload.tiers.config import DiskTierConfig, TierConfig
-from kvoffload.tiers.cpu import HostTier
 from kvoffload.tiers.disk import DiskIndex
+from kvoffload.tiers.host import HostTier
 from kvoffload.tiers.lower import LowerTier
 from kvoffload.tiers.naming import namespace
 from kvoffload.tiers.remote import RemoteIndex

@@ -106,7 +106,29 @@ class ARCPolicy(EvictionPolicy):
             return []
         if n > len(self):
             return None
-        # Simulate with one iterator per list (monotonic scans: linear per call).
+        plan = self._plan_victims(n, protected)
+        if plan is None:
+            return None
+        from_t1, from_t2, order = plan
+        # Commit.
+        for key, _ in from_t1:
+            del self.t1[key]
+            self.b1[key] = None
+        for key, _ in from_t2:
+            del self.t2[key]
+            self.b2[key] = None
+        for ghost in (self.b1, self.b2):
+            for _ in range(len(ghost) - self.capacity):
+                ghost.popitem(last=False)
+        it1, it2 = iter(from_t1), iter(from_t2)
+        return [next(it1) if took_t1 else next(it2) for took_t1 in order]
+
+    def _plan_victims(self, n: int, protected: AbstractSet[OffloadKey],
+                      ) -> tuple[Victims, Victims, list[bool]] | None:
+        """Simulate ``evict(n)`` without changing anything: the victims from ``t1`` and
+        from ``t2`` (each in list order) and, per victim in eviction order, whether it came
+        from ``t1``; ``None`` when fewer than ``n`` keys are evictable. One iterator per
+        list (monotonic scans: linear per call)."""
         t1_iter = iter(self.t1.items())
         t2_iter = iter(self.t2.items())
         target = int(self.target_t1_size)
@@ -137,18 +159,7 @@ class ARCPolicy(EvictionPolicy):
             else:
                 from_t2.append(entry)
             order.append(took_t1)
-        # Commit.
-        for key, _ in from_t1:
-            del self.t1[key]
-            self.b1[key] = None
-        for key, _ in from_t2:
-            del self.t2[key]
-            self.b2[key] = None
-        for ghost in (self.b1, self.b2):
-            for _ in range(len(ghost) - self.capacity):
-                ghost.popitem(last=False)
-        it1, it2 = iter(from_t1), iter(from_t2)
-        return [next(it1) if took_t1 else next(it2) for took_t1 in order]
+        return from_t1, from_t2, order
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockState]]:
         return chain(self.t1.items(), self.t2.items())

@@ -41,6 +41,7 @@ from collections.abc import Set as AbstractSet
 
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey
+from kvoffload.tiers.eviction.anchors import AnchorLinks
 from kvoffload.tiers.eviction.base import (
     BlockState,
     EvictionPolicy,
@@ -90,6 +91,19 @@ class _Entry:
         self.inserted = stamp  # the clock at insertion
 
 
+def _live_top(heap: _Heap, entries: dict[OffloadKey, _Entry],
+              ) -> tuple[float, int, OffloadKey] | None:
+    """The heap's lowest live entry, one whose sequence is its key's current one in
+    ``entries`` (stale entries above it are popped)."""
+    while heap:
+        item = heap[0]
+        entry = entries.get(item[2])
+        if entry is not None and entry.seq == item[1]:
+            return item
+        heapq.heappop(heap)
+    return None
+
+
 class ValuePolicy(EvictionPolicy):
     """Recency plus weighted value per byte, with anchor-consistent demotion (module doc).
 
@@ -121,8 +135,7 @@ class ValuePolicy(EvictionPolicy):
         self._clock = 0
         self._density_sum = 0.0
         self._density_count = 0
-        self._dependents: dict[OffloadKey, set[OffloadKey]] = {}
-        self._anchor_of: dict[OffloadKey, OffloadKey] = {}
+        self._anchors = AnchorLinks()
 
     # -- priorities ---------------------------------------------------------------------
 
@@ -208,11 +221,6 @@ class ValuePolicy(EvictionPolicy):
                 entry.hinted = entry.prio != _DEMOTED or entry.hinted
                 self._push(key, entry, _DEMOTED)
 
-    def _demote_worthless(self, key: OffloadKey, entry: _Entry) -> None:
-        """``key`` can serve no hit (its anchor left): demoted for good."""
-        entry.hinted = False
-        self._push(key, entry, _DEMOTED)
-
     def cool(self, keys: Sequence[OffloadKey]) -> int:
         """Present keys not touched since their insertion become cold (evicted before
         normal keys while those are at most ``normal_share`` of the keys held; oldest cold
@@ -246,13 +254,13 @@ class ValuePolicy(EvictionPolicy):
                 if entry.prio != _DEMOTED:
                     self._push(hint.key, entry, self._priority(entry))
             anchor = hint.anchor
-            if anchor is not None and anchor != hint.key and hint.key not in self._anchor_of:
+            if anchor is not None and anchor != hint.key and hint.key not in self._anchors:
                 if anchor not in entries:
-                    # Its anchor is gone already: this key can serve no hit.
-                    self._demote_worthless(hint.key, entry)
+                    # Its anchor is gone already: this key can serve no hit (for good).
+                    entry.hinted = False
+                    self._push(hint.key, entry, _DEMOTED)
                     continue
-                self._anchor_of[hint.key] = anchor
-                self._dependents.setdefault(anchor, set()).add(hint.key)
+                self._anchors.link(hint.key, anchor)
 
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> Victims | None:
         if n < 0:
@@ -312,8 +320,8 @@ class ValuePolicy(EvictionPolicy):
     def _next_heap(self, normal: int, total: int) -> _Heap | None:
         """The heap whose top is evicted next (``None``: both empty), given ``normal`` of
         ``total`` keys left are normal."""
-        low = self._live_top(self._low_heap)
-        high = self._live_top(self._heap)
+        low = _live_top(self._low_heap, self._entries)
+        high = _live_top(self._heap, self._entries)
         if low is None:
             return self._heap if high is not None else None
         return self._low_heap if self._low_first(low[0], high is not None, normal,
@@ -328,31 +336,14 @@ class ValuePolicy(EvictionPolicy):
         return (not has_normal or low_priority == _DEMOTED
                 or cold_goes_first(normal, total, self.normal_share))
 
-    def _live_top(self, heap: _Heap) -> tuple[float, int, OffloadKey] | None:
-        """The heap's lowest live entry (stale ones above it are dropped)."""
-        entries = self._entries
-        while heap:
-            item = heap[0]
-            entry = entries.get(item[2])
-            if entry is not None and entry.seq == item[1]:
-                return item
-            heapq.heappop(heap)
-        return None
-
     def _forget(self, key: OffloadKey) -> None:
-        """Drop a departed key's anchor links; demote what depended on it."""
-        anchor = self._anchor_of.pop(key, None)
-        if anchor is not None:
-            siblings = self._dependents.get(anchor)
-            if siblings is not None:
-                siblings.discard(key)
-                if not siblings:
-                    del self._dependents[anchor]
-        for dep in self._dependents.pop(key, ()):
-            self._anchor_of.pop(dep, None)
+        """Drop a departed key's anchor links; what depended on it can serve no hit any
+        more: demoted for good (a touch does not undo it)."""
+        for dep in self._anchors.forget(key):
             entry = self._entries.get(dep)
             if entry is not None:
-                self._demote_worthless(dep, entry)
+                entry.hinted = False
+                self._push(dep, entry, _DEMOTED)
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockState]]:
         """Every key in the order evictions would take them if none were pinned (a pinned
@@ -377,15 +368,14 @@ class ValuePolicy(EvictionPolicy):
         self._heap.clear()
         self._low_heap.clear()
         self._num_low = 0
-        self._dependents.clear()
-        self._anchor_of.clear()
+        self._anchors.clear()
         self._density_sum = 0.0
         self._density_count = 0
 
     def debug_state(self) -> dict[str, object]:
         return {
             "order": [(k, s.ref, s.slot) for k, s in self.items()],
-            "anchors": sorted(self._anchor_of.items()),
+            "anchors": self._anchors.debug_state(),
         }
 
     def check_integrity(self) -> None:
@@ -396,13 +386,7 @@ class ValuePolicy(EvictionPolicy):
                 raise InvariantError("value: a key has no live heap entry")
         if self._num_low != sum(e.low for e in self._entries.values()):
             raise InvariantError("value: the count of cold and demoted keys is off")
-        for dep, anchor in self._anchor_of.items():
-            if dep not in self._entries or anchor not in self._entries:
-                raise InvariantError("value: an anchor link names an absent key")
-            if dep not in self._dependents.get(anchor, ()):
-                raise InvariantError("value: anchor links disagree")
-        if sum(len(d) for d in self._dependents.values()) != len(self._anchor_of):
-            raise InvariantError("value: dependents and anchors disagree")
+        self._anchors.check_integrity(self._entries)
 
 
 register_policy(ValuePolicy.name, ValuePolicy)

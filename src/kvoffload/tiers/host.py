@@ -9,7 +9,8 @@ Under slot accounting (the default) every offloaded block of every group takes o
 (``OffloadConfig.host_accounting == "bytes"``) every block is charged its own group's bytes
 against the one budget ``host_capacity_bytes``: pages differ in size across groups, and a
 small full-attention block must not cost as much as a Mamba state. Either way
-``usage().bytes_by_group`` reports the real block bytes.
+``usage().bytes_by_group`` reports the real block bytes. The counting lives in
+``kvoffload.tiers.host_space.HostSpace``.
 """
 
 from __future__ import annotations
@@ -18,19 +19,23 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey, key_block_hash, key_group
 from kvoffload.tiers.base import (
+    HOST,
+    LoadGrant,
     LookupResult,
     PrepareStoreResult,
     Tier,
     TierEvent,
+    TierHints,
     TierUsage,
 )
-from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy, ValueHint, make_policy
-from kvoffload.tiers.slots import SlotAllocator
+from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy, make_policy
+from kvoffload.tiers.host_space import HostSpace
 
 
 @dataclass(slots=True)
@@ -78,34 +83,39 @@ class HostTier(Tier):
     evicted, one ``removed=False`` event per ``complete_store`` that made keys readable, and
     one ``removed=True`` event for the readable keys dropped by ``reset``. Replaying the
     events in order therefore yields exactly the set of readable keys.
+
+    Demotion record (when ``tracks_demotions``, which a ``CascadeTier`` sets): the tier is
+    the one owner of which present keys are under a demotion hint (``TierHints.demote``)
+    and not used since. A key leaves the record when it is touched, loaded
+    (``prepare_load``), evicted, dropped by a failed store, or by ``reset``; an evicted
+    key that was in it is listed in ``PrepareStoreResult.evicted_demoted`` (the cascade
+    does not write such a key back). ``is_demoted`` answers for present keys.
+
+    Attributes:
+        space: the slot and byte accounting (``HostSpace``; read-only use).
+        tracks_demotions: keep the demotion record (off: ``is_demoted`` is always False
+            and the hot paths skip it).
     """
 
-    name = "host"
+    name = HOST
 
     def __init__(self, config: OffloadConfig, *, enable_events: bool = True) -> None:
         self.config = config
         self.enable_events = enable_events
         self.stats = HostTierStats()
-        capacity = config.num_host_slots
-        self._block_bytes = tuple(g.block_bytes for g in config.resolved)
-        self._largest_block_bytes = max(self._block_bytes)
-        self._policy: EvictionPolicy = make_policy(config.eviction_policy, capacity)
-        self._slots = SlotAllocator(capacity)
-        self._num_writing = 0
-        self._num_pinned = 0
-        self._keys_per_group = [0] * len(self._block_bytes)
+        self.space = HostSpace(config)
+        self.tracks_demotions = False
+        self._policy: EvictionPolicy = make_policy(config.eviction_policy,
+                                                   config.num_host_slots)
         self._events: list[TierEvent] = []
-        self._charges_bytes = config.charges_bytes
-        self._budget = config.host_capacity_bytes
-        self._bytes_writing = 0
-        self._bytes_pinned = 0
+        self._demoted: set[OffloadKey] = set()
 
     # -- inspection -------------------------------------------------------------------
 
     @property
     def capacity(self) -> int:
         """Total slots."""
-        return self._slots.capacity
+        return self.space.slots.capacity
 
     @property
     def policy(self) -> EvictionPolicy:
@@ -113,9 +123,9 @@ class HostTier(Tier):
         return self._policy
 
     @property
-    def allocator(self) -> SlotAllocator:
-        """The slot allocator (read-only use)."""
-        return self._slots
+    def host_tier(self) -> HostTier:
+        """This tier (it owns the host slots)."""
+        return self
 
     def __len__(self) -> int:
         """Keys present, ready or being written."""
@@ -129,10 +139,6 @@ class HostTier(Tier):
         """Present keys, next eviction candidate first. Do not mutate while iterating."""
         return (key for key, _ in self._policy.items())
 
-    def keys(self) -> Iterator[OffloadKey]:
-        """Same as ``iter(tier)``."""
-        return iter(self)
-
     def ref_count(self, key: OffloadKey) -> int | None:
         """``-1`` being written, ``0`` idle, ``n > 0`` pinned by n loads; ``None`` absent."""
         state = self._policy.get(key)
@@ -143,15 +149,18 @@ class HostTier(Tier):
         state = self._policy.get(key)
         return None if state is None else state.slot
 
+    def is_demoted(self, key: OffloadKey) -> bool:
+        """Whether ``key`` is present under a demotion hint and not used since (always
+        False unless ``tracks_demotions``). Changes nothing."""
+        return key in self._demoted
+
     def debug_state(self) -> dict[str, object]:
         """A comparable copy of all bookkeeping (not ``stats``), for before/after tests."""
         return {
             "policy": self._policy.debug_state(),
-            "slots": self._slots.debug_state(),
-            "num_writing": self._num_writing,
-            "num_pinned": self._num_pinned,
-            "keys_per_group": list(self._keys_per_group),
+            **self.space.debug_state(),
             "events": list(self._events),
+            "demoted": sorted(self._demoted),
         }
 
     # -- reads ------------------------------------------------------------------------
@@ -168,15 +177,23 @@ class HostTier(Tier):
         self.stats.lookup_hits += 1
         return LookupResult.HIT
 
-    def prepare_load(self, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
-        """Pin every key (ref +1; a key listed twice is pinned twice); return slots in order.
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> LoadGrant:
+        """Pin every key (ref +1; a key listed twice is pinned twice); return the slots in
+        order, every block's source being ``"host"``.
 
         Pins last until ``complete_load`` of the same keys. A key that is absent or being
-        written raises ``InvariantError`` and nothing is pinned.
+        written raises ``InvariantError`` and nothing is pinned. Loaded keys leave the
+        demotion record.
         """
         slots = self.pin(keys)
         self.stats.keys_loaded += len(slots)
-        return slots
+        if self._demoted:
+            self._demoted.difference_update(keys)
+        by_group: dict[tuple[str, int], int] = {}
+        for key in keys:
+            where = (HOST, key_group(key))
+            by_group[where] = by_group.get(where, 0) + 1
+        return LoadGrant(slots, MappingProxyType(by_group))
 
     def pin(self, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
         """``prepare_load`` without counting a load (a lower tier's demote reads the slot);
@@ -188,10 +205,12 @@ class HostTier(Tier):
                 what = "absent" if state is None else "still being written"
                 raise InvariantError(f"host prepare_load: key {_fmt(key)} is {what}")
             states.append(state)
+        space = self.space
+        block_bytes = space.block_bytes
         for key, state in zip(keys, states, strict=True):
             if state.ref == 0:
-                self._num_pinned += 1
-                self._bytes_pinned += self._block_bytes[key_group(key)]
+                space.num_pinned += 1
+                space.bytes_pinned += block_bytes[key_group(key)]
             state.ref += 1
         return tuple(state.slot for state in states)
 
@@ -211,31 +230,38 @@ class HostTier(Tier):
                     f"host complete_load: key {_fmt(key)} released {n}x but {held} "
                     "(no matching prepare_load)")
             states.append((key, state, n))
+        space = self.space
         for key, state, n in states:
             state.ref -= n
             if state.ref == 0:
-                self._num_pinned -= 1
-                self._bytes_pinned -= self._block_bytes[key_group(key)]
+                space.num_pinned -= 1
+                space.bytes_pinned -= space.block_bytes[key_group(key)]
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Mark keys recently used; ``keys[0]`` ends most recent. Absent keys are ignored
-        (ARC still learns from recently evicted ones)."""
+        (ARC still learns from recently evicted ones). Touched keys leave the demotion
+        record."""
         self._policy.touch(keys)
+        if self._demoted:
+            self._demoted.difference_update(keys)
 
     # -- writes -----------------------------------------------------------------------
 
-    def demote(self, keys: Sequence[OffloadKey]) -> None:
-        self._policy.demote(keys)
-
-    def cool(self, keys: Sequence[OffloadKey]) -> int:
-        return self._policy.cool(keys)
-
-    def warm(self, keys: Sequence[OffloadKey]) -> None:
-        self._policy.warm(keys)
-
-    def set_values(self, values: Sequence[ValueHint]) -> None:
-        """Hand (key, compute saved, bytes) hints to the eviction policy."""
-        self._policy.set_values(values)
+    def hint(self, hints: TierHints) -> int:
+        """Hand the hints to the eviction policy in ``TierHints`` order (warm, demote,
+        cool, values; ``prefetch`` means nothing here); demoted present keys enter the
+        demotion record when ``tracks_demotions``. Returns how many keys went cold."""
+        policy = self._policy
+        if hints.warm:
+            policy.warm(hints.warm)
+        if hints.demote:
+            policy.demote(hints.demote)
+            if self.tracks_demotions:
+                self._demoted.update(key for key in hints.demote if key in policy)
+        cooled = policy.cool(hints.cool) if hints.cool else 0
+        if hints.values:
+            policy.set_values(hints.values)
+        return cooled
 
     def prepare_store(self, keys: Sequence[OffloadKey], *,
                       protected: AbstractSet[OffloadKey] = frozenset(),
@@ -254,7 +280,9 @@ class HostTier(Tier):
         ``InvariantError``, also without change.
         """
         policy = self._policy
-        num_groups = len(self._block_bytes)
+        space = self.space
+        block_bytes = space.block_bytes
+        num_groups = len(block_bytes)
         new: list[OffloadKey] = []
         groups: list[int] = []
         seen: set[OffloadKey] = set()
@@ -273,71 +301,73 @@ class HostTier(Tier):
 
         evicted: tuple[OffloadKey, ...] = ()
         evicted_slots: tuple[int, ...] = ()
-        need = len(new) - self._slots.num_free
-        block_bytes = self._block_bytes
+        evicted_demoted: tuple[OffloadKey, ...] = ()
         new_bytes = sum(block_bytes[g] for g in groups)
-        need_bytes = self._bytes_used() + new_bytes - self._budget if self._charges_bytes else 0
+        need = len(new) - space.slots.num_free
+        need_bytes = (space.bytes_used() + new_bytes - space.budget
+                      if space.charges_bytes else 0)
         if need > 0 or need_bytes > 0:
-            idle = len(policy) - self._num_writing - self._num_pinned
             # A cascade's protected set already holds the keys it promotes: no copy then.
             shield: AbstractSet[OffloadKey] = (
                 protected if protected and all(key in protected for key in keys)
                 else frozenset(keys).union(protected))
-            if self._charges_bytes:
-                victims = (policy.evict_bytes(need_bytes, need, shield, self._key_bytes)
-                           if self._can_free(need_bytes, need, idle, shield) else None)
-            else:
-                victims = policy.evict(need, shield) if need <= idle else None
+            victims = space.choose_victims(policy, need, need_bytes, shield)
             if victims is None:
                 self.stats.stores_rejected += 1
                 return None
-            evicted_slots = tuple(state.slot for _, state in victims)
-            self._slots.free(evicted_slots)
+            evicted_slots = space.evicted(victims)
             evicted = tuple(key for key, _ in victims)
-            for key in evicted:
-                self._keys_per_group[key_group(key)] -= 1
+            if self._demoted:  # evicted keys leave the demotion record
+                evicted_demoted = tuple(key for key in evicted if key in self._demoted)
+                self._demoted.difference_update(evicted_demoted)
             self.stats.keys_evicted += len(evicted)
             self._emit(evicted, removed=True)
 
-        slots = self._slots.allocate(len(new))
+        slots = space.slots.allocate(len(new))
+        keys_per_group = space.keys_per_group
         for key, slot, group in zip(new, slots, groups, strict=True):
             policy.insert(key, BlockState(slot))
-            self._keys_per_group[group] += 1
-        self._num_writing += len(new)
-        self._bytes_writing += new_bytes
+            keys_per_group[group] += 1
+        space.num_writing += len(new)
+        space.bytes_writing += new_bytes
         self.stats.keys_reserved += len(new)
         return PrepareStoreResult(keys_to_store=tuple(new), slots=tuple(slots), evicted=evicted,
-                                  evicted_slots=evicted_slots)
+                                  evicted_slots=evicted_slots, evicted_demoted=evicted_demoted)
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         """End the write of keys being written.
 
         On success they become readable and idle (evictable) and a ``removed=False``
-        event is queued. On failure they are removed and their slots freed. Keys that are
-        ready or absent are ignored, so repeating a call is harmless. The caller must
-        complete each store job once: a stale repeat after a key was evicted and is being
-        written again by another job would end that other write.
+        event is queued. On failure they are removed (and leave the demotion record) and
+        their slots freed. Keys that are ready or absent are ignored, so repeating a call
+        is harmless. The caller must complete each store job once: a stale repeat after a
+        key was evicted and is being written again by another job would end that other
+        write.
         """
+        space = self.space
+        block_bytes = space.block_bytes
         done: list[OffloadKey] = []
         states: list[BlockState] = []
         for key in keys:
             state = self._policy.get(key)
             if state is not None and state.ref == WRITING:
-                self._bytes_writing -= self._block_bytes[key_group(key)]
+                space.bytes_writing -= block_bytes[key_group(key)]
                 if success:
                     state.ref = 0
                 else:
                     self._policy.remove(key)
-                    self._keys_per_group[key_group(key)] -= 1
+                    space.keys_per_group[key_group(key)] -= 1
                 done.append(key)
                 states.append(state)
-        self._num_writing -= len(done)
+        space.num_writing -= len(done)
         if success:
             self.stats.keys_stored += len(done)
             self._emit(tuple(done), removed=False)
         else:
-            self._slots.free(state.slot for state in states)
+            space.slots.free(state.slot for state in states)
             self.stats.keys_store_failed += len(done)
+            if self._demoted:
+                self._demoted.difference_update(done)
 
     # -- housekeeping -----------------------------------------------------------------
 
@@ -347,7 +377,8 @@ class HostTier(Tier):
         return events
 
     def reset(self) -> None:
-        """Drop every key, pins and writes included; slots restart from 0.
+        """Drop every key, pins and writes included; slots restart from 0; the demotion
+        record is emptied.
 
         The caller guarantees that no completion for an earlier job arrives afterwards.
         Queued events are kept, and a ``removed`` event lists the readable keys dropped.
@@ -357,88 +388,23 @@ class HostTier(Tier):
             self._emit(tuple(key for key, state in self._policy.items() if state.ref >= 0),
                        removed=True)
         self._policy.clear()
-        self._slots.reset()
-        self._num_writing = 0
-        self._num_pinned = 0
-        self._bytes_writing = 0
-        self._bytes_pinned = 0
-        self._keys_per_group = [0] * len(self._block_bytes)
+        self.space.reset()
+        self._demoted.clear()
 
     def is_full(self) -> bool:
-        if self._charges_bytes:  # as TierUsage.is_full, without building the usage
-            return self._bytes_used() + self._largest_block_bytes > self._budget
-        return self._slots.num_used >= self._slots.capacity
+        return self.space.is_full()  # as TierUsage.is_full, without building the usage
 
     def usage(self) -> TierUsage:
         """Occupancy now; ``bytes_by_group`` counts ready and being-written keys."""
-        return TierUsage(
-            capacity_slots=self._slots.capacity,
-            used_slots=self._slots.num_used,
-            pinned_slots=self._num_pinned,
-            writing_slots=self._num_writing,
-            bytes_by_group={g: n * self._block_bytes[g]
-                            for g, n in enumerate(self._keys_per_group)},
-            capacity_bytes=self._budget if self._charges_bytes else 0,
-            largest_block_bytes=self._largest_block_bytes if self._charges_bytes else 0,
-        )
+        return self.space.usage()
 
     def check_integrity(self) -> None:
-        """Raise ``InvariantError`` unless keys, states, counters and slots agree."""
+        """Raise ``InvariantError`` unless keys, states, counters and slots agree and every
+        key in the demotion record is present."""
         self._policy.check_integrity()
-        writing = pinned = 0
-        per_group = [0] * len(self._block_bytes)
-        used: list[int] = []
-        for key, state in self._policy.items():
-            if state.ref == WRITING:
-                writing += 1
-            elif state.ref > 0:
-                pinned += 1
-            elif state.ref != 0:
-                raise InvariantError(f"host: key {_fmt(key)} has ref count {state.ref}")
-            group = key_group(key)
-            if group >= len(per_group):
-                raise InvariantError(f"host: key {_fmt(key)} of unknown group {group}")
-            per_group[group] += 1
-            used.append(state.slot)
-        if (writing, pinned) != (self._num_writing, self._num_pinned):
-            raise InvariantError(
-                f"host: counted {writing} writing / {pinned} pinned keys, counters say "
-                f"{self._num_writing} / {self._num_pinned}")
-        if per_group != self._keys_per_group:
-            raise InvariantError(f"host: keys per group {per_group} != {self._keys_per_group}")
-        writing_bytes = pinned_bytes = 0
-        for key, state in self._policy.items():
-            if state.ref == WRITING:
-                writing_bytes += self._block_bytes[key_group(key)]
-            elif state.ref > 0:
-                pinned_bytes += self._block_bytes[key_group(key)]
-        if (writing_bytes, pinned_bytes) != (self._bytes_writing, self._bytes_pinned):
-            raise InvariantError(
-                f"host: {writing_bytes} writing / {pinned_bytes} pinned bytes, counters say "
-                f"{self._bytes_writing} / {self._bytes_pinned}")
-        if self._charges_bytes and self._bytes_used() > self._budget:
-            raise InvariantError(f"host: {self._bytes_used()} bytes held exceed the budget "
-                                 f"of {self._budget}")
-        self._slots.check_integrity(used)
-
-    def _bytes_used(self) -> int:
-        """Block bytes of every present key (ready or being written)."""
-        return sum(n * b for n, b in zip(self._keys_per_group, self._block_bytes, strict=True))
-
-    def _key_bytes(self, key: OffloadKey) -> int:
-        return self._block_bytes[key_group(key)]
-
-    def _can_free(self, need_bytes: int, need_keys: int, idle: int,
-                  shield: AbstractSet[OffloadKey]) -> bool:
-        """Whether idle, unshielded keys hold ``need_bytes`` and number ``need_keys``
-        (checked before evicting anything, so a store evicts all or nothing)."""
-        idle_bytes = self._bytes_used() - self._bytes_writing - self._bytes_pinned
-        for key in shield:
-            state = self._policy.get(key)
-            if state is not None and state.ref == 0:
-                idle -= 1
-                idle_bytes -= self._block_bytes[key_group(key)]
-        return idle >= need_keys and idle_bytes >= need_bytes
+        self.space.check_integrity(self._policy, _fmt)
+        if any(key not in self._policy for key in self._demoted):
+            raise InvariantError("host: a key in the demotion record is not present")
 
     def _emit(self, keys: tuple[OffloadKey, ...], *, removed: bool) -> None:
         if self.enable_events and keys:
