@@ -26,16 +26,8 @@ from kvoffload.engine.metrics import EngineMetrics, Sample
 from kvoffload.engine.requests import EngineRequest
 from kvoffload.engine.transfers import Clocked
 from kvoffload.jobs import TransferJob
-from kvoffload.tiers.base import Tier
-from kvoffload.tiers.cascade import CascadeTier
+from kvoffload.tiers.base import HOST, Tier
 from kvoffload.tiers.host import HostTier
-
-
-def loaded_by_tier(tier: Tier | None) -> dict[tuple[str, int], int]:
-    """Blocks the cascade has handed to loads so far, by (tier they came from, group)."""
-    if isinstance(tier, CascadeTier):
-        return dict(tier.stats.loaded_group_blocks)
-    return {}
 
 
 class Recorder:
@@ -70,10 +62,6 @@ class Recorder:
 
     # ------------------------------------------------------------------ hits
 
-    def loaded_by_tier(self) -> dict[tuple[str, int], int]:
-        """``loaded_by_tier`` of the engine's tier."""
-        return loaded_by_tier(self._tier)
-
     def job_bytes(self, job: TransferJob | None) -> int:
         """Real bytes a load job brings into the engine (0 for no job)."""
         if job is None:
@@ -95,9 +83,9 @@ class Recorder:
             origin: dict[str, int] = {}
             for (tier, group), n in req.pending_origin.items():
                 origin[tier] = origin.get(tier, 0) + n
-                if tier != "host":
+                if tier != HOST:
                     rec.promoted_bytes += n * self._real_offloaded_bytes[group]
-            origin = origin or {"host": 1}
+            origin = origin or {HOST: 1}
             total = sum(origin.values())
             shares = {t: external * n // total for t, n in origin.items()}
             first = next(iter(shares))

@@ -73,7 +73,6 @@ from kvoffload.keys import BlockHasher
 from kvoffload.planner.contract import StepInput
 from kvoffload.planner.planner import Planner
 from kvoffload.tiers.base import Tier
-from kvoffload.tiers.cascade import CascadeTier
 from kvoffload.tiers.host import HostTier
 
 if TYPE_CHECKING:  # bytes mode imports torch; accounting mode never does
@@ -168,7 +167,7 @@ class ReferenceEngine:
         self.planner: Planner | None = None
         if offload is not None:
             self.tier = tier if tier is not None else HostTier(offload, enable_events=False)
-            self.host = _host_of(self.tier)
+            self.host = self.tier.host_tier
             self.planner = Planner(offload, self.tier,
                                    prefill_flops=layout.preset.prefill_flops)
         self.executor: TransferExecutor = executor or AccountingExecutor(
@@ -253,7 +252,10 @@ class ReferenceEngine:
 
     def step(self) -> bool:
         """Run one engine step at ``self.clock``; False when it had nothing to do."""
-        _wait_for_lower_tiers(self.tier)
+        if self.tier is not None:
+            # A modelled step takes no wall time; a real one outlasts a lower tier's
+            # existence checks, so let them land before the lookups of this step.
+            self.tier.wait_idle()
         config = self.config
         scheduler, transfers = self._scheduler, self._transfers
         for req in transfers.give_up_late_loads():
@@ -414,20 +416,3 @@ def _hash_block_size(specs: tuple[GroupSpec, ...], offload: OffloadConfig | None
         raise ConfigError("offload.groups", "block sizes differ from the layout's",
                           "Build the offload config from the same layout.")
     return offload.hash_block_size
-
-
-def _host_of(tier: Tier) -> HostTier:
-    """Host memory of the planner's tier: the tier itself, or a cascade's first level."""
-    host = tier.host if isinstance(tier, CascadeTier) else tier
-    if not isinstance(host, HostTier):
-        raise TypeError(f"tier {type(tier).__name__} is neither a HostTier nor "
-                        "a CascadeTier over one")
-    return host
-
-
-def _wait_for_lower_tiers(tier: Tier | None) -> None:
-    """Let a cascade's lower-tier existence checks land before the step's lookups."""
-    if isinstance(tier, CascadeTier):
-        # A modelled step takes no wall time; a real one outlasts a lower tier's
-        # existence checks, so let them land before the lookups of this step.
-        tier.wait_idle()

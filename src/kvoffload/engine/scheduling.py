@@ -39,6 +39,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.group_kinds import KIND_RULES
 from kvoffload.planner.contract import ReportOutcome, ScheduledRequest
 from kvoffload.planner.planner import Planner
+from kvoffload.tiers.base import HOST
 
 if TYPE_CHECKING:  # bytes mode imports torch; accounting mode never does
     from kvoffload.engine.scheduler import EngineConfig
@@ -262,13 +263,10 @@ class Scheduler:
         """The blocks of ``req``'s hit are allocated: tell the planner, learn which tier
         serves the load, and leave the request loading."""
         assert self._planner is not None
-        recorder = self._recorder
-        before = recorder.loaded_by_tier()
-        self._planner.update_state_after_alloc(req, self._pool.block_table(req.request_id),
-                                               external)
-        after = recorder.loaded_by_tier()
-        req.pending_origin = {k: n - before.get(k, 0) for k, n in after.items()
-                              if n > before.get(k, 0)}
+        sources = self._planner.update_state_after_alloc(
+            req, self._pool.block_table(req.request_id), external)
+        # Host memory first: a share that does not divide evenly goes to it.
+        req.pending_origin = dict(sorted(sources.items(), key=lambda kv: kv[0][0] != HOST))
         req.status = Status.LOADING
         req.num_computed = local
         req.pending_hits = (local, external)

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffload.engine.metrics import EngineMetrics, GroupTraffic, Sample
 from kvoffload.jobs import Direction
-from kvoffload.tiers.cascade import CascadeTier
 
 if TYPE_CHECKING:
     from kvoffload.engine.scheduler import ReferenceEngine
@@ -164,11 +163,10 @@ def summarize(engine: ReferenceEngine, metrics: EngineMetrics, *, wall_s: float)
             by_tier[tier] = by_tier.get(tier, 0) + n
     lower: dict[str, int] = {}
     lower_blocks: dict[str, int] = {}
-    if isinstance(engine.tier, CascadeTier):
-        for lt in engine.tier.lowers:
-            used = getattr(lt, "used_bytes", None)
-            lower[lt.name] = int(used) if isinstance(used, int) else 0
-            lower_blocks[lt.name] = len(lt) if hasattr(lt, "__len__") else 0
+    if engine.tier is not None:
+        for usage in engine.tier.lower_usage():
+            lower[usage.name] = usage.used_bytes
+            lower_blocks[usage.name] = usage.blocks
     ttft = [timing.compute_seconds(r.prefill_flops) + timing.transfer_seconds(r.loaded_bytes)
             + r.promoted_bytes / timing.lower_bytes_per_s for r in records]
     clock = [r.first_token_s - r.arrival_s for r in records if r.first_token_s is not None]

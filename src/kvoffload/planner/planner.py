@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
-from kvoffload.completion import count_rank_report
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
 from kvoffload.jobs import (
@@ -40,6 +40,7 @@ from kvoffload.jobs import (
     TransferJob,
     WorkerReport,
 )
+from kvoffload.ledger import JobLedger
 from kvoffload.metrics import PlannerStats
 from kvoffload.planner.contract import (
     LoadFailure,
@@ -62,6 +63,9 @@ from kvoffload.tiers.base import LookupResult, Tier, TierEvent
 
 logger = logging.getLogger(__name__)
 
+NO_LOAD: Mapping[tuple[str, int], int] = MappingProxyType({})
+"""``update_state_after_alloc``'s answer when it planned no load."""
+
 
 class Planner:
     """Engine-neutral scheduler side of kvoffload. See the module docstring."""
@@ -75,11 +79,9 @@ class Planner:
         self.stats = PlannerStats()
         self._groups = config.resolved
         self._alignment = config.hit_alignment
-        self._all_ranks = (1 << config.num_workers) - 1
         self._requests: dict[str, RequestState] = {}
-        self._jobs: dict[JobId, JobState] = {}
-        self._next_job = 0
-        self._stale_below = 0
+        self._jobs: JobLedger[JobId, JobState] = JobLedger(JobId, config.num_workers,
+                                                           self.stats)
         self._fence = Fence()
         self._flush: set[JobId] = set()
         self._loads: list[TransferJob] = []
@@ -173,12 +175,15 @@ class Planner:
 
     def update_state_after_alloc(self, request: RequestInfo,
                                  blocks_per_group: Sequence[Sequence[int]],
-                                 num_external_tokens: int) -> None:
+                                 num_external_tokens: int) -> Mapping[tuple[str, int], int]:
         """Record the request's block table and plan its load, if the engine took one.
 
         ``blocks_per_group`` is the request's whole block table per group (0 = null).
         ``num_external_tokens`` is what the engine accepted from the last lookup: that
         number exactly, or 0. Every allocated block is checked against the fence.
+
+        Returns where the planned load's blocks come from: blocks by (tier that serves
+        them, group), ``LoadGrant.blocks_by_source``; empty when no load was planned.
         """
         st = self._requests.get(request.request_id)
         if st is None:
@@ -191,7 +196,7 @@ class Planner:
             self._flush |= self._fence.jobs_using(ids)
         planned, st.planned = st.planned, None
         if num_external_tokens == 0:
-            return
+            return NO_LOAD
         if planned is None or planned.end - planned.num_local_tokens != num_external_tokens:
             offered = 0 if planned is None else planned.end - planned.num_local_tokens
             raise ValueError(f"request {request.request_id!r}: engine accepted "
@@ -200,34 +205,35 @@ class Planner:
         if st.jobs:
             raise InvariantError(f"request {request.request_id!r} has jobs in flight; "
                                  "a load needs none")
-        self._plan_load(st, planned, blocks_per_group)
+        return self._plan_load(st, planned, blocks_per_group)
 
     def _plan_load(self, st: RequestState, planned: PlannedLoad,
-                   tables: Sequence[Sequence[int]]) -> None:
+                   tables: Sequence[Sequence[int]]) -> Mapping[tuple[str, int], int]:
         rid = st.request.request_id
         keys, parts = load_transfers(self._groups, st.groups, tables, planned)
         if any(self.tier.lookup(k) is not LookupResult.HIT for k in keys):
             # Evicted between lookup and allocation: the engine recomputes instead.
             self._early_finished.append(rid)
             self._early_failed.append(LoadFailure(rid, planned.num_local_tokens))
-            return
+            return NO_LOAD
         if not keys:
             self._early_finished.append(rid)
-            return
+            return NO_LOAD
         grant = self.tier.prepare_load(keys)
         for g, gs in zip(self._groups, st.groups, strict=True):
             gs.next_stored = max(gs.next_stored, planned.end // g.offloaded_block_size)
         filled = with_slots(parts, grant.slots)
         for t in filled:
             self.stats.add_blocks(self.stats.blocks_loaded, t.group, len(t.block_ids))
-        job_id = self._new_job_id()
         dests = tuple(b for t in filled for b in t.block_ids)
-        self._jobs[job_id] = JobState(job_id, rid, Direction.LOAD, tuple(keys), (), dests,
-                                      num_local_tokens=planned.num_local_tokens)
+        job_id = self._jobs.issue(lambda job_id: JobState(
+            job_id, rid, Direction.LOAD, tuple(keys), (), dests,
+            num_local_tokens=planned.num_local_tokens)).job_id
         st.jobs.add(job_id)
         self._flush |= self._fence.jobs_using(dests)
         self._loads.append(TransferJob(job_id, Direction.LOAD, rid, filled))
         self.stats.load_jobs += 1
+        return grant.blocks_by_source
 
     # ------------------------------------------------------------------ stores
 
@@ -298,10 +304,10 @@ class Planner:
         planned = self._stores.plan(st, offloadable)
         if planned is None:
             return None
-        job_id = self._new_job_id()
         rid = request.request_id
-        self._jobs[job_id] = JobState(job_id, rid, Direction.STORE, planned.keys,
-                                      planned.windowed_block_ids, planned.other_block_ids)
+        job_id = self._jobs.issue(lambda job_id: JobState(
+            job_id, rid, Direction.STORE, planned.keys, planned.windowed_block_ids,
+            planned.other_block_ids)).job_id
         self._fence.add(job_id, planned.windowed_block_ids)
         st.jobs.add(job_id)
         self.stats.store_jobs += 1
@@ -329,7 +335,7 @@ class Planner:
                                      f"{self.config.num_workers}")
             for failed, ids in ((False, report.finished), (True, report.failed)):
                 for job_id in ids:
-                    js = self._count_report(job_id, report.rank, failed)
+                    js = self._jobs.count(job_id, report.rank, failed)
                     if js is None:
                         continue
                     if self._finish_job(js):
@@ -354,15 +360,9 @@ class Planner:
         return ReportOutcome(tuple(finished), tuple(failures), failed_stores,
                              tuple(released))
 
-    def _count_report(self, job_id: JobId, rank: int, failed: bool) -> JobState | None:
-        """Record one rank's report; return the job once every rank has reported it."""
-        return count_rank_report(self._jobs, job_id, rank, failed, next_id=self._next_job,
-                                 stale_below=self._stale_below, all_ranks=self._all_ranks,
-                                 counters=self.stats)
-
     def _finish_job(self, js: JobState) -> bool:
         """Retire a job every rank reported; True if it was an abandoned load."""
-        del self._jobs[js.job_id]
+        self._jobs.retire(js.job_id)
         self._fence.remove(js.job_id, js.windowed_block_ids)
         if js.fenced_other:
             self._fence.remove(js.job_id, js.other_block_ids)
@@ -465,11 +465,9 @@ class Planner:
             elif js.direction is Direction.LOAD:
                 self._early_finished.append(js.request_id)
                 self._early_failed.append(LoadFailure(js.request_id, js.num_local_tokens))
-        self._flush |= set(self._jobs)
+        self._flush.update(self._jobs.reset())
         self._loads = []
         self.tier.reset()
-        self._stale_below = self._next_job
-        self._jobs.clear()
         self._abandoned.clear()
         self._fence.clear()
         for rid in [r for r, st in self._requests.items() if st.finished]:
@@ -509,6 +507,7 @@ class Planner:
 
     def check_integrity(self) -> None:
         """Raise ``InvariantError`` if the planner's bookkeeping is inconsistent."""
+        self._jobs.check_integrity()
         stray_abandoned = self._abandoned - self._jobs.keys()
         if stray_abandoned:
             raise InvariantError(f"abandoned loads {sorted(stray_abandoned)} not in flight")
@@ -541,7 +540,3 @@ class Planner:
         self._requests[request.request_id] = st
         return st
 
-    def _new_job_id(self) -> JobId:
-        job_id = JobId(self._next_job)
-        self._next_job += 1
-        return job_id
