@@ -6,19 +6,27 @@ from collections.abc import Iterable, Sequence
 
 import pytest
 
+from kvoffload import policies
+from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.keys import BlockHash, OffloadKey, make_offload_key
+from kvoffload.planner.planner import Planner
+from kvoffload.planner.selective import HitPointStorePolicy
+from kvoffload.planner.store_policy import StorePolicy
+from kvoffload.policies import cache_policy, cache_policy_names, register_cache_policy
 from kvoffload.tiers.eviction import (
     WRITING,
     ARCPolicy,
     BlockState,
     EvictionPolicy,
     LRUPolicy,
-    make_policy,
-    register_policy,
-    registered_policies,
 )
-from kvoffload.tiers.eviction import base as eviction_base
+from kvoffload.tiers.host import HostTier
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy:
+    """The eviction half of the cache policy registered as ``name``."""
+    return cache_policy(name).eviction(capacity)
 
 
 def k(i: int, group: int = 0) -> OffloadKey:
@@ -58,7 +66,7 @@ class CountingSet(set[OffloadKey]):
 
 
 def test_builtin_policies_are_registered_and_built_by_name() -> None:
-    assert {"lru", "arc"} <= set(registered_policies())
+    assert {"lru", "arc", "hybrid", "value"} <= set(cache_policy_names())
     assert isinstance(make_policy("lru", 3), LRUPolicy)
     arc = make_policy("arc", 5)
     assert isinstance(arc, ARCPolicy)
@@ -75,7 +83,8 @@ def test_unknown_policy_is_a_config_error_listing_known_names() -> None:
 
 def test_register_policy_adds_names_and_refuses_silent_replacement(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(eviction_base, "_REGISTRY", dict(eviction_base._REGISTRY))
+    cache_policy_names()  # the built-in entries first
+    monkeypatch.setattr(policies, "_REGISTRY", dict(policies._REGISTRY))
 
     class FIFOPolicy(LRUPolicy):
         name = "fifo-test"
@@ -83,13 +92,35 @@ def test_register_policy_adds_names_and_refuses_silent_replacement(
         def touch(self, keys: Sequence[OffloadKey]) -> None:
             pass  # first in, first out: use does not matter
 
-    register_policy("fifo-test", FIFOPolicy)
-    register_policy("fifo-test", FIFOPolicy)  # same factory again: no-op
+    register_cache_policy("fifo-test", FIFOPolicy)
+    register_cache_policy("fifo-test", FIFOPolicy)  # same factory again: no-op
     assert isinstance(make_policy("fifo-test", 2), FIFOPolicy)
     with pytest.raises(ValueError, match="already registered"):
-        register_policy("lru", FIFOPolicy)
-    register_policy("lru", FIFOPolicy, replace=True)
+        register_cache_policy("lru", FIFOPolicy)
+    register_cache_policy("lru", FIFOPolicy, replace=True)
     assert isinstance(make_policy("lru", 2), FIFOPolicy)
+
+
+def test_one_entry_gives_the_tier_its_eviction_and_the_planner_its_store_policy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's policy registered with an eviction only stores every block (the null
+    store policy), said by its entry; with a store policy, the planner uses that one."""
+    cache_policy_names()
+    monkeypatch.setattr(policies, "_REGISTRY", dict(policies._REGISTRY))
+
+    class UsersStorePolicy(StorePolicy):
+        """A store policy of the user's own."""
+
+    register_cache_policy("mine", LRUPolicy)
+    register_cache_policy("counted", LRUPolicy, lambda context: UsersStorePolicy())
+    groups = (GroupSpec(GroupKind.FULL_ATTENTION, 4),
+              GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8))
+    for name, store in (("mine", StorePolicy), ("counted", UsersStorePolicy),
+                        ("hybrid", HitPointStorePolicy)):
+        config = OffloadConfig(groups, 4, 64, eviction_policy=name)
+        tier = HostTier(config)
+        assert type(tier._policy) is LRUPolicy
+        assert type(Planner(config, tier).store_policy) is store
 
 
 def test_capacity_must_be_positive() -> None:

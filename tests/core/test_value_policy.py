@@ -14,8 +14,9 @@ from kvoffload.planner.admission import HitPointAdmission
 from kvoffload.planner.contract import ScheduledRequest, StepInput
 from kvoffload.planner.planner import Planner
 from kvoffload.planner.valuation import PrefixValuer, proxy_prefill_flops
-from kvoffload.tiers.eviction import BlockState, ValueHint, ValuePolicy, make_policy
-from kvoffload.tiers.eviction.value import NORMAL_SHARE
+from kvoffload.policies import cache_policy
+from kvoffload.tiers.eviction import BlockState, ValueHint, ValuePolicy
+from kvoffload.tiers.eviction.base import NORMAL_SHARE
 from kvoffload.tiers.host import HostTier
 
 
@@ -38,7 +39,7 @@ def slots(victims: list[tuple[OffloadKey, BlockState]] | None) -> list[int] | No
 
 
 def test_value_is_registered_and_equal_values_evict_like_lru() -> None:
-    assert isinstance(make_policy("value", 4), ValuePolicy)
+    assert isinstance(cache_policy("value").eviction(4), ValuePolicy)
     policy = filled(4)
     policy.touch([k(0)])  # 0 ends most recent
     assert slots(policy.evict(3, set())) == [1, 2, 3]

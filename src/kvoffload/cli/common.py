@@ -24,7 +24,7 @@ from kvoffload.engine.workloads import (
     size_unit,
 )
 from kvoffload.errors import ConfigError
-from kvoffload.tiers.eviction import registered_policies
+from kvoffload.policies import cache_policy_names
 
 
 class UsageError(Exception):
@@ -176,9 +176,9 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
 
 
 def check_policy(name: str) -> str:
-    if name not in registered_policies():
+    if name not in cache_policy_names():
         raise UsageError(f"--policy: unknown policy {name!r}; choose one of "
-                         f"{', '.join(registered_policies())}")
+                         f"{', '.join(cache_policy_names())}")
     return name
 
 

@@ -43,7 +43,7 @@ from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
 
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.eviction.value import NORMAL_SHARE, cold_goes_first
+from kvoffload.tiers.eviction.base import NORMAL_SHARE, cold_goes_first
 
 HOT_EVERY = 8
 """Under bimodal insertion, one request in this many is inserted normally."""

@@ -25,8 +25,9 @@ from collections.abc import Sequence
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey, key_group
+from kvoffload.policies import cache_policy
 from kvoffload.tiers.config import DiskTierConfig
-from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy, make_policy
+from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy
 from kvoffload.tiers.framing import HEADER_BYTES, MAX_KEY_BYTES
 from kvoffload.tiers.lower import LowerTier, LowerTierStats, Presence
 from kvoffload.tiers.naming import key_of_file_name, rank_dir
@@ -64,7 +65,8 @@ class DiskIndex(LowerTier):
         self._file_bytes = tuple(HEADER_BYTES + g.block_bytes for g in config.resolved)
         self._entry_bytes = tuple(self._num_ranks * b for b in self._file_bytes)
         capacity_keys = max(1, self.capacity_bytes // min(self._entry_bytes))
-        self._policy: EvictionPolicy = make_policy(disk.eviction_policy, capacity_keys)
+        self._policy: EvictionPolicy = cache_policy(disk.eviction_policy,
+                                                         "disk_eviction_policy").eviction(capacity_keys)
         self._used = 0
         self._busy = 0  # bytes of keys being written or pinned (never evictable)
         self._deletes: list[OffloadKey] = []

@@ -24,6 +24,7 @@ from types import MappingProxyType
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey, key_block_hash, key_group
+from kvoffload.policies import cache_policy
 from kvoffload.tiers.base import (
     HOST,
     LoadGrant,
@@ -34,7 +35,7 @@ from kvoffload.tiers.base import (
     TierHints,
     TierUsage,
 )
-from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy, make_policy
+from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy
 from kvoffload.tiers.host_space import HostSpace
 
 
@@ -105,7 +106,7 @@ class HostTier(Tier):
         self.stats = HostTierStats()
         self.space = HostSpace(config)
         self.tracks_demotions = False
-        self._policy: EvictionPolicy = make_policy(config.eviction_policy,
+        self._policy: EvictionPolicy = cache_policy(config.eviction_policy).eviction(
                                                    config.num_host_slots)
         self._events: list[TierEvent] = []
         self._demoted: set[OffloadKey] = set()

@@ -40,8 +40,8 @@ from typing import Any
 
 from kvoffload.config import checked_min_deferral_s
 from kvoffload.errors import ConfigError
+from kvoffload.policies import cache_policy_names
 from kvoffload.tiers.config import OPTION_HELP, TierConfig
-from kvoffload.tiers.eviction import registered_policies
 
 PREFIX = "kv_connector_extra_config"
 AVAILABLE_TIERS = ("host", "disk", "remote")
@@ -86,7 +86,7 @@ class ConnectorOptions:
                               '"host_memory_bytes": "8GiB".')
         memory = parse_bytes(extra["host_memory_bytes"], f"{PREFIX}.host_memory_bytes")
         policy = extra.get("eviction_policy", "lru")
-        policies = registered_policies()
+        policies = cache_policy_names()
         if not isinstance(policy, str) or policy not in policies:
             raise ConfigError(f"{PREFIX}.eviction_policy", f"{policy!r} is not a policy",
                               f"Use one of {list(policies)}.")

@@ -10,12 +10,8 @@ from kvoffload.tiers.eviction.base import (
     WRITING,
     BlockState,
     EvictionPolicy,
-    PolicyFactory,
     ValueHint,
     Victims,
-    make_policy,
-    register_policy,
-    registered_policies,
 )
 from kvoffload.tiers.eviction.lru import LRUPolicy
 from kvoffload.tiers.eviction.value import ValuePolicy
@@ -26,11 +22,7 @@ __all__ = [
     "BlockState",
     "EvictionPolicy",
     "LRUPolicy",
-    "PolicyFactory",
     "ValueHint",
     "ValuePolicy",
     "Victims",
-    "make_policy",
-    "register_policy",
-    "registered_policies",
 ]

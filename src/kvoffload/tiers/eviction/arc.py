@@ -25,7 +25,6 @@ from kvoffload.tiers.eviction.base import (
     EvictionPolicy,
     Victims,
     next_evictable,
-    register_policy,
 )
 
 
@@ -195,5 +194,3 @@ class ARCPolicy(EvictionPolicy):
         if not 0.0 <= self.target_t1_size <= self.capacity:
             raise InvariantError(f"arc: target_t1_size {self.target_t1_size} out of range")
 
-
-register_policy(ARCPolicy.name, ARCPolicy)

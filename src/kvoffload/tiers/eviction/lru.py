@@ -12,7 +12,6 @@ from kvoffload.tiers.eviction.base import (
     BlockState,
     EvictionPolicy,
     Victims,
-    register_policy,
 )
 
 
@@ -105,15 +104,3 @@ class LRUPolicy(EvictionPolicy):
     def debug_state(self) -> dict[str, object]:
         return {"order": [(k, s.ref, s.slot) for k, s in self._order.items()]}
 
-
-register_policy(LRUPolicy.name, LRUPolicy)
-
-
-class HybridPolicy(LRUPolicy):
-    """LRU that honours demotion hints; selected with eviction_policy="hybrid", which also
-    turns on hit-point admission in the planner (``kvoffload.planner.admission``)."""
-
-    name = "hybrid"
-
-
-register_policy(HybridPolicy.name, HybridPolicy)

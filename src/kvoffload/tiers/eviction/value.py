@@ -43,11 +43,12 @@ from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.eviction.anchors import AnchorLinks
 from kvoffload.tiers.eviction.base import (
+    NORMAL_SHARE,
     BlockState,
     EvictionPolicy,
     ValueHint,
     Victims,
-    register_policy,
+    cold_goes_first,
 )
 
 DEFAULT_WEIGHT = 0.25
@@ -55,21 +56,6 @@ DEFAULT_WEIGHT = 0.25
 
 _DEMOTED = float("-inf")
 """Priority of a demoted key: below every live key."""
-
-NORMAL_SHARE = 0.9
-"""While cold keys are held, normal keys are evicted before them once they are more than
-this share of the keys held (``ValuePolicy.normal_share``): the newest cold keys are the
-stores of running requests, which a preempted request reloads. (On the shared trace at
-2-10 % capacity, 0.8 and 0.95 did no better.)"""
-
-
-def cold_goes_first(normal: int, total: int, share: float) -> bool:
-    """The share rule for cold keys: whether the next victim is a cold key rather than a
-    normal one, with ``normal`` of the ``total`` keys left normal (and both kinds left):
-    yes once normal keys are at most ``share`` of them. Also used by the planner's shadow
-    directories (``kvoffload.planner.insertion``), which model this policy."""
-    return normal <= share * total
-
 
 _Heap = list[tuple[float, int, OffloadKey]]
 """``(priority, sequence, key)`` entries, lowest first."""
@@ -388,5 +374,3 @@ class ValuePolicy(EvictionPolicy):
             raise InvariantError("value: the count of cold and demoted keys is off")
         self._anchors.check_integrity(self._entries)
 
-
-register_policy(ValuePolicy.name, ValuePolicy)
