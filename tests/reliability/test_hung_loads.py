@@ -99,7 +99,7 @@ def test_without_parking_or_fence_the_late_copy_corrupts_another_request(
         job_id = abandon(request)  # type: ignore[arg-type]
         if job_id is not None:
             js = planner._jobs[job_id]
-            planner._fence.remove(job_id, js.other_block_ids)
+            planner._jobs.fence.remove(job_id, js.other_block_ids)
             js.fenced_other = False
         return job_id
 

@@ -40,7 +40,6 @@ from kvoffload.jobs import (
     TransferJob,
     WorkerReport,
 )
-from kvoffload.ledger import JobLedger
 from kvoffload.metrics import PlannerStats
 from kvoffload.planner.contract import (
     LoadFailure,
@@ -50,8 +49,8 @@ from kvoffload.planner.contract import (
     ScheduledRequest,
     StepInput,
 )
-from kvoffload.planner.fence import Fence
 from kvoffload.planner.insertion import InsertionDuel
+from kvoffload.planner.jobs_in_flight import JobsInFlight
 from kvoffload.planner.positions import load_transfers, with_slots
 from kvoffload.planner.prefix_lookup import PrefixLookup
 from kvoffload.planner.state import GroupState, JobState, PlannedLoad, RequestState
@@ -80,15 +79,7 @@ class Planner:
         self._groups = config.resolved
         self._alignment = config.hit_alignment
         self._requests: dict[str, RequestState] = {}
-        self._jobs: JobLedger[JobId, JobState] = JobLedger(JobId, config.num_workers,
-                                                           self.stats)
-        self._fence = Fence()
-        self._flush: set[JobId] = set()
-        self._loads: list[TransferJob] = []
-        self._early_finished: list[str] = []
-        self._early_failed: list[LoadFailure] = []
-        self._abandoned: set[JobId] = set()
-        self._early_released: list[JobId] = []
+        self._jobs = JobsInFlight(config.num_workers, tier, self.stats)
         self._policy = cache_policy(config.eviction_policy).store(
             StorePolicyContext(config, tier, self.stats, prefill_flops))
         self._lookups = PrefixLookup(config, tier, self._policy)
@@ -193,7 +184,7 @@ class Planner:
             raise ValueError(f"got block lists for {len(blocks_per_group)} groups, the "
                              f"configuration has {len(self._groups)}")
         for ids in blocks_per_group:
-            self._flush |= self._fence.jobs_using(ids)
+            self._jobs.allocated(ids)
         planned, st.planned = st.planned, None
         if num_external_tokens == 0:
             return NO_LOAD
@@ -213,11 +204,10 @@ class Planner:
         keys, parts = load_transfers(self._groups, st.groups, tables, planned)
         if any(self.tier.lookup(k) is not LookupResult.HIT for k in keys):
             # Evicted between lookup and allocation: the engine recomputes instead.
-            self._early_finished.append(rid)
-            self._early_failed.append(LoadFailure(rid, planned.num_local_tokens))
+            self._jobs.load_failed_early(rid, planned.num_local_tokens)
             return NO_LOAD
         if not keys:
-            self._early_finished.append(rid)
+            self._jobs.load_done_early(rid)
             return NO_LOAD
         grant = self.tier.prepare_load(keys)
         for g, gs in zip(self._groups, st.groups, strict=True):
@@ -230,8 +220,8 @@ class Planner:
             job_id, rid, Direction.LOAD, tuple(keys), (), dests,
             num_local_tokens=planned.num_local_tokens)).job_id
         st.jobs.add(job_id)
-        self._flush |= self._fence.jobs_using(dests)
-        self._loads.append(TransferJob(job_id, Direction.LOAD, rid, filled))
+        self._jobs.allocated(dests)
+        self._jobs.loads.append(TransferJob(job_id, Direction.LOAD, rid, filled))
         self.stats.load_jobs += 1
         return grant.blocks_by_source
 
@@ -247,7 +237,7 @@ class Planner:
             st = self._requests.get(rid)
             if st is None:
                 continue
-            self._flush |= st.jobs
+            self._jobs.flush |= st.jobs
             st.reset_table()
             self._policy.preempted(st)
         stores: list[TransferJob] = []
@@ -255,21 +245,14 @@ class Planner:
             job = self._schedule_request(sched)
             if job is not None:
                 stores.append(job)
-        if step.other_allocations:
-            self._flush |= self._fence.jobs_using(step.other_allocations)
+        self._jobs.allocated(step.other_allocations)
         tier_work = self.tier.take_tier_work()  # after the stores: it sees their evictions
         # A store created in this step reads only blocks its running request still holds
         # (freed positions are never stored), so none of them can be handed out afresh
-        # this step: a fence hit on it is another request adopting a shared prefix block,
-        # which reads it. Flushing such a store would run it before the forward pass
-        # writes its blocks.
-        self._flush.difference_update(job.job_id for job in stores)
-        plan = StepPlan(flush=tuple(sorted(self._flush)), stores=tuple(stores),
-                        loads=tuple(self._loads), tier_flush=tier_work.flush,
-                        tier_jobs=tier_work.jobs)
-        self._flush = set()
-        self._loads = []
-        return plan
+        # this step (``JobsInFlight.take_plan`` never flushes it).
+        flush, loads = self._jobs.take_plan(stores)
+        return StepPlan(flush=flush, stores=tuple(stores), loads=loads,
+                        tier_flush=tier_work.flush, tier_jobs=tier_work.jobs)
 
     def _schedule_request(self, sched: ScheduledRequest) -> TransferJob | None:
         request = sched.request
@@ -291,7 +274,7 @@ class Planner:
         for gs, ids in zip(st.groups, sched.new_block_ids, strict=True):
             if ids:
                 gs.block_ids.extend(ids)
-                self._flush |= self._fence.jobs_using(ids)
+                self._jobs.allocated(ids)
         freed = sched.num_freed_blocks
         if freed is not None:
             for gs, n in zip(st.groups, freed, strict=True):
@@ -308,7 +291,7 @@ class Planner:
         job_id = self._jobs.issue(lambda job_id: JobState(
             job_id, rid, Direction.STORE, planned.keys, planned.windowed_block_ids,
             planned.other_block_ids)).job_id
-        self._fence.add(job_id, planned.windowed_block_ids)
+        self._jobs.fence.add(job_id, planned.windowed_block_ids)
         st.jobs.add(job_id)
         self.stats.store_jobs += 1
         return TransferJob(job_id, Direction.STORE, rid, planned.transfers)
@@ -323,10 +306,7 @@ class Planner:
         raises ``InvariantError``. The reports' tier-job parts go to the tier
         (``Tier.update_from_tier_reports``), which keeps the same rules.
         """
-        finished = self._early_finished
-        failures = self._early_failed
-        released = self._early_released
-        self._early_finished, self._early_failed, self._early_released = [], [], []
+        finished, failures, released = self._jobs.take_outcomes()
         failed_stores = 0
         duplicates = self.stats.duplicate_reports
         for report in reports:
@@ -335,7 +315,7 @@ class Planner:
                                      f"{self.config.num_workers}")
             for failed, ids in ((False, report.finished), (True, report.failed)):
                 for job_id in ids:
-                    js = self._jobs.count(job_id, report.rank, failed)
+                    js = self._jobs.ledger.count(job_id, report.rank, failed)
                     if js is None:
                         continue
                     if self._finish_job(js):
@@ -362,16 +342,7 @@ class Planner:
 
     def _finish_job(self, js: JobState) -> bool:
         """Retire a job every rank reported; True if it was an abandoned load."""
-        self._jobs.retire(js.job_id)
-        self._fence.remove(js.job_id, js.windowed_block_ids)
-        if js.fenced_other:
-            self._fence.remove(js.job_id, js.other_block_ids)
-        if js.direction is Direction.STORE:
-            self.tier.complete_store(js.keys, success=not js.failed)
-        else:
-            self.tier.complete_load(js.keys)
-        if js.job_id in self._abandoned:
-            self._abandoned.discard(js.job_id)
+        if self._jobs.retire(js):
             return True
         st = self._requests[js.request_id]
         st.jobs.discard(js.job_id)
@@ -407,16 +378,7 @@ class Planner:
         job_id = loads[0]
         js = self._jobs[job_id]
         st.jobs.discard(job_id)
-        self._abandoned.add(job_id)
-        self.stats.abandoned_loads += 1
-        if not js.fenced_other:
-            self._fence.add(job_id, js.other_block_ids)
-            js.fenced_other = True
-        pending = [job for job in self._loads if job.job_id == job_id]
-        if pending:  # never handed to the workers: nothing can write its blocks
-            self._loads.remove(pending[0])
-            self._finish_job(js)
-            self._early_released.append(job_id)
+        self._jobs.abandon(js)
         if st.finished and not st.jobs:
             del self._requests[request.request_id]
         return job_id
@@ -447,10 +409,7 @@ class Planner:
             del self._requests[request.request_id]
             return
         for job_id in st.jobs:
-            js = self._jobs[job_id]
-            if not js.fenced_other:
-                self._fence.add(job_id, js.other_block_ids)
-                js.fenced_other = True
+            self._jobs.fence_all(self._jobs[job_id])
 
     def take_events(self) -> list[TierEvent]:
         """Cache events (blocks stored or removed) since the last call, for routers."""
@@ -459,17 +418,8 @@ class Planner:
     def reset_cache(self) -> None:
         """Drop everything offloaded. In-flight jobs are flushed in the next plan,
         their late reports ignored; loads in flight are reported failed (recompute)."""
-        for js in self._jobs.values():
-            if js.job_id in self._abandoned:
-                self._early_released.append(js.job_id)
-            elif js.direction is Direction.LOAD:
-                self._early_finished.append(js.request_id)
-                self._early_failed.append(LoadFailure(js.request_id, js.num_local_tokens))
-        self._flush.update(self._jobs.reset())
-        self._loads = []
+        self._jobs.reset()
         self.tier.reset()
-        self._abandoned.clear()
-        self._fence.clear()
         for rid in [r for r, st in self._requests.items() if st.finished]:
             del self._requests[rid]
         for st in self._requests.values():
@@ -487,7 +437,7 @@ class Planner:
 
     def has_pending_work(self) -> bool:
         """Jobs in flight or not yet handed to the workers."""
-        return bool(self._jobs or self._loads or self._flush or self.tier.has_pending_work())
+        return self._jobs.has_pending_work() or self.tier.has_pending_work()
 
     @property
     def num_requests(self) -> int:
@@ -499,38 +449,15 @@ class Planner:
 
     def jobs_fencing(self, block_ids: Sequence[int]) -> set[JobId]:
         """The in-flight jobs that still use any of ``block_ids``."""
-        return self._fence.jobs_using(block_ids)
+        return self._jobs.fence.jobs_using(block_ids)
 
     @property
     def fence_size(self) -> int:
-        return len(self._fence)
+        return len(self._jobs.fence)
 
     def check_integrity(self) -> None:
         """Raise ``InvariantError`` if the planner's bookkeeping is inconsistent."""
-        self._jobs.check_integrity()
-        stray_abandoned = self._abandoned - self._jobs.keys()
-        if stray_abandoned:
-            raise InvariantError(f"abandoned loads {sorted(stray_abandoned)} not in flight")
-        for job_id, js in self._jobs.items():
-            if job_id in self._abandoned:
-                if not js.fenced_other:
-                    raise InvariantError(f"abandoned load {job_id} not fenced")
-                continue
-            st = self._requests.get(js.request_id)
-            if st is None or job_id not in st.jobs:
-                raise InvariantError(f"job {job_id} has no live request holding it")
-        for rid, st in self._requests.items():
-            missing = st.jobs - self._jobs.keys()
-            if missing:
-                raise InvariantError(f"request {rid} holds unknown jobs {sorted(missing)}")
-            loads = [j for j in st.jobs if self._jobs[j].direction is Direction.LOAD]
-            if loads and len(st.jobs) != 1:
-                raise InvariantError(f"request {rid} has a load and other jobs in flight")
-            if st.finished and not st.jobs:
-                raise InvariantError(f"finished request {rid} kept without jobs")
-        stray = self._fence.all_jobs() - self._jobs.keys()
-        if stray:
-            raise InvariantError(f"fence holds finished jobs {sorted(stray)}")
+        self._jobs.check_integrity(self._requests)
         self.tier.check_integrity()
 
     # --------------------------------------------------------------- helpers
