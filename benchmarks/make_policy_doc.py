@@ -316,7 +316,9 @@ kvoffload's host tier can run plain LRU or ARC over every block it is given
 `kv_connector_extra_config`. The planner's rules (load only readable blocks, pin while
 loading, fence blocks a store still reads, exact completion counting) are the same under
 every policy: the policy only decides *which* window blocks and Mamba states are stored
-and *which* idle keys are evicted.
+and *which* idle keys are evicted. One entry of the cache-policy registry
+(`kvoffload.policies`) gives both halves: the planner's store policy
+(`planner/selective.py`) and the host tier's eviction (`tiers/eviction/value.py`).
 
 ## What it does
 
