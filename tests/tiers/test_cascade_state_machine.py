@@ -5,9 +5,10 @@ chunked prefill, decode, preemption, aborts, late/reordered/split/failed reports
 resets), with a ``CascadeTier`` (write-back or write-through to a small disk budget) and
 real worker ranks moving real bytes between engine tensors, host slots and block files.
 Tier-job reports are held back and reordered like transfer reports, and a rule damages
-random block files. After every step the engine checks SYSTEM.md's rules: every loaded
-block holds exactly the right bytes, nothing is overwritten while in use, deferrals are
-bounded; after a drain nothing is pinned or pending -- in host memory or on disk.
+random block files. After every step the engine checks the rules of docs/architecture.md:
+every loaded block holds exactly the right bytes, nothing is overwritten while in use,
+deferrals are bounded; after a drain nothing is pinned or pending -- in host memory or on
+disk.
 
 KVOFFLOAD_HYPOTHESIS_EXAMPLES raises the example count for a long run.
 """

@@ -10,7 +10,7 @@ Lifecycle of a key::
         complete_store(success=False) -> gone, slot free again
     ready: prepare_load -> ref count +1 (pinned) ... complete_load -> ref count -1
 
-Rules every tier keeps (SYSTEM.md section 5):
+Rules every tier keeps (``docs/architecture.md``, rules 1-3):
 
 * ``lookup`` answers HIT only for ready keys; PENDING for keys being written.
 * ``prepare_store`` is atomic: it either returns a result and has reserved a slot for every
