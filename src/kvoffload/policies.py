@@ -114,7 +114,6 @@ def _ensure_builtins() -> None:
     global _BUILTINS_READY  # noqa: PLW0603 - a one-time registration
     if _BUILTINS_READY:
         return
-    _BUILTINS_READY = True
     from kvoffload.planner.selective import hybrid_store_policy, value_store_policy
     from kvoffload.tiers.eviction.arc import ARCPolicy
     from kvoffload.tiers.eviction.lru import LRUPolicy
@@ -124,3 +123,4 @@ def _ensure_builtins() -> None:
                   CachePolicy("hybrid", LRUPolicy, hybrid_store_policy),
                   CachePolicy("value", ValuePolicy, value_store_policy)):
         _REGISTRY.setdefault(entry.name, entry)
+    _BUILTINS_READY = True

@@ -281,6 +281,8 @@ def group_policy(index: int, spec: GroupSpec, hash_block_size: int) -> GroupPoli
 
 def lookup_order(policies: Sequence[GroupPolicy]) -> list[GroupPolicy]:
     """Order of the fixpoint (``KindRules.lookup_rank``, over engine blocks): full
-    attention, then windows widest first in tokens (a Mamba state is one block)."""
+    attention, then the windowed groups widest first, a window rounded up to whole blocks
+    and a Mamba state counted as one block (ties keep group order). The order changes only
+    how many lookups the fixpoint makes, never the hit it ends at."""
     return sorted(policies,
                   key=lambda p: KIND_RULES[p.kind].lookup_rank(p.spec, p.block_size))

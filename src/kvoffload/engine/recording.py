@@ -7,8 +7,8 @@
   prefix hit, the external tokens of its load and the bytes loaded, the external tokens
   split by the tier that served them (``RequestRecord.tier_hit_tokens``; all from host
   memory without lower tiers), and the bytes promoted from a lower tier first. Which tier
-  served a load is learned around the planner's ``update_state_after_alloc`` with
-  ``loaded_by_tier``.
+  served a load's blocks is what the planner's ``update_state_after_alloc`` returns
+  (``LoadGrant.blocks_by_source``); tokens that do not split evenly go to host memory.
 * **Samples.** ``take_sample`` appends a ``Sample``, due every ``sample_interval_s``
   modelled seconds (``sample_due``): cumulative prompt and hit tokens, the bytes the host
   tier holds per group (real sizes, ``host_bytes_by_group``), slots and engine blocks in

@@ -49,8 +49,6 @@ class _HitPointSelection(StoreSelection):
     """One store's admission verdicts, with the blocks stored for the resume point
     (``provisional``) and for free room only (``spare``)."""
 
-    __slots__ = ("_admission", "_hashes", "_prompt", "provisional", "resume", "spare")
-
     def __init__(self, admission: HitPointAdmission, st: RequestState, resume: int) -> None:
         self._admission = admission
         self._hashes = st.request.block_hashes

@@ -63,7 +63,8 @@ class StorePolicyContext:
 
 @dataclass
 class PolicyRequestState:
-    """What a store policy keeps for one live request (empty under ``StorePolicy``).
+    """What a store policy keeps for one live request (under ``StorePolicy``, only
+    ``first_hit_tokens``).
 
     Every list holds keys this request stored or passed: the state of a key itself (demoted,
     cold, valued) is the tier's, which answers it.

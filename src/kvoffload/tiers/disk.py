@@ -65,8 +65,8 @@ class DiskIndex(LowerTier):
         self._file_bytes = tuple(HEADER_BYTES + g.block_bytes for g in config.resolved)
         self._entry_bytes = tuple(self._num_ranks * b for b in self._file_bytes)
         capacity_keys = max(1, self.capacity_bytes // min(self._entry_bytes))
-        self._policy: EvictionPolicy = cache_policy(disk.eviction_policy,
-                                                         "disk_eviction_policy").eviction(capacity_keys)
+        entry = cache_policy(disk.eviction_policy, "disk_eviction_policy")
+        self._policy: EvictionPolicy = entry.eviction(capacity_keys)
         self._used = 0
         self._busy = 0  # bytes of keys being written or pinned (never evictable)
         self._deletes: list[OffloadKey] = []

@@ -1,8 +1,9 @@
-"""Eviction policies for fixed-size tiers, looked up by name (``make_policy``).
+"""Eviction policies for fixed-size tiers: LRU, ARC and value (compute saved per byte,
+blended with recency).
 
-Importing this package registers the built-in policies: ``"lru"``, ``"arc"``, ``"hybrid"``
-(LRU with hit-point admission) and ``"value"`` (hit-point admission with eviction by
-compute saved per byte, blended with recency).
+A tier builds its policy from the cache-policy registry (``kvoffload.policies``), whose
+entries ``"lru"``, ``"arc"``, ``"hybrid"`` (LRU, with hit-point admission in the planner)
+and ``"value"`` name these classes.
 """
 
 from kvoffload.tiers.eviction.arc import ARCPolicy
