@@ -89,6 +89,7 @@ class ResolvedGroup:
         window_blocks: offloaded blocks a hit needs at its end; ``None`` for full attention.
         alignment: a hit must be a multiple of this many tokens for this group.
         block_bytes: bytes of one offloaded block across the group's layers, on one rank.
+        rules: the rules of the group's kind (``kvoffload.group_kinds.KIND_RULES``).
     """
 
     index: int
@@ -99,15 +100,11 @@ class ResolvedGroup:
     window_blocks: int | None
     alignment: int
     block_bytes: int
+    rules: KindRules = field(repr=False, compare=False)
 
     @property
     def kind(self) -> GroupKind:
         return self.spec.kind
-
-    @property
-    def rules(self) -> KindRules:
-        """The rules of the group's kind (``kvoffload.group_kinds``)."""
-        return KIND_RULES[self.spec.kind]
 
     @property
     def is_windowed(self) -> bool:
@@ -229,6 +226,7 @@ class OffloadConfig:
             index=index, spec=spec, factor=factor, offloaded_block_size=obs,
             hashes_per_block=obs // self.hash_block_size, window_blocks=window,
             alignment=alignment, block_bytes=spec.page_bytes * spec.num_layers * factor,
+            rules=rules,
         )
 
     @property
