@@ -34,6 +34,12 @@ from kvoffload.engine.simulation import (
     simulate,
 )
 from kvoffload.engine.workloads import read_mooncake_trace
+from kvoffload.engine.workloads.mooncake import (
+    MAX_INPUT_TOKENS,
+    MAX_LINE_BYTES,
+    MAX_NESTING,
+    MAX_OUTPUT_TOKENS,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = Path(os.environ.get("KVOFFLOAD_TRACE", ROOT.parent / "shared" / "traces"
@@ -132,6 +138,25 @@ class _Trace:
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return read_mooncake_trace(self.path, limit=self.limit)
+
+
+TRACE_FORMAT = [
+    "`--trace` reads Mooncake-format JSON lines: one object per line with `timestamp` "
+    "(arrival in milliseconds, finite, >= 0, never decreasing), `input_length` (1 to "
+    f"{MAX_INPUT_TOKENS:,} tokens), `output_length` (1 to {MAX_OUTPUT_TOKENS:,} tokens) and "
+    "`hash_ids` (integers from 0 to 2**63 - 1, one per 512-token block: exactly "
+    "ceil(input_length / 512) of them); blank lines are skipped and other fields ignored. "
+    f"Each line is checked with bounded work before it is trusted: at most {MAX_LINE_BYTES:,} "
+    "bytes (over 100 times the shared trace's longest line, 2,053 bytes; no more than that is "
+    "read), UTF-8, brackets nested at most "
+    f"{MAX_NESTING} deep (checked before the JSON parser sees the line), and a prompt is built "
+    "only once its lengths agree. The trace must be a regular file (a directory, FIFO or device "
+    "is refused without reading from it) holding at least one request. The first problem stops "
+    "the run with one line, `error: FILE:LINE: field 'NAME': what to change`, and exit status "
+    "2; line 0 with field `<file>` is about the file as a whole, `<line>` about a line's length "
+    "or encoding, `<json>` about its syntax, nesting or type.",
+    "",
+]
 
 
 def render(points: list[SweepPoint], result: object, limit: int, elapsed: float) -> str:
@@ -247,6 +272,9 @@ def render(points: list[SweepPoint], result: object, limit: int, elapsed: float)
         "(`--block-size 64` applies to every preset in that command; the table above runs "
         f"Nemotron-H at its page-matching block size {auto_block_size(PRESETS['nemotron-h-8b'])}.)",
         "",
+        "## Trace format",
+        "",
+        *TRACE_FORMAT,
     ]
     return "\n".join(lines)
 
