@@ -8,22 +8,23 @@ from typing import Any
 import pytest
 
 from kvoffload.errors import ConfigError
-from kvoffload.integrations.vllm.options import ConnectorOptions, parse_bytes
+from kvoffload.integrations.vllm.options import ConnectorOptions
 from kvoffload.integrations.vllm.version import (
     SUPPORTED_VLLM,
     check_vllm_version,
     is_supported,
     parse_version,
 )
+from kvoffload.sizes import parse_size
 
 
 def test_defaults_and_sizes() -> None:
     opts = ConnectorOptions.from_extra_config({"host_memory_bytes": "8GiB"})
     assert opts == ConnectorOptions(host_memory_bytes=8 << 30)
-    assert parse_bytes(1024, "x") == 1024
-    assert parse_bytes("512 MiB", "x") == 512 << 20
-    assert parse_bytes("2GB", "x") == 2 * 10**9
-    assert parse_bytes("1.5KiB", "x") == 1536
+    assert parse_size(1024, "x") == 1024
+    assert parse_size("512 MiB", "x") == 512 << 20
+    assert parse_size("2GB", "x") == 2 * 10**9
+    assert parse_size("1.5KiB", "x") == 1536
 
 
 def test_all_options() -> None:

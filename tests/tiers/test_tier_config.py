@@ -12,6 +12,7 @@ from core.test_core_imports import run_blocked
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import ConfigError
 from kvoffload.keys import make_offload_key
+from kvoffload.sizes import parse_size
 from kvoffload.tiers import framing
 from kvoffload.tiers.config import (
     OPTION_HELP,
@@ -20,7 +21,6 @@ from kvoffload.tiers.config import (
     TierConfig,
     WriteMode,
     add_cli_arguments,
-    parse_bytes,
 )
 from kvoffload.tiers.naming import block_path, key_of_file_name, namespace, remote_key
 
@@ -82,10 +82,10 @@ def test_command_line_flags_round_trip() -> None:
 
 
 def test_sizes_parse_with_units() -> None:
-    assert parse_bytes("4096") == 4096
-    assert parse_bytes("1.5 KiB") == 1536
-    assert parse_bytes("2G") == 2 * 10**9
-    assert parse_bytes(7) == 7
+    assert parse_size("4096", "x") == 4096
+    assert parse_size("1.5 KiB", "x") == 1536
+    assert parse_size("2G", "x") == 2 * 10**9
+    assert parse_size(7, "x") == 7
 
 
 # -- namespace and names --------------------------------------------------------------------

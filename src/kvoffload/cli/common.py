@@ -1,10 +1,12 @@
-"""Shared pieces of the command-line tool: sizes, workload options, progress, formatting."""
+"""Shared pieces of the command-line tool: sizes, workload options, progress, formatting.
+
+Every size flag is read by ``kvoffload.sizes.parse_size`` (the one size grammar).
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,42 +27,30 @@ from kvoffload.engine.workloads import (
 )
 from kvoffload.errors import ConfigError
 from kvoffload.policies import cache_policy_names
+from kvoffload.sizes import parse_size
 
 
 class UsageError(Exception):
     """A command-line value is wrong; the message says which option and what to give."""
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
-          "gib": 1 << 30, "tib": 1 << 40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str, option: str = "size") -> int:
-    """``"16GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"4096"`` -> bytes (also ``k``/``M`` counts)."""
-    match = _SIZE.match(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise UsageError(f"{option}: cannot read {text!r} as a size; write e.g. 16GiB, "
-                         "512MiB, 1.5GB or a plain number of bytes")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
 def parse_count(text: str, option: str) -> int:
-    """``"32k"``, ``"1M"``, ``"4096"`` -> an integer count (decimal units)."""
-    value = parse_size(text, option)
-    if value < 1:
-        raise UsageError(f"{option}: must be at least 1, got {text!r}")
-    return value
+    """``"32k"``, ``"32Ki"``, ``"1M"``, ``"4096"`` -> a positive count, read with the size
+    grammar (``kvoffload.sizes``); ``UsageError`` naming ``option`` otherwise."""
+    try:
+        return parse_size(text, option, minimum=1)
+    except ConfigError as exc:
+        raise UsageError(f"{option}: {exc.problem}; give a positive count such as 32k, "
+                         "32Ki or 32768") from None
 
 
-def parse_sizes(text: str, option: str) -> list[int]:
-    """A comma-separated list of sizes (``"4GiB,16GiB"``)."""
+def parse_sizes(text: str, option: str, *, minimum: int = 0) -> list[int]:
+    """A comma-separated list of sizes (``"4GiB,16GiB"``) in the grammar of
+    ``kvoffload.sizes``; ``ConfigError`` or ``UsageError`` naming ``option`` otherwise."""
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise UsageError(f"{option}: give a comma-separated list of sizes, e.g. 4GiB,16GiB")
-    return [parse_size(t, option) for t in items]
+    return [parse_size(t, option, minimum=minimum) for t in items]
 
 
 def format_bytes(n: float) -> str:
@@ -97,6 +87,10 @@ OPTION_OF_FIELD = {
     "decode_tokens_per_step": "--decode-steps",
     "accelerator_flops": "--flops",
     "link_bytes_per_s": "--bandwidth",
+    "disk_path": "--disk-path",
+    "remote_url": "--remote-url",
+    "tier_faults": "--tier-faults",
+    "faults": "--faults",
 }
 
 
@@ -259,18 +253,20 @@ def simulation_config(args: argparse.Namespace, *, preset: str, policy: str,
     """A ``SimulationConfig`` from the shared engine options."""
     decode = args.decode_steps if args.decode_steps is not None else (
         1 if mode is Mode.BYTES else 16)
-    engine_bytes = (parse_size(args.engine_capacity, "--engine-capacity")
-                    if args.engine_capacity else None)
-    tokens = (parse_count(args.engine_tokens, "--engine-tokens") if args.engine_tokens
+    engine_bytes = (parse_size(args.engine_capacity, "--engine-capacity", minimum=1)
+                    if args.engine_capacity is not None else None)
+    tokens = (parse_count(args.engine_tokens, "--engine-tokens")
+              if args.engine_tokens is not None
               else (1 << 20 if args.trace is not None else 32768))
     try:
         flops = float(args.flops)
         bandwidth = float(args.bandwidth)
     except ValueError as exc:
         raise UsageError(f"--flops/--bandwidth: give numbers such as 400e12 ({exc})") from None
-    disk = parse_size(args.disk_capacity, "--disk-capacity") if args.disk_capacity else None
-    remote = (parse_size(args.remote_capacity, "--remote-capacity") if args.remote_capacity
-              else None)
+    disk = (parse_size(args.disk_capacity, "--disk-capacity", minimum=1)
+            if args.disk_capacity is not None else None)
+    remote = (parse_size(args.remote_capacity, "--remote-capacity", minimum=1)
+              if args.remote_capacity is not None else None)
     return SimulationConfig(
         preset=preset, mode=mode, block_size=args.block_size,
         disk_capacity_bytes=disk, remote_capacity_bytes=remote,

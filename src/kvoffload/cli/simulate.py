@@ -13,14 +13,15 @@ from kvoffload.cli.common import (
     add_workload_options,
     check_policy,
     check_preset,
-    parse_size,
     progress_bar,
     simulation_config,
     workload_spec,
 )
 from kvoffload.cli.report import simulation_dict, simulation_text
+from kvoffload.cli.validate import check_simulate_args
 from kvoffload.engine.simulation import Mode, SimulationConfig, simulate
 from kvoffload.engine.workloads.request import WorkloadRequest
+from kvoffload.sizes import parse_size
 
 EPILOG = textwrap.dedent("""\
     examples:
@@ -101,6 +102,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    check_simulate_args(args)
     preset = check_preset(args.preset)
     policy = check_policy(args.policy)
     modelled = args.disk_capacity or args.remote_capacity

@@ -25,6 +25,7 @@ from kvoffload.cli.common import (
     simulation_config,
     workload_spec,
 )
+from kvoffload.cli.validate import check_common_args
 from kvoffload.engine.model_presets import PRESETS
 from kvoffload.engine.simulation import Mode, SimulationConfig, resolve, run_one
 from kvoffload.engine.summary import RunSummary
@@ -296,6 +297,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    check_common_args(args)
     presets = list(PRESETS) if args.preset == "all" else [
         check_preset(p.strip()) for p in args.preset.split(",") if p.strip()]
     policies = [check_policy(p.strip()) for p in args.policy.split(",") if p.strip()]

@@ -149,10 +149,22 @@ class Capacities:
     host_slot_bytes: int
 
 
+MAX_ENGINE_BLOCKS = 1 << 24
+"""The most engine blocks a simulated engine keeps (its pool holds a Python list of them)."""
+
+MAX_HOST_SLOTS = 1 << 32
+"""The most host slots a simulated host tier keeps (one byte of bookkeeping each)."""
+
+MAX_MOVED_BYTES = 1 << 34
+"""Bytes mode: the most bytes the engine's tensors or the host arena may allocate."""
+
+
 def resolve(config: SimulationConfig, layout: ModelLayout) -> tuple[Capacities, OffloadConfig]:
     """Engine block count, host slots, and the planner's ``OffloadConfig`` (moved sizes).
 
-    Raises ``ConfigError`` naming what to change when a capacity holds nothing.
+    Raises ``ConfigError`` naming what to change when a capacity holds nothing, or more
+    than this machine's simulation can keep (``MAX_ENGINE_BLOCKS``, ``MAX_HOST_SLOTS``,
+    ``MAX_MOVED_BYTES``): a clear error before anything is allocated.
     """
     block_bytes = max(g.real_block_bytes for g in layout.groups)
     if config.engine_capacity_bytes is not None:
@@ -167,6 +179,7 @@ def resolve(config: SimulationConfig, layout: ModelLayout) -> tuple[Capacities, 
             raise ConfigError("engine_tokens", f"must be >= 1, got {config.engine_tokens}",
                               "Give the tokens the engine's KV memory holds.")
         engine_blocks = -(-config.engine_tokens // layout.block_size)
+    _check_engine_size(config, layout, engine_blocks)
     hash_block_size = math.gcd(*(g.spec.block_size for g in layout.groups))
     real = OffloadConfig(groups=layout.real_specs, hash_block_size=hash_block_size,
                          host_capacity_bytes=config.host_capacity_bytes,
@@ -183,7 +196,22 @@ def resolve(config: SimulationConfig, layout: ModelLayout) -> tuple[Capacities, 
         probe = replace(real, groups=layout.specs, host_capacity_bytes=1 << 62)
         moved = replace(real, groups=layout.specs,
                         host_capacity_bytes=slots * probe.slot_bytes)
+    arena = moved.host_capacity_bytes if layout.is_scaled else 0
+    if slots > MAX_HOST_SLOTS or arena > MAX_MOVED_BYTES:
+        raise ConfigError("host_capacity_bytes", f"{config.host_capacity_bytes} bytes are "
+                          f"{slots} host slots, more than the simulation keeps",
+                          "Give a smaller host capacity (or --mode accounting in bytes mode).")
     return Capacities(engine_blocks + 1, block_bytes, slots, real.slot_bytes), moved
+
+
+def _check_engine_size(config: SimulationConfig, layout: ModelLayout, blocks: int) -> None:
+    field = ("engine_capacity_bytes" if config.engine_capacity_bytes is not None
+             else "engine_tokens")
+    moved = blocks * sum(g.spec.page_bytes * g.spec.num_layers for g in layout.groups)
+    if blocks > MAX_ENGINE_BLOCKS or (layout.is_scaled and moved > MAX_MOVED_BYTES):
+        raise ConfigError(field, f"{blocks} engine blocks are more than the simulation keeps "
+                          f"(at most {MAX_ENGINE_BLOCKS}, {MAX_MOVED_BYTES} moved bytes)",
+                          "Give a smaller engine capacity.")
 
 
 @dataclass(frozen=True)

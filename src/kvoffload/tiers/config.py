@@ -19,12 +19,13 @@ Every invalid value raises ``ConfigError`` naming the option and what to change.
 from __future__ import annotations
 
 import argparse
-import re
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from enum import Enum
 
 from kvoffload.errors import ConfigError
+from kvoffload.sizes import parse_size
 
 
 class WriteMode(str, Enum):
@@ -36,23 +37,11 @@ class WriteMode(str, Enum):
     """As soon as it is readable in host memory (the tier holds everything stored)."""
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10,
-          "m": 10**6, "mb": 10**6, "mib": 2**20, "mi": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "gi": 2**30,
-          "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40}
+REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
+"""URL schemes of the remote tier (what redis-py's ``from_url`` connects to)."""
 
-
-def parse_bytes(value: str | int, option: str = "size") -> int:
-    """``"64GiB"``, ``"500MB"``, ``"4096"`` or an int -> bytes. Raises ``ConfigError``."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    match = _SIZE.match(str(value))
-    unit = (match.group(2) or "").lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ConfigError(option, f"cannot read {value!r} as a size",
-                          "Write bytes as a number with an optional unit, e.g. 64GiB or 500MB.")
-    return int(float(match.group(1)) * _UNITS[unit])
+MAX_IO_THREADS = 256
+"""The most I/O threads (and, times 16, pool connections) a tier accepts."""
 
 
 def _parse_bool(value: object, option: str) -> bool:
@@ -105,9 +94,9 @@ class DiskTierConfig:
         if self.capacity_bytes <= 0:
             raise ConfigError("disk_capacity", f"must be positive, got {self.capacity_bytes}",
                               "Give the disk budget, e.g. 64GiB.")
-        if self.io_threads <= 0:
-            raise ConfigError("disk_io_threads", f"must be >= 1, got {self.io_threads}",
-                              "Use a few threads, e.g. 4.")
+        if not 1 <= self.io_threads <= MAX_IO_THREADS:
+            raise ConfigError("disk_io_threads", f"must be >= 1 and at most {MAX_IO_THREADS}, "
+                              f"got {self.io_threads}", "Use a few threads, e.g. 4.")
 
 
 @dataclass(frozen=True)
@@ -146,23 +135,38 @@ class RemoteTierConfig:
     def __post_init__(self) -> None:
         if not self.url:
             raise ConfigError("remote_url", "is empty", "Give redis://host:port/db.")
-        if self.io_threads <= 0:
-            raise ConfigError("remote_io_threads", f"must be >= 1, got {self.io_threads}",
+        if not self.url.lower().startswith(REMOTE_SCHEMES):
+            raise ConfigError("remote_url", f"{self.url!r} is not a Redis URL",
+                              "Use redis://host:port/db, rediss://host:port/db (TLS) or "
+                              "unix:///path/to/redis.sock.")
+        if not 1 <= self.io_threads <= MAX_IO_THREADS:
+            raise ConfigError("remote_io_threads", f"must be >= 1 and at most "
+                              f"{MAX_IO_THREADS}, got {self.io_threads}",
                               "Use a few threads, e.g. 4.")
-        if self.max_connections < self.io_threads + 1:
+        if not self.io_threads + 1 <= self.max_connections <= 16 * MAX_IO_THREADS:
             raise ConfigError("remote_max_connections",
-                              f"{self.max_connections} < io_threads {self.io_threads} + 1",
+                              f"{self.max_connections} is not in [io_threads {self.io_threads}"
+                              f" + 1, {16 * MAX_IO_THREADS}]",
                               "Allow one connection per I/O thread plus one for lookups.")
+        self._check_seconds()
+        if self.batch_blocks <= 0:
+            raise ConfigError("remote_batch_blocks", f"must be positive, got "
+                              f"{self.batch_blocks}", "Use e.g. 16 blocks per round trip.")
+        if self.max_known_keys <= 0:
+            raise ConfigError("remote_max_known_keys", f"must be positive, got "
+                              f"{self.max_known_keys}", "Use e.g. 1000000 answers.")
+
+    def _check_seconds(self) -> None:
         for name in ("timeout_s", "connect_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"remote_{name}", "must be positive",
-                                  "Bound every round trip, e.g. 1.0 seconds.")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"remote_{name}", f"must be positive finite seconds, got "
+                                  f"{value!r}", "Bound every round trip, e.g. 1.0 seconds.")
         for name in ("retry_interval_s", "negative_ttl_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"remote_{name}", "must be >= 0", "Use seconds, e.g. 1.0.")
-        if self.batch_blocks <= 0 or self.max_known_keys <= 0:
-            raise ConfigError("remote_batch_blocks", "must be positive",
-                              "Use e.g. 16 blocks per round trip.")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"remote_{name}", f"must be finite seconds >= 0, got "
+                                  f"{value!r}", "Use seconds, e.g. 1.0.")
 
 
 LOWER_TIER_NAMES = ("disk", "remote")
@@ -213,7 +217,7 @@ class TierConfig:
         ``disk_path`` enables the disk tier (``disk_capacity`` is then required);
         ``remote_url`` enables the remote tier.
         """
-        opts = {k: v for k, v in options.items() if v is not None and v != ""}
+        opts = {k: v for k, v in options.items() if v is not None}
         unknown = sorted(set(opts) - set(OPTION_HELP))
         if unknown:
             raise ConfigError(unknown[0], "is not a tier option",
@@ -224,9 +228,9 @@ class TierConfig:
                 raise ConfigError("disk_capacity", "is missing",
                                   "Give a budget for the disk tier, e.g. 64GiB.")
             disk = DiskTierConfig(
-                path=str(opts["disk_path"]),
-                capacity_bytes=parse_bytes(_text_or_int(opts["disk_capacity"]),
-                                           "disk_capacity"),
+                path=_text(opts["disk_path"], "disk_path"),
+                capacity_bytes=parse_size(opts["disk_capacity"], "disk_capacity",
+                                          minimum=1),
                 write_mode=_parse_mode(opts.get("disk_write_mode", "write_back"),
                                        "disk_write_mode"),
                 eviction_policy=str(opts.get("disk_eviction_policy", "lru")),
@@ -238,7 +242,7 @@ class TierConfig:
                               "Give disk_path to enable the disk tier.")
         if "remote_url" in opts:
             base = RemoteTierConfig()
-            kwargs: dict[str, object] = {"url": str(opts["remote_url"])}
+            kwargs: dict[str, object] = {"url": _text(opts["remote_url"], "remote_url")}
             if "remote_write_mode" in opts:
                 kwargs["write_mode"] = _parse_mode(opts["remote_write_mode"],
                                                    "remote_write_mode")
@@ -269,8 +273,11 @@ class TierConfig:
                                  for key in OPTION_HELP})
 
 
-def _text_or_int(value: object) -> str | int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else str(value)
+def _text(value: object, option: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(option, f"{value!r} ({type(value).__name__}) is not a string",
+                          "Give it as a string.")
+    return value
 
 
 def _int(value: object, option: str) -> int:
@@ -283,10 +290,14 @@ def _int(value: object, option: str) -> int:
 
 def _float(value: object, option: str) -> float:
     try:
-        return float(str(value))
+        number = float(str(value))
     except ValueError:
         raise ConfigError(option, f"cannot read {value!r} as a number",
                           "Give a number of seconds.") from None
+    if not math.isfinite(number):
+        raise ConfigError(option, f"{value!r} is not a finite number",
+                          "Give a number of seconds, e.g. 1.0.")
+    return number
 
 
 OPTION_HELP: dict[str, str] = {

@@ -8,8 +8,9 @@ otherwise be silently ignored.
 Keys (all optional except ``host_memory_bytes``):
 
 ==========================  ==========================================================
-``host_memory_bytes``       Host memory for offloaded blocks, per rank: an integer or a
-                            string with a unit (``"8GiB"``, ``"512MiB"``, ``"2GB"``).
+``host_memory_bytes``       Host memory for offloaded blocks, per rank: a size in the
+                            grammar of ``kvoffload.sizes`` (an integer, or ``"8GiB"``,
+                            ``"512MiB"``, ``"2GB"``).
 ``eviction_policy``         A registered policy name: ``"lru"`` (default), ``"arc"``,
                             ``"hybrid"`` or ``"value"`` (hybrid-aware: window blocks and
                             Mamba states only at likely hit points, eviction by compute
@@ -33,7 +34,6 @@ Keys (all optional except ``host_memory_bytes``):
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +41,7 @@ from typing import Any
 from kvoffload.config import checked_min_deferral_s
 from kvoffload.errors import ConfigError
 from kvoffload.policies import cache_policy_names
+from kvoffload.sizes import parse_size
 from kvoffload.tiers.config import OPTION_HELP, TierConfig
 
 PREFIX = "kv_connector_extra_config"
@@ -48,14 +49,6 @@ AVAILABLE_TIERS = ("host", "disk", "remote")
 TIER_OPTIONS = tuple(key for key in OPTION_HELP if key != "tier_order")
 """Lower-tier keys the connector accepts, passed to ``TierConfig.from_options``."""
 _TIER_ENABLER = {"disk": "disk_path", "remote": "remote_url"}
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
 
 @dataclass(frozen=True)
 class ConnectorOptions:
@@ -84,7 +77,8 @@ class ConnectorOptions:
             raise ConfigError(f"{PREFIX}.host_memory_bytes", "is missing",
                               'Give the host memory per rank for offloaded blocks, e.g. '
                               '"host_memory_bytes": "8GiB".')
-        memory = parse_bytes(extra["host_memory_bytes"], f"{PREFIX}.host_memory_bytes")
+        memory = parse_size(extra["host_memory_bytes"], f"{PREFIX}.host_memory_bytes",
+                            minimum=1)
         policy = extra.get("eviction_policy", "lru")
         policies = cache_policy_names()
         if not isinstance(policy, str) or policy not in policies:
@@ -105,26 +99,6 @@ class ConnectorOptions:
                    block_size_factor=factor, tiers=tiers, max_deferred_steps=deferred,
                    min_deferral_s=min_deferral,
                    tier_config=tier_config)
-
-
-def parse_bytes(value: object, field: str) -> int:
-    """A positive byte count from an int or a string such as ``"8GiB"``."""
-    fix = 'Give a positive integer or a size such as "8GiB" or "512MiB".'
-    if isinstance(value, bool):
-        raise ConfigError(field, f"{value!r} is not a size", fix)
-    if isinstance(value, int):
-        number = value
-    elif isinstance(value, str):
-        match = _SIZE.match(value)
-        unit = match.group(2).lower() if match else ""
-        if match is None or unit not in _UNITS:
-            raise ConfigError(field, f"{value!r} is not a size", fix)
-        number = int(float(match.group(1)) * _UNITS[unit])
-    else:
-        raise ConfigError(field, f"{value!r} ({type(value).__name__}) is not a size", fix)
-    if number <= 0:
-        raise ConfigError(field, f"must be positive, got {value!r}", fix)
-    return number
 
 
 def _positive_int(value: object, field: str, fix: str) -> int:
@@ -156,9 +130,10 @@ def _tier_config(tiers: tuple[str, ...], options: dict[str, Any]) -> TierConfig:
     """The lower tiers ``tiers`` lists, built from their options; each listed tier needs
     its enabling option and each enabling option needs its tier listed."""
     for name, enabler in _TIER_ENABLER.items():
-        if name in tiers and enabler not in options:
-            raise ConfigError(f"{PREFIX}.{enabler}", f"is missing while tiers lists {name!r}",
-                              f"Give {enabler}, or remove {name!r} from tiers.")
+        if name in tiers and options.get(enabler) in (None, ""):
+            raise ConfigError(f"{PREFIX}.{enabler}", f"is missing or empty while tiers lists "
+                              f"{name!r}",
+                              f"Give a non-empty {enabler}, or remove {name!r} from tiers.")
         if name not in tiers and enabler in options:
             raise ConfigError(f"{PREFIX}.tiers", f"does not list {name!r} while {enabler} "
                               "is set", f'Add "{name}" to tiers, or remove {enabler}.')

@@ -1,0 +1,88 @@
+"""Start-up checks of the command line's numbers, paths and URLs.
+
+``check_common_args`` (every command that runs simulations) and ``check_simulate_args``
+run before anything is simulated. Each raises ``UsageError`` naming the flag and what to
+give, so ``kvoffload.cli.main`` prints one ``error:`` line and exits with status 2. Sizes
+are read later by ``kvoffload.sizes.parse_size`` (which raises ``ConfigError`` naming the
+flag, handled the same way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from kvoffload.cli.common import UsageError
+from kvoffload.tiers.config import REMOTE_SCHEMES
+
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+"""File types ``--plot`` writes (matplotlib picks the format from the suffix)."""
+
+MAX_TOKENS = 1 << 30
+"""Bound on every token, block and request count flag (larger is a typo)."""
+
+_POSITIVE_INTS = (
+    ("block_size", "--block-size", "e.g. 16"),
+    ("block_size_factor", "--block-size-factor", "e.g. 1"),
+    ("max_batched_tokens", "--max-batched-tokens", "e.g. 8192"),
+    ("max_seqs", "--max-seqs", "e.g. 64"),
+    ("decode_steps", "--decode-steps", "e.g. 16"),
+    ("scale_bytes", "--scale-bytes", "e.g. 64"),
+)
+
+
+def check_positive_int(value: int | None, flag: str, example: str) -> None:
+    """``value`` (None: not given) must be in ``[1, MAX_TOKENS]``."""
+    if value is not None and not 1 <= value <= MAX_TOKENS:
+        raise UsageError(f"{flag}: must be at least 1 and at most {MAX_TOKENS}, got {value}; "
+                         f"give {example}")
+
+
+def positive_float(text: str, flag: str, example: str) -> float:
+    """``text`` as a finite positive number (exponents allowed: ``400e12``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{flag}: cannot read {text!r} as a number; give {example}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise UsageError(f"{flag}: must be a finite positive number, got {text!r}; "
+                         f"give {example}")
+    return value
+
+
+def check_plot_path(path: Path | None, flag: str = "--plot") -> None:
+    """A plot file must end in a suffix matplotlib writes (checked before the run)."""
+    if path is not None and path.suffix.lower() not in PLOT_SUFFIXES:
+        raise UsageError(f"{flag}: cannot write a plot to {str(path)!r}; give a file ending "
+                         f"in {', '.join(PLOT_SUFFIXES)}, e.g. run.png")
+
+
+def check_common_args(args: argparse.Namespace) -> None:
+    """The engine and output flags ``add_engine_options`` / ``add_output_options`` add."""
+    for dest, flag, example in _POSITIVE_INTS:
+        check_positive_int(getattr(args, dest, None), flag, example)
+    positive_float(args.flops, "--flops", "400e12")
+    positive_float(args.bandwidth, "--bandwidth", "25e9")
+    check_plot_path(args.plot)
+
+
+def check_simulate_args(args: argparse.Namespace) -> None:
+    """``simulate``'s own flags: the real tiers, the soak's seconds and rates."""
+    check_common_args(args)
+    if args.disk_path is not None and not args.disk_path.strip():
+        raise UsageError("--disk-path: is empty; give a directory, e.g. /tmp/kv")
+    if args.remote_url is not None and not args.remote_url.lower().startswith(REMOTE_SCHEMES):
+        raise UsageError(f"--remote-url: {args.remote_url!r} is not a Redis URL; give "
+                         "redis://host:port/db, rediss://host:port/db or unix:///path.sock")
+    for value, flag in ((args.load_deadline, "--load-deadline"), (args.hang, "--hang")):
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"{flag}: must be finite positive seconds, got {value!r}")
+    rate = args.tier_faults
+    if not (math.isfinite(rate) and 0 <= rate <= 1):
+        raise UsageError(f"--tier-faults: must be a share in [0, 1], got {rate!r}")
+    if rate > 0 and not (args.disk_path or args.remote_url):
+        raise UsageError("--tier-faults: needs a real tier; add --disk-path DIR "
+                         "--disk-capacity SIZE or --remote-url URL")
+    if rate > 0 and args.faults is None:
+        raise UsageError("--tier-faults: works in a soak only; add --faults RATE")
