@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvoffload.cli import main
-from kvoffload.cli.common import WorkloadSpec
+from kvoffload.cli.common import WorkloadSpec, count_nonblank_lines
 from kvoffload.engine.model_presets import PRESETS
 from kvoffload.engine.workloads import builtin_workload
 
@@ -177,7 +180,8 @@ def test_presets_lists_per_token_and_per_state_bytes(capsys: pytest.CaptureFixtu
     (["simulate", "--host-capacity", "1KiB", "--limit", "2"],
      "host_capacity_bytes: 1024 bytes cannot hold one offloaded block"),
     (["simulate", "--engine-tokens", "64", "--limit", "3"], "Raise the engine capacity"),
-    (["simulate", "--trace", "/nonexistent/trace.jsonl"], "no such file"),
+    (["simulate", "--trace", "/nonexistent/trace.jsonl"],
+     "/nonexistent/trace.jsonl:0: field '<file>': cannot be opened"),
     (["sweep", "--seeds", "x"], "--seeds: give integers"),
     (["sweep", "--capacity-fraction", "2"], "--capacity-fraction: every share"),
     (["sweep", "--workload", "agentic", "--sessions", "0"], "--sessions: must be at least 1"),
@@ -211,3 +215,15 @@ def test_help_teaches_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
     assert stop.value.code == 0
     out = capsys.readouterr().out
     assert "examples:" in out and "kvoffload simulate --trace" in out
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.binary(max_size=64),
+       chunk=st.integers(1, 9))
+def test_the_progress_total_counts_nonblank_lines_a_chunk_at_a_time(text: bytes,
+                                                                     chunk: int) -> None:
+    """The progress bar's total reads a trace in chunks (a file without line breaks
+    costs one chunk of memory) and counts what a line-by-line count of non-blank
+    lines does."""
+    expected = sum(1 for line in text.split(b"\n") if line.strip())
+    assert count_nonblank_lines(io.BytesIO(text), chunk) == expected

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from kvoffload.engine.model_presets import PRESETS
 from kvoffload.engine.replay import Arrival
@@ -22,6 +23,7 @@ from kvoffload.engine.workloads import (
     WorkloadRequest,
     builtin_workload,
     default_size,
+    open_trace_file,
     read_mooncake_trace,
     size_unit,
 )
@@ -210,8 +212,7 @@ class WorkloadSpec:
 
     def load(self) -> Sequence[WorkloadRequest] | TraceStream:
         if self.trace is not None:
-            if not self.trace.is_file():
-                raise UsageError(f"--trace: no such file: {self.trace}")
+            open_trace_file(self.trace).close()  # a TraceError says what the path is
             return TraceStream(self.trace, self.limit)
         requests = builtin_workload(self.name, self.seed, self.sessions)
         return requests[:self.limit] if self.limit is not None else requests
@@ -219,9 +220,23 @@ class WorkloadSpec:
     def count(self) -> int:
         if self.trace is None:
             return len(self.load())  # type: ignore[arg-type]
-        with self.trace.open(encoding="utf-8", errors="replace") as f:
-            n = sum(1 for line in f if line.strip())
+        with open_trace_file(self.trace) as f:
+            n = count_nonblank_lines(f)
         return n if self.limit is None else min(n, self.limit)
+
+
+def count_nonblank_lines(f: IO[bytes], chunk_bytes: int = 1 << 20) -> int:
+    """Lines of ``f`` holding more than whitespace, read ``chunk_bytes`` at a time (a file
+    without line breaks costs one chunk of memory, not the whole file)."""
+    count = 0
+    open_line = False  # the current line has shown a non-blank byte
+    while chunk := f.read(chunk_bytes):
+        *complete, rest = chunk.split(b"\n")
+        for piece in complete:
+            count += open_line or bool(piece.strip())
+            open_line = False
+        open_line = open_line or bool(rest.strip())
+    return count + open_line
 
 
 class TraceStream:

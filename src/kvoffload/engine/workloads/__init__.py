@@ -14,6 +14,7 @@ from kvoffload.engine.workloads.generators import (
 from kvoffload.engine.workloads.mooncake import (
     MOONCAKE_BLOCK_TOKENS,
     mooncake_block_tokens,
+    open_trace_file,
     read_mooncake_trace,
 )
 from kvoffload.engine.workloads.request import (
@@ -37,6 +38,7 @@ __all__ = [
     "default_size",
     "derive_tokens",
     "mooncake_block_tokens",
+    "open_trace_file",
     "read_mooncake_trace",
     "size_unit",
 ]

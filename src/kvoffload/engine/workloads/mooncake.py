@@ -130,7 +130,7 @@ def read_mooncake_trace(path: str | Path, *, limit: int | None = None,
     expand = _BlockTokens(block_tokens)
     count = 0
     last_ts = 0.0
-    with _open_regular(name) as f:
+    with open_trace_file(name) as f:
         for lineno, text in _lines(name, f):
             record = _parse(name, lineno, text)
             ts = _timestamp(name, lineno, record, last_ts)
@@ -160,12 +160,14 @@ def read_mooncake_trace(path: str | Path, *, limit: int | None = None,
                          "give a trace with at least one JSON line")
 
 
-def _open_regular(path: str) -> IO[bytes]:
-    """Open ``path`` for binary reading, refusing anything but a regular file.
+def open_trace_file(path: str | Path) -> IO[bytes]:
+    """Open ``path`` for binary reading, refusing anything but a regular file with a
+    ``TraceError`` (line 0, field ``<file>``).
 
     The descriptor is opened non-blocking, so opening a FIFO returns at once (instead of
     waiting for a writer) and its type is refused from ``fstat`` before anything is read.
     """
+    path = str(path)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
