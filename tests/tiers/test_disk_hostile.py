@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -330,3 +331,17 @@ def test_shutdown_returns_even_if_an_io_thread_is_stuck(tmp_path: Path) -> None:
     stuck.release.set()
     real.close()
     worker.shutdown()
+
+
+def test_a_directory_removed_under_a_running_store_is_made_again(
+        open_store: Callable[..., DiskStore]) -> None:
+    store = open_store()
+    assert store.put([(K, payload(1))]) == [True]
+    shutil.rmtree(os.path.join(store.root, NS))  # by hand, with the fan-out fd cached
+    assert read(store, K) is None
+    assert store.put([(K, payload(2))]) == [True] and read(store, K) == payload(2)
+    assert os.path.isfile(block_path(store.root, NS, 0, K))
+    shutil.rmtree(store.root)  # the whole directory, lock file included
+    assert store.put([(K, payload(3))]) == [True] and read(store, K) == payload(3)
+    with pytest.raises(ConfigError, match="in use by another engine"):
+        DiskStore(store.root, NS, 0, FP)  # the lock was taken again

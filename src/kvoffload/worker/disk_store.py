@@ -69,7 +69,16 @@ from kvoffload.tiers.framing import (
 )
 from kvoffload.tiers.naming import BLOCK_SUFFIX, TMP_SUFFIX, rank_dir
 from kvoffload.worker.block_store import BlockStore, StoreError
-from kvoffload.worker.disk_lock import DirectoryLock, Refused, open_subdir
+from kvoffload.worker.disk_fs import (
+    DirectoryLock,
+    Refused,
+    create_exclusive,
+    open_subdir,
+    read_all,
+    unlink_quietly,
+    write_all,
+    write_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +88,6 @@ _PIECE = 256 << 10
 EPOCH_FILE = "EPOCH"
 """``rank<r>/EPOCH``: the epoch a purge that may leave blocks behind writes first."""
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_REFUSED_NAMED = 1024
 """Refused paths remembered (each is warned about once); beyond, warnings go to DEBUG."""
 
@@ -122,6 +130,8 @@ class DiskStore(BlockStore):
         self._lock = DirectoryLock(root, rank)
         self._fans: dict[str, int] = {}
         self._fans_lock = threading.Lock()
+        self._retired: list[int] = []
+        self._reopen_lock = threading.Lock()
         self._refused: set[str] = set()
         self._last_warning = 0.0
         try:
@@ -145,7 +155,7 @@ class DiskStore(BlockStore):
             name = key.hex()
             fan = self._fan_fd(name[:2], create=False)
             if fan is not None:
-                _unlink(name + BLOCK_SUFFIX, fan)
+                unlink_quietly(name + BLOCK_SUFFIX, fan)
 
     def purge(self) -> None:
         """Remove every block of this rank; raise ``StoreError`` (after logging it) when
@@ -153,7 +163,7 @@ class DiskStore(BlockStore):
         what is left."""
         epoch = secrets.token_hex(16).encode()
         try:
-            _write_file(self._rank_fd, EPOCH_FILE, epoch)
+            write_file(self._rank_fd, EPOCH_FILE, epoch)
         except OSError as exc:
             fence_error: OSError | None = exc
         else:
@@ -179,9 +189,10 @@ class DiskStore(BlockStore):
     def close(self) -> None:
         """Close the directory fds and release the lock (idempotent)."""
         self._close_fans()
-        if self._rank_fd >= 0:
-            os.close(self._rank_fd)
-            self._rank_fd = -1
+        for fd in [self._rank_fd, *self._retired]:
+            if fd >= 0:
+                os.close(fd)
+        self._rank_fd, self._retired = -1, []
         self._lock.release()
 
     # -- internals ----------------------------------------------------------------------
@@ -193,11 +204,10 @@ class DiskStore(BlockStore):
         data = memoryview(payload).cast("B")
         fan = -1
         try:
-            fan = self._writable_fan(name[:2])
             header = encode_header(self._fp, self.rank, key, data)
-            fd = _create(tmp, fan)
+            fan, fd = self._create_tmp(name[:2], tmp)
             try:
-                _write_all(fd, [memoryview(header), data])
+                write_all(fd, [memoryview(header), data])
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -207,7 +217,7 @@ class DiskStore(BlockStore):
                 os.fsync(fan)
         except OSError as exc:
             if fan >= 0:
-                _unlink(tmp, fan)
+                unlink_quietly(tmp, fan)
             self._count(write_errors=1)
             self._warn("disk tier: could not write block %s (%s); the block is not stored",
                        key.hex()[:16], exc)
@@ -215,13 +225,46 @@ class DiskStore(BlockStore):
         self._count(writes=1, written_bytes=data.nbytes)
         return True
 
-    def _writable_fan(self, sub: str) -> int:
-        """The fd of fan-out directory ``sub``, created if missing; ``OSError`` if it
-        cannot be (``Refused`` for a symlink in its place, warned about once)."""
-        fan = self._fan_fd(sub, create=True)
-        if fan is None:
-            raise Refused(0, "refused fan-out directory", os.path.join(self.directory, sub))
-        return fan
+    def _create_tmp(self, sub: str, tmp: str) -> tuple[int, int]:
+        """``(fan-out fd, fd of a new temporary file tmp in it)``; ``OSError`` if it cannot
+        be made (``Refused`` for a symlink in the fan-out's place, warned about once).
+        A fan-out or rank directory removed under the store is made again."""
+        for attempt in (0, 1):
+            try:
+                fan = self._fan_fd(sub, create=True)
+            except FileNotFoundError:  # the rank directory went (removed by hand)
+                self._reopen_rank_dir()
+                fan = self._fan_fd(sub, create=True)
+            if fan is None:
+                raise Refused(0, "refused fan-out directory", os.path.join(self.directory, sub))
+            try:
+                return fan, create_exclusive(tmp, fan)
+            except FileNotFoundError:
+                if attempt:
+                    raise
+                with self._fans_lock:  # the fan-out directory went: look it up again
+                    if self._fans.get(sub) == fan:
+                        self._retired.append(self._fans.pop(sub))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _reopen_rank_dir(self) -> None:
+        """Open (make) ``rank<r>`` again. Fds other threads may still use are retired, not
+        closed (a reused fd number would send their opens elsewhere); ``close`` closes them."""
+        with self._reopen_lock:
+            if os.fstat(self._rank_fd).st_nlink > 0 and self._lock.still_held():
+                return  # another thread did it already
+            os.makedirs(self.root, exist_ok=True)  # the root too may have been removed
+            if not self._lock.still_held():  # it was: the lock file went with it
+                try:
+                    lock = DirectoryLock(self.root, self.rank)
+                except ConfigError as exc:  # another engine took the directory meanwhile
+                    raise OSError(errno.EBUSY, str(exc), self.root) from None
+                self._lock.release()
+                self._lock = lock
+            fd = self._open_chain()
+            with self._fans_lock:
+                self._retired.extend([self._rank_fd, *self._fans.values()])
+                self._rank_fd, self._fans = fd, {}
 
     def _get(self, key: bytes, dest: memoryview) -> bool:
         name = key.hex()
@@ -258,7 +301,7 @@ class DiskStore(BlockStore):
         finally:
             os.close(fd)
         if problem is not None:
-            _unlink(name + BLOCK_SUFFIX, fan)
+            unlink_quietly(name + BLOCK_SUFFIX, fan)
             self._count(rejected=1)
             self._warn("disk tier: dropped block file %s: %s", path, problem)
             return False
@@ -270,7 +313,7 @@ class DiskStore(BlockStore):
         hashing each piece right after it lands (still in cache); why the block is not
         ``key``'s, or None."""
         header = bytearray(HEADER_BYTES)
-        if not _read_all(fd, [memoryview(header)]):
+        if not read_all(fd, [memoryview(header)]):
             return "shorter than its size said (truncated while read)"
         problem = check_header(header, dest.nbytes, self._fp, self.rank, key)
         if problem is not None:
@@ -278,7 +321,7 @@ class DiskStore(BlockStore):
         verify = PayloadCheck(header)
         for start in range(0, dest.nbytes, _PIECE):
             piece = dest[start:start + _PIECE]
-            if not _read_all(fd, [piece], HEADER_BYTES + start):
+            if not read_all(fd, [piece], HEADER_BYTES + start):
                 return "shorter than its size said (truncated while read)"
             verify.update(piece)
         return verify.problem()
@@ -311,8 +354,19 @@ class DiskStore(BlockStore):
             os.close(fd)
 
     def _open_rank_dir(self) -> int:
-        """The fd of ``rank<r>``, every directory below the root opened without following
-        a symlink (``ConfigError`` if one is a symlink or cannot be created)."""
+        """``_open_chain``, its failures as a ``ConfigError`` (at start-up)."""
+        try:
+            return self._open_chain()
+        except OSError as exc:
+            problem = "is a symbolic link or not a directory" if isinstance(exc, Refused) \
+                else f"cannot be created ({exc.strerror or exc})"
+            raise ConfigError("disk_path", f"{exc.filename} {problem}",
+                              "Remove it; the disk tier owns everything below disk_path"
+                              ) from None
+
+    def _open_chain(self) -> int:
+        """The fd of ``rank<r>``, made if missing, every directory below the root opened
+        without following a symlink (``Refused`` if one is a symlink)."""
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         where = self.root
         try:
@@ -324,11 +378,8 @@ class DiskStore(BlockStore):
                 fd = sub
         except OSError as exc:
             os.close(fd)
-            problem = "is a symbolic link or not a directory" if isinstance(exc, Refused) \
-                else f"cannot be created ({exc.strerror or exc})"
-            raise ConfigError("disk_path", f"{where} {problem}",
-                              "Remove it; the disk tier owns everything below disk_path"
-                              ) from None
+            exc.filename = where
+            raise
         return fd
 
     def _read_epoch(self) -> bytes | None:
@@ -398,7 +449,7 @@ class DiskStore(BlockStore):
             with os.scandir(fan) as entries:
                 names = [e.name for e in entries if e.name.endswith(TMP_SUFFIX)]
             for name in names:
-                _unlink(name, fan)
+                unlink_quietly(name, fan)
                 removed += 1
         if removed:
             logger.info("disk tier: removed %d temporary files left by an earlier run", removed)
@@ -429,69 +480,3 @@ def _epoch_fingerprint(fingerprint: bytes, epoch: bytes | None) -> bytes:
     if epoch is None:
         return fingerprint
     return hashlib.sha256(fingerprint + b"|epoch|" + epoch).digest()[:FINGERPRINT_BYTES]
-
-
-def _create(tmp: str, dir_fd: int) -> int:
-    """Create ``tmp`` in ``dir_fd`` exclusively (never through a symlink); a leftover of
-    this thread's name (a crash, or something planted) is removed and creation retried."""
-    try:
-        return os.open(tmp, _TMP_FLAGS, 0o644, dir_fd=dir_fd)
-    except FileExistsError:
-        os.unlink(tmp, dir_fd=dir_fd)
-        return os.open(tmp, _TMP_FLAGS, 0o644, dir_fd=dir_fd)
-
-
-def _write_file(dir_fd: int, name: str, data: bytes) -> None:
-    """Write ``name`` in ``dir_fd`` atomically and durably (temporary file + rename)."""
-    tmp = f"{name}.{os.getpid()}{TMP_SUFFIX}"
-    fd = _create(tmp, dir_fd)
-    try:
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        os.fsync(dir_fd)
-    except OSError:
-        _unlink(tmp, dir_fd)
-        raise
-
-
-def _write_all(fd: int, views: list[memoryview]) -> None:
-    """``writev`` until every byte of ``views`` is written."""
-    views = [v for v in views if v.nbytes]
-    while views:
-        _advance(views, os.writev(fd, views))
-
-
-def _read_all(fd: int, views: list[memoryview], offset: int = 0) -> bool:
-    """``preadv`` from ``offset`` until every view is full; False if the file ends first."""
-    views = [v for v in views if v.nbytes]
-    while views:
-        n = os.preadv(fd, views, offset)
-        if n == 0:
-            return False
-        offset += n
-        _advance(views, n)
-    return True
-
-
-def _advance(views: list[memoryview], n: int) -> None:
-    """Drop the first ``n`` bytes of ``views`` (done by one ``writev``/``preadv``)."""
-    while n and views:
-        if n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        else:
-            views[0] = views[0][n:]
-            n = 0
-
-
-def _unlink(name: str, dir_fd: int) -> None:
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        logger.debug("could not remove %s", name, exc_info=True)

@@ -1,4 +1,5 @@
-"""The disk tier's directory lock and the no-follow directory opens its store relies on.
+"""The disk store's file-system primitives: its directory lock, no-follow directory opens,
+exclusive temporary files, atomic small files and vectored I/O.
 
 One engine owns a disk directory at a time: two engines on one directory would each spend
 the whole byte budget and evict (delete) each other's blocks. ``DirectoryLock`` makes that
@@ -21,11 +22,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import socket
 
 from kvoffload.errors import ConfigError
+from kvoffload.tiers.naming import TMP_SUFFIX
 
+logger = logging.getLogger(__name__)
+
+TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+"""Creates a new file only (never opens an existing one, never through a symlink)."""
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 """Opens a directory entry only if it is a real directory (never through a symlink)."""
 
@@ -103,6 +110,14 @@ class DirectoryLock:
             os.close(self._fd)
             self._fd = -1
 
+    def still_held(self) -> bool:
+        """Whether the lock file on disk is still the one locked (not removed, replaced)."""
+        try:
+            return os.path.samestat(os.fstat(self._fd),
+                                    os.stat(self.path, follow_symlinks=False))
+        except OSError:
+            return False
+
     def _holder(self) -> str:
         try:
             text = os.pread(self._fd, 256, 0).decode(errors="replace").strip()
@@ -111,7 +126,7 @@ class DirectoryLock:
         return text or "holder unknown"
 
     def _write_holder(self) -> None:
-        if not os.path.samestat(os.fstat(self._fd), os.stat(self.path, follow_symlinks=False)):
+        if not self.still_held():
             raise OSError(errno.EAGAIN, "lock file replaced while taken", self.path)
         fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
@@ -129,3 +144,69 @@ def _unusable(root: str, path: str, exc: OSError) -> ConfigError:
     return ConfigError("disk_path", f"the disk tier directory {root} is unusable: {problem}",
                        "The disk tier needs a writable local directory of its own "
                        "(a read-only disk is refused at start-up)")
+
+
+def create_exclusive(tmp: str, dir_fd: int) -> int:
+    """Create ``tmp`` in ``dir_fd`` exclusively (never through a symlink); a leftover of
+    this thread's name (a crash, or something planted) is removed and creation retried."""
+    try:
+        return os.open(tmp, TMP_FLAGS, 0o644, dir_fd=dir_fd)
+    except FileExistsError:
+        os.unlink(tmp, dir_fd=dir_fd)
+        return os.open(tmp, TMP_FLAGS, 0o644, dir_fd=dir_fd)
+
+
+def write_file(dir_fd: int, name: str, data: bytes) -> None:
+    """Write ``name`` in ``dir_fd`` atomically and durably (temporary file + rename)."""
+    tmp = f"{name}.{os.getpid()}{TMP_SUFFIX}"
+    fd = create_exclusive(tmp, dir_fd)
+    try:
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.fsync(dir_fd)
+    except OSError:
+        unlink_quietly(tmp, dir_fd)
+        raise
+
+
+def write_all(fd: int, views: list[memoryview]) -> None:
+    """``writev`` until every byte of ``views`` is written."""
+    views = [v for v in views if v.nbytes]
+    while views:
+        _advance(views, os.writev(fd, views))
+
+
+def read_all(fd: int, views: list[memoryview], offset: int = 0) -> bool:
+    """``preadv`` from ``offset`` until every view is full; False if the file ends first."""
+    views = [v for v in views if v.nbytes]
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n == 0:
+            return False
+        offset += n
+        _advance(views, n)
+    return True
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``views`` (done by one ``writev``/``preadv``)."""
+    while n and views:
+        if n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0
+
+
+def unlink_quietly(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        logger.debug("could not remove %s", name, exc_info=True)
