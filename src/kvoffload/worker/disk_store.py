@@ -204,9 +204,9 @@ class DiskStore(BlockStore):
         data = memoryview(payload).cast("B")
         fan = -1
         try:
-            header = encode_header(self._fp, self.rank, key, data)
-            fan, fd = self._create_tmp(name[:2], tmp)
+            fan, fd = self._create_tmp(name[:2], tmp)  # may re-read the epoch: first
             try:
+                header = encode_header(self._fp, self.rank, key, data)
                 write_all(fd, [memoryview(header), data])
                 if self.fsync:
                     os.fsync(fd)
@@ -215,7 +215,7 @@ class DiskStore(BlockStore):
             os.replace(tmp, final, src_dir_fd=fan, dst_dir_fd=fan)
             if self.fsync:
                 os.fsync(fan)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a key too long to frame
             if fan >= 0:
                 unlink_quietly(tmp, fan)
             self._count(write_errors=1)
@@ -265,6 +265,10 @@ class DiskStore(BlockStore):
             with self._fans_lock:
                 self._retired.extend([self._rank_fd, *self._fans.values()])
                 self._rank_fd, self._fans = fd, {}
+            try:  # an epoch marker went with the old directory
+                self._fp = _epoch_fingerprint(self.fingerprint, self._read_epoch())
+            except ConfigError as exc:
+                raise OSError(errno.EIO, str(exc), self.directory) from None
 
     def _get(self, key: bytes, dest: memoryview) -> bool:
         name = key.hex()
@@ -439,9 +443,13 @@ class DiskStore(BlockStore):
         return errors
 
     def _remove_temporaries(self) -> None:
-        removed = 0
         with os.scandir(self._rank_fd) as entries:
-            subs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+            listing = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        subs = [name for name, is_dir in listing if is_dir]
+        stale = [name for name, is_dir in listing if not is_dir and name.endswith(TMP_SUFFIX)]
+        for name in stale:  # an epoch marker's
+            unlink_quietly(name, self._rank_fd)
+        removed = len(stale)
         for sub in subs:
             fan = self._fan_fd(sub, create=False)
             if fan is None:
