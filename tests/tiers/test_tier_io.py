@@ -205,12 +205,17 @@ def test_corrupt_truncated_foreign_and_rekeyed_files_are_misses_and_removed(
     alien_sets = [kv_separate(10, gen), kv_fused_kv_first(10, gen),
                   mamba_states(10, gen, layers=2)]
     alien_sets[2].layers.reverse()  # same sizes, other layer order: another slot layout
-    alien = make_worker(alien_sets, num_slots=12, tiers=tiers, pin_memory=False)
+    # It writes into a directory of its own (one engine per directory: the lock), and
+    # its file is copied over path[4].
+    alien_tiers = disk_tiers(tmp_path / "alien")
+    alien = make_worker(alien_sets, num_slots=12, tiers=alien_tiers, pin_memory=False)
     try:
         assert alien.tier_io is not None and alien.tier_io.fingerprint != io.fingerprint
-        demote_one(alien, "disk", key(4, 2))  # overwrites path[4] with a foreign block
+        assert alien.tier_io.namespace == io.namespace
+        demote_one(alien, "disk", key(4, 2))
     finally:
         alien.shutdown()
+    shutil.copy(block_path(alien_tiers.disk.path, io.namespace, 0, key(4, 2)), path[4])
 
     for i in (0, 1, 2, 4):
         assert promote_fails(worker, "disk", key(i, 2)), i

@@ -25,6 +25,11 @@ class TierUnavailable(RuntimeError):  # noqa: N818 - reads as the state it repor
     """The store cannot be reached now; retry later."""
 
 
+class StoreError(RuntimeError):
+    """An operation of the store failed in a way it has already logged, with what it
+    means (a purge that could not remove everything): the job fails, no traceback."""
+
+
 @dataclass
 class BlockStoreStats:
     """Cumulative counters of one store (plain data, updated under the store's lock).
@@ -35,6 +40,8 @@ class BlockStoreStats:
         misses: blocks asked for that were not there.
         rejected: blocks found damaged (corrupt, truncated, foreign) and removed.
         write_errors: blocks that could not be written.
+        refused: entries a read or write would not use (a symlink, a FIFO, anything but
+            a regular file or a real directory where a block or its directory belongs).
     """
 
     reads: int = 0
@@ -44,6 +51,7 @@ class BlockStoreStats:
     misses: int = 0
     rejected: int = 0
     write_errors: int = 0
+    refused: int = 0
 
 
 class BlockStore(ABC):
@@ -75,7 +83,8 @@ class BlockStore(ABC):
 
     @abstractmethod
     def purge(self) -> None:
-        """Remove every block of this store's namespace and rank."""
+        """Remove every block of this store's namespace and rank; raise ``StoreError``
+        when that failed (the store says what remains and whether it can still be read)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and files."""

@@ -12,32 +12,84 @@ into the host slot), and verify everything the header promises. A damaged file (
 size, magic, rank, layout, key or checksum) is deleted and read as a miss. Running out of
 space (``ENOSPC``) or any other write error fails that block cleanly: the temporary file is
 removed, nothing else changes.
+
+What the directory is trusted with. Only the directory the configuration names
+(``disk_path``) is trusted; everything below it may be hostile:
+
+* The store holds its rank's lock (``kvoffload.worker.disk_lock.DirectoryLock``) for its
+  lifetime: a second engine on the directory fails at start-up with a ``ConfigError``
+  naming the holder; a read-only directory is refused the same way.
+* ``<namespace>``, ``rank<r>`` and the fan-out directories are opened with
+  ``O_DIRECTORY | O_NOFOLLOW`` and every file is opened relative to its directory's fd:
+  a symlinked directory is never entered, whatever races with the check.
+* Block files are opened with ``O_NOFOLLOW | O_NONBLOCK`` and must be regular files
+  (``fstat``): a symlink, a FIFO, a device or a directory in a block's place is *refused*
+  -- a miss, counted in ``stats.refused`` and logged once at WARNING with its path, left in
+  place -- never data and never a wait. Temporary files are created with
+  ``O_CREAT | O_EXCL | O_NOFOLLOW`` and renamed within the fan-out directory, so a write
+  never goes through a symlink (a rename replaces a planted link, never its target).
+
+Purge and the epoch. ``purge`` first writes a new random *epoch* into ``rank<r>/EPOCH``
+(atomically); from then on the store's header fingerprint is derived from the layout
+fingerprint and that epoch, so every block written before reads as foreign -- to this
+store and to a restarted one, which reads the marker when it opens. It then removes
+everything else under ``rank<r>``. When every entry went, the marker is removed again (no
+old block remains to fence). When something could not be removed, ``purge`` logs an error
+and raises ``StoreError``; the blocks left are fenced by the epoch if the marker was
+written. If not even the marker could be written (a read-only disk), nothing fences them:
+the error says so, and a restarted engine refuses the directory while it stays read-only
+(its lock file cannot be written).
+
+``close`` releases the lock and the directory fds; it must run after the I/O threads
+stopped (``TierIO.shutdown`` skips it for a store whose thread is stuck). A ``purge`` must
+not run concurrently with other calls of the same store (``TierIO`` orders it).
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import logging
 import os
+import secrets
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Sequence
 
+from kvoffload.errors import ConfigError
 from kvoffload.tiers.framing import (
+    FINGERPRINT_BYTES,
     HEADER_BYTES,
     BytesLike,
     PayloadCheck,
     check_header,
     encode_header,
 )
-from kvoffload.tiers.naming import TMP_SUFFIX, block_path, rank_dir
-from kvoffload.worker.block_store import BlockStore
+from kvoffload.tiers.naming import BLOCK_SUFFIX, TMP_SUFFIX, rank_dir
+from kvoffload.worker.block_store import BlockStore, StoreError
+from kvoffload.worker.disk_fs import (
+    DirectoryLock,
+    Refused,
+    create_exclusive,
+    open_subdir,
+    read_all,
+    unlink_quietly,
+    write_all,
+    write_file,
+)
 
 logger = logging.getLogger(__name__)
 
 _WARN_EVERY_S = 30.0
 _PIECE = 256 << 10
 """Bytes read per ``preadv`` on load: each piece is hashed while still in cache."""
+EPOCH_FILE = "EPOCH"
+"""``rank<r>/EPOCH``: the epoch a purge that may leave blocks behind writes first."""
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_MAX_REFUSED_NAMED = 1024
+"""Refused paths remembered (each is warned about once); beyond, warnings go to DEBUG."""
 
 
 class DiskStore(BlockStore):
@@ -47,14 +99,20 @@ class DiskStore(BlockStore):
 
     def __init__(self, root: str, ns: str, rank: int, fingerprint: bytes, *,
                  fsync: bool = True) -> None:
-        """Open (create) the rank's directory and remove temporary files left by a crash.
+        """Lock the directory, open (create) the rank's directory, read its epoch and
+        remove temporary files left by a crash.
 
         Args:
-            root: the disk tier's directory.
+            root: the disk tier's directory (trusted; created if missing).
             ns: the namespace fingerprint.
             rank: this worker's rank.
-            fingerprint: the layout fingerprint written into and checked in every header.
+            fingerprint: the layout fingerprint written into and checked in every header
+                (combined with the directory's epoch, if a purge left one).
             fsync: make every block durable before reporting it stored.
+
+        Raises:
+            ConfigError: another engine holds the directory, it cannot be written (a
+                read-only disk), or a directory below it is a symlink.
         """
         super().__init__()
         self.root = root
@@ -63,11 +121,26 @@ class DiskStore(BlockStore):
         self.fingerprint = fingerprint
         self.fsync = fsync
         self.directory = rank_dir(root, ns, rank)
-        os.makedirs(self.directory, exist_ok=True)
-        self._made: set[str] = set()
-        self._made_lock = threading.Lock()
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("disk_path", f"cannot create the disk tier directory {root} "
+                              f"({exc.strerror or exc})",
+                              "Point disk_path at a writable local directory") from None
+        self._lock = DirectoryLock(root, rank)
+        self._fans: dict[str, int] = {}
+        self._fans_lock = threading.Lock()
+        self._retired: list[int] = []
+        self._reopen_lock = threading.Lock()
+        self._refused: set[str] = set()
         self._last_warning = 0.0
-        self._remove_temporaries()
+        try:
+            self._rank_fd = self._open_rank_dir()
+            self._fp = _epoch_fingerprint(fingerprint, self._read_epoch())
+            self._remove_temporaries()
+        except BaseException:
+            self._lock.release()
+            raise
 
     # -- BlockStore ---------------------------------------------------------------------
 
@@ -79,35 +152,72 @@ class DiskStore(BlockStore):
 
     def delete(self, keys: Sequence[bytes]) -> None:
         for key in keys:
-            _unlink(block_path(self.root, self.namespace, self.rank, key))
+            name = key.hex()
+            fan = self._fan_fd(name[:2], create=False)
+            if fan is not None:
+                unlink_quietly(name + BLOCK_SUFFIX, fan)
 
     def purge(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
-        os.makedirs(self.directory, exist_ok=True)
-        with self._made_lock:
-            self._made.clear()
+        """Remove every block of this rank; raise ``StoreError`` (after logging it) when
+        some could not be removed. See the module docstring for the epoch that fences
+        what is left."""
+        epoch = secrets.token_hex(16).encode()
+        try:
+            write_file(self._rank_fd, EPOCH_FILE, epoch)
+        except OSError as exc:
+            fence_error: OSError | None = exc
+        else:
+            fence_error = None
+            self._fp = _epoch_fingerprint(self.fingerprint, epoch)
+        self._close_fans()
+        failures = self._remove_all()
+        if not failures:
+            if fence_error is None:
+                self._unfence()
+            return
+        first = failures[0]
+        fate = ("they are fenced: this and any restarted engine read them as foreign"
+                if fence_error is None else
+                f"NOTHING fences them (the epoch marker could not be written either: "
+                f"{fence_error.strerror or fence_error}); a restarted engine refuses this "
+                "directory while it cannot be written, but would serve them once it can")
+        msg = (f"disk tier: purge of {self.directory} failed: {len(failures)} entries could "
+               f"not be removed (first: {first.filename}: {first.strerror or first}); {fate}")
+        logger.error(msg)
+        raise StoreError(msg)
+
+    def close(self) -> None:
+        """Close the directory fds and release the lock (idempotent)."""
+        self._close_fans()
+        for fd in [self._rank_fd, *self._retired]:
+            if fd >= 0:
+                os.close(fd)
+        self._rank_fd, self._retired = -1, []
+        self._lock.release()
 
     # -- internals ----------------------------------------------------------------------
 
     def _put(self, key: bytes, payload: BytesLike) -> bool:
-        path = block_path(self.root, self.namespace, self.rank, key)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+        name = key.hex()
+        final = name + BLOCK_SUFFIX
+        tmp = f"{final}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
         data = memoryview(payload).cast("B")
+        fan = -1
         try:
-            self._ensure_dir(os.path.dirname(path))
-            header = encode_header(self.fingerprint, self.rank, key, data)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fan, fd = self._create_tmp(name[:2], tmp)  # may re-read the epoch: first
             try:
-                _write_all(fd, [memoryview(header), data])
+                header = encode_header(self._fp, self.rank, key, data)
+                write_all(fd, [memoryview(header), data])
                 if self.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            os.replace(tmp, final, src_dir_fd=fan, dst_dir_fd=fan)
             if self.fsync:
-                _fsync_dir(os.path.dirname(path))
-        except OSError as exc:
-            _unlink(tmp)
+                os.fsync(fan)
+        except (OSError, ValueError) as exc:  # ValueError: a key too long to frame
+            if fan >= 0:
+                unlink_quietly(tmp, fan)
             self._count(write_errors=1)
             self._warn("disk tier: could not write block %s (%s); the block is not stored",
                        key.hex()[:16], exc)
@@ -115,21 +225,78 @@ class DiskStore(BlockStore):
         self._count(writes=1, written_bytes=data.nbytes)
         return True
 
+    def _create_tmp(self, sub: str, tmp: str) -> tuple[int, int]:
+        """``(fan-out fd, fd of a new temporary file tmp in it)``; ``OSError`` if it cannot
+        be made (``Refused`` for a symlink in the fan-out's place, warned about once).
+        A fan-out or rank directory removed under the store is made again."""
+        for attempt in (0, 1):
+            try:
+                fan = self._fan_fd(sub, create=True)
+            except FileNotFoundError:  # the rank directory went (removed by hand)
+                self._reopen_rank_dir()
+                fan = self._fan_fd(sub, create=True)
+            if fan is None:
+                raise Refused(0, "refused fan-out directory", os.path.join(self.directory, sub))
+            try:
+                return fan, create_exclusive(tmp, fan)
+            except FileNotFoundError:
+                if attempt:
+                    raise
+                with self._fans_lock:  # the fan-out directory went: look it up again
+                    if self._fans.get(sub) == fan:
+                        self._retired.append(self._fans.pop(sub))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _reopen_rank_dir(self) -> None:
+        """Open (make) ``rank<r>`` again. Fds other threads may still use are retired, not
+        closed (a reused fd number would send their opens elsewhere); ``close`` closes them."""
+        with self._reopen_lock:
+            if os.fstat(self._rank_fd).st_nlink > 0 and self._lock.still_held():
+                return  # another thread did it already
+            os.makedirs(self.root, exist_ok=True)  # the root too may have been removed
+            if not self._lock.still_held():  # it was: the lock file went with it
+                try:
+                    lock = DirectoryLock(self.root, self.rank)
+                except ConfigError as exc:  # another engine took the directory meanwhile
+                    raise OSError(errno.EBUSY, str(exc), self.root) from None
+                self._lock.release()
+                self._lock = lock
+            fd = self._open_chain()
+            with self._fans_lock:
+                self._retired.extend([self._rank_fd, *self._fans.values()])
+                self._rank_fd, self._fans = fd, {}
+            try:  # an epoch marker went with the old directory
+                self._fp = _epoch_fingerprint(self.fingerprint, self._read_epoch())
+            except ConfigError as exc:
+                raise OSError(errno.EIO, str(exc), self.directory) from None
+
     def _get(self, key: bytes, dest: memoryview) -> bool:
-        path = block_path(self.root, self.namespace, self.rank, key)
+        name = key.hex()
+        path = os.path.join(self.directory, name[:2], name + BLOCK_SUFFIX)
+        fan = self._fan_fd(name[:2], create=False)
+        if fan is None:
+            self._count(misses=1)
+            return False
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(name + BLOCK_SUFFIX, _READ_FLAGS, dir_fd=fan)
         except FileNotFoundError:
             self._count(misses=1)
             return False
         except OSError as exc:
-            self._warn("disk tier: cannot open %s (%s)", path, exc)
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+                self._refuse(path, "a symbolic link")
+            else:
+                self._warn("disk tier: cannot open %s (%s)", path, exc)
             return False
         problem: str | None
         try:
-            size = os.fstat(fd).st_size
-            if size != HEADER_BYTES + dest.nbytes:
-                problem = f"{size} bytes, expected {HEADER_BYTES + dest.nbytes} (truncated?)"
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                self._refuse(path, "not a regular file")
+                return False
+            if st.st_size != HEADER_BYTES + dest.nbytes:
+                problem = f"{st.st_size} bytes, expected {HEADER_BYTES + dest.nbytes} " \
+                          "(truncated?)"
             else:
                 problem = self._read_verified(fd, key, dest)
         except OSError as exc:
@@ -138,7 +305,7 @@ class DiskStore(BlockStore):
         finally:
             os.close(fd)
         if problem is not None:
-            _unlink(path)
+            unlink_quietly(name + BLOCK_SUFFIX, fan)
             self._count(rejected=1)
             self._warn("disk tier: dropped block file %s: %s", path, problem)
             return False
@@ -150,38 +317,161 @@ class DiskStore(BlockStore):
         hashing each piece right after it lands (still in cache); why the block is not
         ``key``'s, or None."""
         header = bytearray(HEADER_BYTES)
-        if not _read_all(fd, [memoryview(header)]):
+        if not read_all(fd, [memoryview(header)]):
             return "shorter than its size said (truncated while read)"
-        problem = check_header(header, dest.nbytes, self.fingerprint, self.rank, key)
+        problem = check_header(header, dest.nbytes, self._fp, self.rank, key)
         if problem is not None:
             return problem
         verify = PayloadCheck(header)
         for start in range(0, dest.nbytes, _PIECE):
             piece = dest[start:start + _PIECE]
-            if not _read_all(fd, [piece], HEADER_BYTES + start):
+            if not read_all(fd, [piece], HEADER_BYTES + start):
                 return "shorter than its size said (truncated while read)"
             verify.update(piece)
         return verify.problem()
 
-    def _ensure_dir(self, directory: str) -> None:
-        with self._made_lock:
-            if directory in self._made:
-                return
-        os.makedirs(directory, exist_ok=True)
-        with self._made_lock:
-            self._made.add(directory)
+    def _fan_fd(self, sub: str, *, create: bool) -> int | None:
+        """The (cached) fd of fan-out directory ``sub``; None if it is missing (and
+        ``create`` is off) or refused (not a real directory; warned about once)."""
+        with self._fans_lock:
+            fd = self._fans.get(sub)
+        if fd is not None:
+            return fd
+        where = os.path.join(self.directory, sub)
+        try:
+            fd = open_subdir(self._rank_fd, sub, create=create, where=where)
+        except Refused:
+            self._refuse(where, "a symbolic link or not a directory (fan-out directory)")
+            return None
+        if fd is None:
+            return None
+        with self._fans_lock:
+            cached = self._fans.setdefault(sub, fd)
+        if cached != fd:
+            os.close(fd)
+        return cached
+
+    def _close_fans(self) -> None:
+        with self._fans_lock:
+            fans, self._fans = self._fans, {}
+        for fd in fans.values():
+            os.close(fd)
+
+    def _open_rank_dir(self) -> int:
+        """``_open_chain``, its failures as a ``ConfigError`` (at start-up)."""
+        try:
+            return self._open_chain()
+        except OSError as exc:
+            problem = "is a symbolic link or not a directory" if isinstance(exc, Refused) \
+                else f"cannot be created ({exc.strerror or exc})"
+            raise ConfigError("disk_path", f"{exc.filename} {problem}",
+                              "Remove it; the disk tier owns everything below disk_path"
+                              ) from None
+
+    def _open_chain(self) -> int:
+        """The fd of ``rank<r>``, made if missing, every directory below the root opened
+        without following a symlink (``Refused`` if one is a symlink)."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        where = self.root
+        try:
+            for part in (self.namespace, f"rank{self.rank}"):
+                where = os.path.join(where, part)
+                sub = open_subdir(fd, part, create=True, where=where)
+                assert sub is not None
+                os.close(fd)
+                fd = sub
+        except OSError as exc:
+            os.close(fd)
+            exc.filename = where
+            raise
+        return fd
+
+    def _read_epoch(self) -> bytes | None:
+        """The epoch a failed purge left (``rank<r>/EPOCH``), or None."""
+        path = os.path.join(self.directory, EPOCH_FILE)
+        try:
+            fd = os.open(EPOCH_FILE, _READ_FLAGS, dir_fd=self._rank_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ConfigError("disk_path", f"cannot read the epoch marker {path} "
+                              f"({exc.strerror or exc})", "Remove the rank directory "
+                              f"{self.directory} (its blocks cannot be trusted)") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfigError("disk_path", f"the epoch marker {path} is not a regular "
+                                  "file", f"Remove the rank directory {self.directory}")
+            return os.pread(fd, 256, 0)
+        finally:
+            os.close(fd)
+
+    def _unfence(self) -> None:
+        """After a complete purge: drop the epoch (nothing older is left to fence)."""
+        try:
+            os.unlink(EPOCH_FILE, dir_fd=self._rank_fd)
+        except OSError:
+            logger.debug("could not remove the epoch marker", exc_info=True)
+            return
+        self._fp = self.fingerprint
+
+    def _remove_all(self) -> list[OSError]:
+        """Remove everything under ``rank<r>`` but the epoch marker; the errors."""
+        errors: list[OSError] = []
+
+        def failed(_func: object, path: str, exc_info: tuple[object, BaseException, object]
+                   ) -> None:
+            exc = exc_info[1]
+            errors.append(exc if isinstance(exc, OSError) else OSError(str(exc)))
+
+        with os.scandir(self._rank_fd) as entries:
+            names = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        for name, is_dir in names:
+            if name == EPOCH_FILE:
+                continue
+            try:
+                if is_dir:
+                    shutil.rmtree(name, dir_fd=self._rank_fd, onerror=failed)
+                else:
+                    os.unlink(name, dir_fd=self._rank_fd)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                errors.append(exc)
+        for err in errors:
+            if err.filename is not None and not os.path.isabs(os.fsdecode(err.filename)):
+                err.filename = os.path.join(self.directory, os.fsdecode(err.filename))
+        return errors
 
     def _remove_temporaries(self) -> None:
-        removed = 0
-        for sub in os.scandir(self.directory):
-            if not sub.is_dir(follow_symlinks=False):
+        with os.scandir(self._rank_fd) as entries:
+            listing = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        subs = [name for name, is_dir in listing if is_dir]
+        stale = [name for name, is_dir in listing if not is_dir and name.endswith(TMP_SUFFIX)]
+        for name in stale:  # an epoch marker's
+            unlink_quietly(name, self._rank_fd)
+        removed = len(stale)
+        for sub in subs:
+            fan = self._fan_fd(sub, create=False)
+            if fan is None:
                 continue
-            for entry in os.scandir(sub.path):
-                if entry.name.endswith(TMP_SUFFIX):
-                    _unlink(entry.path)
-                    removed += 1
+            with os.scandir(fan) as entries:
+                names = [e.name for e in entries if e.name.endswith(TMP_SUFFIX)]
+            for name in names:
+                unlink_quietly(name, fan)
+                removed += 1
         if removed:
             logger.info("disk tier: removed %d temporary files left by an earlier run", removed)
+
+    def _refuse(self, path: str, reason: str) -> None:
+        """Count a refused entry; warn once per path."""
+        self._count(refused=1)
+        with self._fans_lock:
+            first = path not in self._refused and len(self._refused) < _MAX_REFUSED_NAMED
+            if first:
+                self._refused.add(path)
+        (logger.warning if first else logger.debug)(
+            "disk tier: refusing %s: %s; read as a miss, never written through, left in "
+            "place", path, reason)
 
     def _warn(self, msg: str, *args: object) -> None:
         """Log a warning at most every 30 s (a full disk fails every block)."""
@@ -193,48 +483,8 @@ class DiskStore(BlockStore):
             logger.debug(msg, *args)
 
 
-def _write_all(fd: int, views: list[memoryview]) -> None:
-    """``writev`` until every byte of ``views`` is written."""
-    views = [v for v in views if v.nbytes]
-    while views:
-        _advance(views, os.writev(fd, views))
-
-
-def _read_all(fd: int, views: list[memoryview], offset: int = 0) -> bool:
-    """``preadv`` from ``offset`` until every view is full; False if the file ends first."""
-    views = [v for v in views if v.nbytes]
-    while views:
-        n = os.preadv(fd, views, offset)
-        if n == 0:
-            return False
-        offset += n
-        _advance(views, n)
-    return True
-
-
-def _advance(views: list[memoryview], n: int) -> None:
-    """Drop the first ``n`` bytes of ``views`` (done by one ``writev``/``preadv``)."""
-    while n and views:
-        if n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        else:
-            views[0] = views[0][n:]
-            n = 0
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        logger.debug("could not remove %s", path, exc_info=True)
+def _epoch_fingerprint(fingerprint: bytes, epoch: bytes | None) -> bytes:
+    """The header fingerprint of blocks written in ``epoch`` (the plain one without)."""
+    if epoch is None:
+        return fingerprint
+    return hashlib.sha256(fingerprint + b"|epoch|" + epoch).digest()[:FINGERPRINT_BYTES]

@@ -42,7 +42,7 @@ from kvoffload.jobs import TierJob, TierJobId, TierOp
 from kvoffload.tiers.config import TierConfig
 from kvoffload.tiers.framing import FINGERPRINT_BYTES, BytesLike
 from kvoffload.tiers.naming import namespace
-from kvoffload.worker.block_store import BlockStore, TierUnavailable
+from kvoffload.worker.block_store import BlockStore, StoreError, TierUnavailable
 from kvoffload.worker.host_pool import HostPool
 from kvoffload.worker.layout import CacheLayout
 
@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 _DISK_BATCH_BLOCKS = 4
 """Disk jobs of one kind per I/O-thread task: fewer hand-offs, still parallel files."""
+_SHUTDOWN_WAIT_S = 10.0
+"""How long ``TierIO.shutdown`` waits for running tier jobs before abandoning them."""
 
 
 def layout_fingerprint(ns: str, layout: CacheLayout) -> bytes:
@@ -124,6 +126,7 @@ class TierIO:
         self._in_flight: dict[TierJobId, Future[None]] = {}
         self._last: dict[tuple[str, bytes], Future[None]] = {}
         self._barrier: dict[str, Future[None]] = {}
+        self._tier_of: dict[Future[None], str] = {}  # every submitted, unfinished batch
         self._finished: list[TierJobId] = []
         self._failed: list[TierJobId] = []
         self._unreachable: set[str] = set()
@@ -181,15 +184,30 @@ class TierIO:
             stats, self._stats = self._stats, TierIOStats()
         return stats
 
-    def shutdown(self) -> None:
-        """Finish every submitted job, stop the threads, close the stores; idempotent."""
+    def shutdown(self, timeout_s: float = _SHUTDOWN_WAIT_S) -> None:
+        """Finish the submitted jobs, stop the threads, close the stores; idempotent.
+
+        Returns within about ``timeout_s`` even if an I/O thread is stuck (a store call
+        that never returns): the jobs still running then are logged and abandoned, and
+        the stores of their tiers are left open (a disk store keeps its directory lock
+        until the process exits) so a stuck thread never sees its files closed under it.
+        """
         if self._closed:
             return
         self._closed = True
-        for executor in self._executors.values():
-            executor.shutdown(wait=True)
-        for store in self.stores.values():
-            store.close()
+        with self._lock:
+            running = dict(self._tier_of)
+        _, stuck = wait_futures(set(running), timeout=timeout_s)
+        stuck_tiers = {running[f] for f in stuck}
+        for name, executor in self._executors.items():
+            executor.shutdown(wait=name not in stuck_tiers, cancel_futures=bool(stuck))
+        if stuck:
+            logger.warning("rank %d: %d tier jobs still running after %.0f s at shutdown "
+                           "(tiers %s); abandoned, their stores left open", self.rank,
+                           len(stuck), timeout_s, ", ".join(sorted(stuck_tiers)) or "?")
+        for name, store in self.stores.items():
+            if name not in stuck_tiers:
+                store.close()
 
     # -- internals ----------------------------------------------------------------------
 
@@ -247,6 +265,7 @@ class TierIO:
                 if before is not None:
                     waits.add(before)
             future = self._executors[tier].submit(self._run, tier, op, chunk, waits)
+            self._tier_of[future] = tier
             for job, _ in chunk:
                 self._in_flight[job.job_id] = future
                 if op is not TierOp.PURGE:
@@ -258,6 +277,7 @@ class TierIO:
     def _forget(self, tier: str, chunk: list[tuple[TierJob, BytesLike | None]],
                 future: Future[None]) -> None:
         with self._lock:
+            self._tier_of.pop(future, None)
             for job, _ in chunk:
                 self._in_flight.pop(job.job_id, None)
                 if self._last.get((tier, job.key)) is future:
@@ -271,23 +291,15 @@ class TierIO:
         if waits:
             wait_futures(waits)
         store = self.stores[tier]
-        keys = [job.key for job, _ in chunk]
         start = time.perf_counter()
         unreachable = False
         try:
-            if op is TierOp.PROMOTE:
-                oks = store.get_into([(job.key, _as_view(buf)) for job, buf in chunk])
-            elif op is TierOp.DEMOTE:
-                oks = store.put([(job.key, _as_bytes(buf)) for job, buf in chunk])
-            elif op is TierOp.DELETE:
-                store.delete(keys)
-                oks = [True] * len(chunk)
-            else:
-                store.purge()
-                oks = [True] * len(chunk)
+            oks = _call(store, op, chunk)
         except TierUnavailable as exc:
             logger.debug("rank %d: %s tier unreachable: %s", self.rank, tier, exc)
             unreachable = True
+            oks = [False] * len(chunk)
+        except StoreError:  # the store logged what failed and what it means
             oks = [False] * len(chunk)
         except Exception:
             logger.exception("rank %d: %s %s batch failed", self.rank, tier, op.value)
@@ -310,6 +322,20 @@ class TierIO:
             elif op is TierOp.DEMOTE:
                 stats.written_bytes[tier] = stats.written_bytes.get(tier, 0) + nbytes
                 stats.write_seconds[tier] = stats.write_seconds.get(tier, 0.0) + seconds
+
+
+def _call(store: BlockStore, op: TierOp,
+          chunk: list[tuple[TierJob, BytesLike | None]]) -> list[bool]:
+    """Run one batch on ``store``; per job whether it succeeded."""
+    if op is TierOp.PROMOTE:
+        return store.get_into([(job.key, _as_view(buf)) for job, buf in chunk])
+    if op is TierOp.DEMOTE:
+        return store.put([(job.key, _as_bytes(buf)) for job, buf in chunk])
+    if op is TierOp.DELETE:
+        store.delete([job.key for job, _ in chunk])
+    else:
+        store.purge()
+    return [True] * len(chunk)
 
 
 def _as_view(buf: BytesLike | None) -> memoryview:
