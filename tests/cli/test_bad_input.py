@@ -50,6 +50,8 @@ S = ["simulate", "--limit", "3", "--no-baseline"]
     (["sweep", "--host-capacity", "1GiB,0"], "--host-capacity", "cannot hold"),
     (["sweep", "--capacity-fraction", "nan"], "--capacity-fraction", "every share"),
     (["sweep", "--flops", "0"], "--flops", "finite positive"),
+    ([*S, "--sessions", "1000000000"], "--sessions", "at most 10,000"),
+    (["sweep", "--workload", "agentic", "--sessions", "10001"], "--sessions", "at most"),
 ])
 def test_bad_input_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str],
                                            argv: list[str], flag: str, needle: str) -> None:

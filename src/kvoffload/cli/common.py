@@ -250,6 +250,11 @@ class TraceStream:
         return read_mooncake_trace(self.path, limit=self.limit)
 
 
+MAX_SESSIONS = 10_000
+"""The largest built-in workload ``--sessions`` asks for: generating it stays within
+seconds (a larger one would keep the command busy before it prints anything)."""
+
+
 def workload_spec(args: argparse.Namespace, seed: int) -> WorkloadSpec:
     if args.limit is not None and args.limit < 1:
         raise UsageError("--limit: must be at least 1")
@@ -259,6 +264,9 @@ def workload_spec(args: argparse.Namespace, seed: int) -> WorkloadSpec:
                              "requests (use --limit to take fewer)")
         if args.sessions < 1:
             raise UsageError("--sessions: must be at least 1")
+        if args.sessions > MAX_SESSIONS:
+            raise UsageError(f"--sessions: at most {MAX_SESSIONS:,} (got {args.sessions:,}); "
+                             "replay a trace for more traffic (--trace FILE)")
     return WorkloadSpec(args.workload or DEFAULT_WORKLOAD, args.trace, args.limit, seed,
                         args.sessions)
 
