@@ -247,14 +247,21 @@ def test_a_purge_stopped_by_an_immutable_file_fences_it_across_a_restart(
         subprocess.run(["chattr", "-i", path], check=False)
 
 
-def test_a_removed_epoch_marker_is_forgotten_with_its_directory(
-        open_store: Callable[..., DiskStore], monkeypatch: pytest.MonkeyPatch) -> None:
+def _purged_without_deleting(open_store: Callable[..., DiskStore],
+                             monkeypatch: pytest.MonkeyPatch) -> DiskStore:
+    """A store holding block ``K`` whose purge could delete nothing (and said so)."""
     store = open_store()
     assert store.put([(K, payload(1))]) == [True]
     monkeypatch.setattr(os, "unlink", _raise(errno.EPERM))
     with pytest.raises(StoreError):
         store.purge()
     monkeypatch.undo()
+    return store
+
+
+def test_a_removed_epoch_marker_is_forgotten_with_its_directory(
+        open_store: Callable[..., DiskStore], monkeypatch: pytest.MonkeyPatch) -> None:
+    store = _purged_without_deleting(open_store, monkeypatch)
     shutil.rmtree(store.directory)  # the leftovers and the marker, by hand
     assert store.put([(K, payload(2))]) == [True]
     store.close()
@@ -263,12 +270,7 @@ def test_a_removed_epoch_marker_is_forgotten_with_its_directory(
 
 def test_a_block_left_by_a_failed_purge_is_not_served_after_a_restart(
         open_store: Callable[..., DiskStore], monkeypatch: pytest.MonkeyPatch) -> None:
-    store = open_store()
-    assert store.put([(K, payload(1))]) == [True]
-    monkeypatch.setattr(os, "unlink", _raise(errno.EPERM))
-    with pytest.raises(StoreError):
-        store.purge()
-    monkeypatch.undo()
+    store = _purged_without_deleting(open_store, monkeypatch)
     store.close()
     restarted = open_store()
     assert read(restarted, K) is None
