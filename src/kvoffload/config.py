@@ -265,3 +265,11 @@ class OffloadConfig:
     @property
     def has_windowed_group(self) -> bool:
         return any(g.is_windowed for g in self.resolved)
+
+    @property
+    def states_at_step_ends(self) -> bool:
+        """A Mamba group's block holds its boundary state only where a step of the request
+        ended there (``mamba_states_every_block`` off and a Mamba group present): the
+        planner stores states, and places resume points, only at step ends."""
+        return (not self.mamba_states_every_block
+                and any(g.rules.holds_state for g in self.resolved))

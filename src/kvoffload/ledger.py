@@ -1,7 +1,7 @@
 """``JobLedger``: the jobs in flight that several workers (ranks) report, counted exactly once.
 
 Transfer jobs (the planner) and tier jobs (the cascade tier) follow one rule set, which
-this class keeps for both:
+this class alone keeps for both:
 
 * ``issue`` gives every job a new id, counting up from 0 and never reused (also not after
   ``reset``).
@@ -13,7 +13,7 @@ this class keeps for both:
   *duplicate*: counted (``counters.duplicate_reports``) and ignored.
 * ``reset`` drops every job in flight; reports of any job issued before it are *stale*:
   counted (``counters.stale_reports``) and ignored.
-* A report of an id never issued is a bug: ``InvariantError``.
+* A report of an id never issued (negative, or not issued yet) is a bug: ``InvariantError``.
 
 Pure bookkeeping (no I/O, no threads; one caller drives it). The ledger is a read-only
 ``Mapping`` from id to job record (in issue order) for inspection; only ``issue``,
@@ -23,10 +23,24 @@ Pure bookkeeping (no I/O, no threads; one caller drives it). The ledger is a rea
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
-from kvoffload.completion import RankCounted, ReportCounters, count_rank_report
 from kvoffload.errors import InvariantError
+
+
+class RankCounted(Protocol):
+    """A job record that remembers which ranks reported it and whether one failed."""
+
+    reported_ranks: int
+    failed: bool
+
+
+class ReportCounters(Protocol):
+    """Where a ledger counts the reports it ignores (the caller's stats object)."""
+
+    stale_reports: int
+    duplicate_reports: int
+
 
 K = TypeVar("K", bound=int)
 J = TypeVar("J", bound=RankCounted)
@@ -105,9 +119,20 @@ class JobLedger(Mapping[K, J], Generic[K, J]):
         Raises ``InvariantError`` for an id never issued. ``rank`` must be in
         ``[0, num_ranks)`` (the caller checks the report's rank).
         """
-        return count_rank_report(self._jobs, job_id, rank, failed, next_id=self._next_id,
-                                 stale_below=self._stale_below, all_ranks=self._all_ranks,
-                                 counters=self._counters, what=self._what)
+        if job_id < 0 or job_id >= self._next_id:
+            raise InvariantError(f"report for {self._what} {job_id}, which was never issued")
+        counters = self._counters
+        if job_id < self._stale_below:
+            counters.stale_reports += 1
+            return None
+        job = self._jobs.get(job_id)
+        bit = 1 << rank
+        if job is None or job.reported_ranks & bit:  # retired already, or this rank again
+            counters.duplicate_reports += 1
+            return None
+        job.reported_ranks |= bit
+        job.failed = job.failed or failed
+        return job if job.reported_ranks == self._all_ranks else None
 
     def retire(self, job_id: K) -> J:
         """Remove a job in flight (normally once ``count`` returned it) and return it; later

@@ -84,6 +84,9 @@ def test_a_report_of_an_id_never_issued_raises() -> None:
     ledger.issue(lambda job_id: Job(job_id, "x"))
     with pytest.raises(InvariantError, match="never issued"):
         ledger.count(JobId(1), 0, False)
+    ledger.reset()  # ids below the reset are stale, but a negative one was never issued
+    with pytest.raises(InvariantError, match="never issued"):
+        ledger.count(JobId(-1), 0, False)
     with pytest.raises(InvariantError, match="not in flight"):
         ledger.retire(JobId(5))
 

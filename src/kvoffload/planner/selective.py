@@ -94,8 +94,7 @@ class HitPointStorePolicy(StorePolicy):
         Mamba group)."""
         self.values_keys = valuer is not None
         self._charge = [g.block_bytes if config.charges_bytes else 1 for g in self._groups]
-        self._step_end_states = (not config.mamba_states_every_block
-                                 and any(g.rules.holds_state for g in self._groups))
+        self._step_end_states = config.states_at_step_ends
         self._point_charge = sum(self._charge[g.index] * (g.window_blocks or 1)
                                  for g in self._groups if g.window_blocks is not None)
         """What the window blocks and state of one hit point charge, all groups."""

@@ -55,7 +55,7 @@ class StorePlanner:
         self._groups = config.resolved
         self._alignment = config.hit_alignment
         self._state_groups = [g for g in self._groups if g.rules.holds_state]
-        self.step_end_states = not config.mamba_states_every_block and bool(self._state_groups)
+        self.step_end_states = config.states_at_step_ends
         """Mamba states exist only where a step ended (``RequestState.state_ends``)."""
 
     def plan(self, st: RequestState, offloadable: int) -> PlannedStore | None:

@@ -63,7 +63,7 @@ class PrepareStoreResult:
             the victims' bytes from there before the slots are written again). Not
             compared: two results are equal when they reserve and evict the same keys.
         evicted_demoted: the evicted keys that were under a demotion hint and not used
-            since (``HostTier.is_demoted``; only where the tier keeps that record): a
+            since (only where the tier keeps that record, ``HostTier(tracks_demotions=True)``): a
             cascade does not write them back. Not compared either.
     """
 

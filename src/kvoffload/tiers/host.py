@@ -90,11 +90,11 @@ class HostTier(Tier):
     and not used since. A key leaves the record when it is touched, loaded
     (``prepare_load``), evicted, dropped by a failed store, or by ``reset``; an evicted
     key that was in it is listed in ``PrepareStoreResult.evicted_demoted`` (the cascade
-    does not write such a key back). ``is_demoted`` answers for present keys.
+    does not write such a key back).
 
     Attributes:
         space: the slot and byte accounting (``HostSpace``; read-only use).
-        tracks_demotions: keep the demotion record (off: ``is_demoted`` is always False
+        tracks_demotions: keep the demotion record (off: ``evicted_demoted`` is always empty
             and the hot paths skip it).
     """
 
@@ -149,11 +149,6 @@ class HostTier(Tier):
         """The key's slot, or ``None`` if absent."""
         state = self._policy.get(key)
         return None if state is None else state.slot
-
-    def is_demoted(self, key: OffloadKey) -> bool:
-        """Whether ``key`` is present under a demotion hint and not used since (always
-        False unless ``tracks_demotions``). Changes nothing."""
-        return key in self._demoted
 
     def debug_state(self) -> dict[str, object]:
         """A comparable copy of all bookkeeping (not ``stats``), for before/after tests."""
