@@ -379,3 +379,19 @@ def test_a_directory_removed_under_a_running_store_is_made_again(
     assert store.put([(K, payload(3))]) == [True] and read(store, K) == payload(3)
     with pytest.raises(ConfigError, match="in use by another engine"):
         DiskStore(store.root, NS, 0, FP)  # the lock was taken again
+
+
+def test_a_purge_removes_a_symlinked_fan_out_directory_but_never_its_target(
+        open_store: Callable[..., DiskStore], tmp_path: Path) -> None:
+    """The purge walks the rank directory without following links: a fan-out directory
+    replaced by a link loses the link; what it points at keeps every byte."""
+    store = open_store()
+    assert store.put([(K, payload(1))]) == [True]
+    fan = os.path.dirname(block_path(store.root, NS, 0, K))
+    outside = tmp_path / "outside"
+    os.replace(fan, outside)
+    os.symlink(outside, fan)
+    listing = {p.name: p.read_bytes() for p in outside.iterdir()}
+    store.purge()
+    assert not os.path.lexists(fan)
+    assert {p.name: p.read_bytes() for p in outside.iterdir()} == listing

@@ -52,7 +52,6 @@ import hashlib
 import logging
 import os
 import secrets
-import shutil
 import stat
 import threading
 import time
@@ -417,12 +416,6 @@ class DiskStore(BlockStore):
     def _remove_all(self) -> list[OSError]:
         """Remove everything under ``rank<r>`` but the epoch marker; the errors."""
         errors: list[OSError] = []
-
-        def failed(_func: object, path: str, exc_info: tuple[object, BaseException, object]
-                   ) -> None:
-            exc = exc_info[1]
-            errors.append(exc if isinstance(exc, OSError) else OSError(str(exc)))
-
         with os.scandir(self._rank_fd) as entries:
             names = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
         for name, is_dir in names:
@@ -430,7 +423,7 @@ class DiskStore(BlockStore):
                 continue
             try:
                 if is_dir:
-                    shutil.rmtree(name, dir_fd=self._rank_fd, onerror=failed)
+                    errors.extend(_remove_tree(name, self._rank_fd))
                 else:
                     os.unlink(name, dir_fd=self._rank_fd)
             except FileNotFoundError:
@@ -488,3 +481,32 @@ def _epoch_fingerprint(fingerprint: bytes, epoch: bytes | None) -> bytes:
     if epoch is None:
         return fingerprint
     return hashlib.sha256(fingerprint + b"|epoch|" + epoch).digest()[:FINGERPRINT_BYTES]
+
+
+def _remove_tree(name: str, parent_fd: int) -> list[OSError]:
+    """Remove directory ``name`` of ``parent_fd`` and everything under it, never following
+    a symlink (a link is removed, not its target); return what could not be removed.
+    (``shutil.rmtree`` takes ``dir_fd`` only from Python 3.11.)"""
+    errors: list[OSError] = []
+
+    def remove(entry: str, dir_fd: int, is_dir: bool, where: str = "") -> None:
+        try:
+            if is_dir and not stat.S_ISLNK(os.lstat(entry, dir_fd=dir_fd).st_mode):
+                os.rmdir(entry, dir_fd=dir_fd)
+            else:
+                os.unlink(entry, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            exc.filename = os.path.join(where, entry)  # relative to the rank directory
+            errors.append(exc)
+
+    walk = os.fwalk(name, topdown=False, dir_fd=parent_fd, follow_symlinks=False,
+                    onerror=errors.append)
+    for path, dirnames, filenames, dir_fd in walk:
+        for entry in filenames:
+            remove(entry, dir_fd, False, path)
+        for entry in dirnames:
+            remove(entry, dir_fd, True, path)
+    remove(name, parent_fd, is_dir=True)
+    return errors
