@@ -110,6 +110,13 @@ class JobLedger(Mapping[K, J], Generic[K, J]):
         self._jobs[job_id] = job
         return job
 
+    def check_rank(self, rank: int) -> None:
+        """Raise ``InvariantError`` unless ``rank`` is one of ``0 .. num_ranks - 1`` (called
+        once per report, before its jobs are counted)."""
+        if not 0 <= rank < self.num_ranks:
+            raise InvariantError(f"{self._what} report from rank {rank}; num_workers is "
+                                 f"{self.num_ranks}")
+
     def count(self, job_id: K, rank: int, failed: bool) -> J | None:
         """Record ``rank``'s report of ``job_id`` (``failed``: that rank failed it).
 
@@ -117,7 +124,7 @@ class JobLedger(Mapping[K, J], Generic[K, J]):
         stays in the ledger until ``retire``), else ``None``: more ranks to come, or the
         report was stale or a duplicate (counted in ``counters``, nothing else changes).
         Raises ``InvariantError`` for an id never issued. ``rank`` must be in
-        ``[0, num_ranks)`` (the caller checks the report's rank).
+        ``[0, num_ranks)`` (``check_rank``, once per report).
         """
         if job_id < 0 or job_id >= self._next_id:
             raise InvariantError(f"report for {self._what} {job_id}, which was never issued")

@@ -102,3 +102,11 @@ def test_integrity_catches_a_report_from_an_unknown_rank() -> None:
     job.reported_ranks = 0b100
     with pytest.raises(InvariantError, match="unknown ranks"):
         ledger.check_integrity()
+
+
+def test_a_report_from_a_rank_outside_the_workers_raises() -> None:
+    ledger, _ = make()
+    ledger.check_rank(ledger.num_ranks - 1)
+    for rank in (-1, ledger.num_ranks):
+        with pytest.raises(InvariantError, match=f"from rank {rank}"):
+            ledger.check_rank(rank)

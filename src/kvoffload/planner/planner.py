@@ -310,9 +310,7 @@ class Planner:
         failed_stores = 0
         duplicates = self.stats.duplicate_reports
         for report in reports:
-            if not 0 <= report.rank < self.config.num_workers:
-                raise InvariantError(f"report from rank {report.rank}; num_workers is "
-                                     f"{self.config.num_workers}")
+            self._jobs.ledger.check_rank(report.rank)
             for failed, ids in ((False, report.finished), (True, report.failed)):
                 for job_id in ids:
                     js = self._jobs.ledger.count(job_id, report.rank, failed)

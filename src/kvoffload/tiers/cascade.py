@@ -58,7 +58,7 @@ from kvoffload.tiers.base import (
 from kvoffload.tiers.eviction import WRITING
 from kvoffload.tiers.host import HostTier
 from kvoffload.tiers.lower import LowerTier, Presence
-from kvoffload.tiers.tier_jobs import CascadeStats, TierJobQueue
+from kvoffload.tiers.tier_jobs import CascadeStats, TierJobQueue, bump
 
 __all__ = ["HOST", "CascadeStats", "CascadeTier"]
 
@@ -143,16 +143,16 @@ class CascadeTier(Tier):
         this request ("host", or the lower tier it was promoted from since it was last
         loaded), also counted in ``stats.loaded_blocks`` / ``loaded_group_blocks``. A
         demoted key that is hit is worth writing back after all."""
-        slots = self.host.prepare_load(keys).slots
+        slots = self.host.pin_for_load(keys)
         by_group = self.stats.loaded_group_blocks
         loaded = self.stats.loaded_blocks
         grant: dict[tuple[str, int], int] = {}
         for key in keys:
             tier = self._jobs.take_origin(key)
-            loaded[tier] = loaded.get(tier, 0) + 1
+            bump(loaded, tier)
             where = (tier, key_group(key))
-            by_group[where] = by_group.get(where, 0) + 1
-            grant[where] = grant.get(where, 0) + 1
+            bump(by_group, where)
+            bump(grant, where)
         return LoadGrant(slots, MappingProxyType(grant))
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:

@@ -181,15 +181,21 @@ class HostTier(Tier):
         written raises ``InvariantError`` and nothing is pinned. Loaded keys leave the
         demotion record.
         """
-        slots = self.pin(keys)
-        self.stats.keys_loaded += len(slots)
-        if self._demoted:
-            self._demoted.difference_update(keys)
+        slots = self.pin_for_load(keys)
         by_group: dict[tuple[str, int], int] = {}
         for key in keys:
             where = (HOST, key_group(key))
             by_group[where] = by_group.get(where, 0) + 1
         return LoadGrant(slots, MappingProxyType(by_group))
+
+    def pin_for_load(self, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
+        """``prepare_load`` without building its grant (for a cascade, which names the
+        sources itself): pin, count the load, take the keys off the demotion record."""
+        slots = self.pin(keys)
+        self.stats.keys_loaded += len(slots)
+        if self._demoted:
+            self._demoted.difference_update(keys)
+        return slots
 
     def pin(self, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
         """``prepare_load`` without counting a load (a lower tier's demote reads the slot);

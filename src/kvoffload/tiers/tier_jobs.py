@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvoffload.errors import InvariantError
 from kvoffload.jobs import TierJob, TierJobId, TierOp, TierWork, WorkerReport
@@ -71,7 +72,10 @@ class CascadeStats:
         return {t: n / total for t, n in self.loaded_blocks.items()} if total else {}
 
 
-def bump(table: dict[str, int], name: str, n: int = 1) -> None:
+_Name = TypeVar("_Name")
+
+
+def bump(table: dict[_Name, int], name: _Name, n: int = 1) -> None:
     """``table[name] += n``, from 0."""
     table[name] = table.get(name, 0) + n
 
@@ -103,9 +107,8 @@ class TierJobQueue:
                                  if lt.write_mode is WriteMode.WRITE_THROUGH)
         self.writes_through = bool(self._write_thru)
         """Some lower tier is write-through (``write_through`` has work)."""
-        self._num_workers = host.config.num_workers
         self._ledger: JobLedger[TierJobId, _Job] = JobLedger(
-            TierJobId, self._num_workers, stats, what="tier job")
+            TierJobId, host.config.num_workers, stats, what="tier job")
         self._queued: list[TierJob] = []
         self._flush: list[TierJobId] = []
         self._origin: dict[OffloadKey, str] = {}
@@ -160,7 +163,7 @@ class TierJobQueue:
     def write_back(self, result: PrepareStoreResult) -> None:
         """Host memory evicted ``result.evicted``: demote them to the write-back tiers, but
         not the keys under a demotion hint (``result.evicted_demoted``)."""
-        worthless = result.evicted_demoted
+        worthless = frozenset(result.evicted_demoted)
         for key, slot in zip(result.evicted, result.evicted_slots, strict=True):
             self._origin.pop(key, None)
             if worthless and key in worthless:
@@ -197,9 +200,7 @@ class TierJobQueue:
     def count_reports(self, reports: Sequence[WorkerReport]) -> None:
         """Count tier-job reports per rank; finish the jobs every rank reported."""
         for report in reports:
-            if not 0 <= report.rank < self._num_workers:
-                raise InvariantError(f"tier report from rank {report.rank}; num_workers is "
-                                     f"{self._num_workers}")
+            self._ledger.check_rank(report.rank)
             for name in report.tier_unreachable:
                 lower = self._by_name.get(name)
                 if lower is not None:
