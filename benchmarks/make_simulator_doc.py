@@ -35,10 +35,12 @@ from kvoffload.engine.simulation import (
 )
 from kvoffload.engine.workloads import read_mooncake_trace
 from kvoffload.engine.workloads.mooncake import (
+    MAX_HASH_ID,
     MAX_INPUT_TOKENS,
     MAX_LINE_BYTES,
     MAX_NESTING,
     MAX_OUTPUT_TOKENS,
+    MOONCAKE_BLOCK_TOKENS,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,8 +146,9 @@ TRACE_FORMAT = [
     "`--trace` reads Mooncake-format JSON lines: one object per line with `timestamp` "
     "(arrival in milliseconds, finite, >= 0, never decreasing), `input_length` (1 to "
     f"{MAX_INPUT_TOKENS:,} tokens), `output_length` (1 to {MAX_OUTPUT_TOKENS:,} tokens) and "
-    "`hash_ids` (integers from 0 to 2**63 - 1, one per 512-token block: exactly "
-    "ceil(input_length / 512) of them); blank lines are skipped and other fields ignored. "
+    f"`hash_ids` (integers from 0 to {MAX_HASH_ID:,}, one per {MOONCAKE_BLOCK_TOKENS}-token "
+    f"block: exactly ceil(input_length / {MOONCAKE_BLOCK_TOKENS}) of them); blank lines are "
+    "skipped and other fields ignored. "
     f"Each line is checked with bounded work before it is trusted: at most {MAX_LINE_BYTES:,} "
     "bytes (over 100 times the shared trace's longest line, 2,053 bytes; no more than that is "
     "read), UTF-8, brackets nested at most "

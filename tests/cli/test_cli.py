@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from pathlib import Path
@@ -12,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.cli import main
-from kvoffload.cli.common import WorkloadSpec, count_nonblank_lines
+from kvoffload.cli.common import WorkloadSpec
 from kvoffload.engine.model_presets import PRESETS
-from kvoffload.engine.workloads import builtin_workload
+from kvoffload.engine.workloads import builtin_workload, count_trace_lines
 
 TRACE = Path(os.environ.get(
     "KVOFFLOAD_TRACE",
@@ -218,12 +217,14 @@ def test_help_teaches_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(text=st.binary(max_size=64),
+@given(text=st.text(alphabet=st.sampled_from("a\n \t\r\x1c\u00a0\u00e9"), max_size=40),
        chunk=st.integers(1, 9))
-def test_the_progress_total_counts_nonblank_lines_a_chunk_at_a_time(text: bytes,
-                                                                     chunk: int) -> None:
+def test_the_progress_total_counts_the_lines_the_reader_reads(
+        tmp_path_factory: pytest.TempPathFactory, text: str, chunk: int) -> None:
     """The progress bar's total reads a trace in chunks (a file without line breaks
-    costs one chunk of memory) and counts what a line-by-line count of non-blank
-    lines does."""
-    expected = sum(1 for line in text.split(b"\n") if line.strip())
-    assert count_nonblank_lines(io.BytesIO(text), chunk) == expected
+    costs one chunk of memory, a character may straddle two chunks) and counts exactly
+    the lines the trace reader takes for requests (Unicode blanks included)."""
+    path = tmp_path_factory.mktemp("count") / "t.jsonl"
+    path.write_text(text, encoding="utf-8")
+    expected = sum(1 for line in text.split("\n") if line.strip())
+    assert count_trace_lines(path, chunk) == expected

@@ -15,16 +15,15 @@ from kvoffload.integrations.vllm.version import (
     is_supported,
     parse_version,
 )
-from kvoffload.sizes import parse_size
 
 
 def test_defaults_and_sizes() -> None:
     opts = ConnectorOptions.from_extra_config({"host_memory_bytes": "8GiB"})
     assert opts == ConnectorOptions(host_memory_bytes=8 << 30)
-    assert parse_size(1024, "x") == 1024
-    assert parse_size("512 MiB", "x") == 512 << 20
-    assert parse_size("2GB", "x") == 2 * 10**9
-    assert parse_size("1.5KiB", "x") == 1536
+    for text, expected in ((1024, 1024), ("512 MiB", 512 << 20), ("2GB", 2 * 10**9),
+                           ("1.5KiB", 1536)):
+        assert ConnectorOptions.from_extra_config(
+            {"host_memory_bytes": text}).host_memory_bytes == expected
 
 
 def test_all_options() -> None:

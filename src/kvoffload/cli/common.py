@@ -11,7 +11,6 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 from kvoffload.engine.model_presets import PRESETS
 from kvoffload.engine.replay import Arrival
@@ -22,6 +21,7 @@ from kvoffload.engine.workloads import (
     DEFAULT_WORKLOAD,
     WorkloadRequest,
     builtin_workload,
+    count_trace_lines,
     default_size,
     open_trace_file,
     read_mooncake_trace,
@@ -46,13 +46,14 @@ def parse_count(text: str, option: str) -> int:
                          "32Ki or 32768") from None
 
 
-def parse_sizes(text: str, option: str, *, minimum: int = 0) -> list[int]:
+def parse_sizes(text: str, option: str) -> list[int]:
     """A comma-separated list of sizes (``"4GiB,16GiB"``) in the grammar of
-    ``kvoffload.sizes``; ``ConfigError`` or ``UsageError`` naming ``option`` otherwise."""
+    ``kvoffload.sizes``: ``UsageError`` naming ``option`` for an empty list,
+    ``ConfigError`` for a size that is not one."""
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise UsageError(f"{option}: give a comma-separated list of sizes, e.g. 4GiB,16GiB")
-    return [parse_size(t, option, minimum=minimum) for t in items]
+    return [parse_size(t, option) for t in items]
 
 
 def format_bytes(n: float) -> str:
@@ -220,23 +221,8 @@ class WorkloadSpec:
     def count(self) -> int:
         if self.trace is None:
             return len(self.load())  # type: ignore[arg-type]
-        with open_trace_file(self.trace) as f:
-            n = count_nonblank_lines(f)
+        n = count_trace_lines(self.trace)
         return n if self.limit is None else min(n, self.limit)
-
-
-def count_nonblank_lines(f: IO[bytes], chunk_bytes: int = 1 << 20) -> int:
-    """Lines of ``f`` holding more than whitespace, read ``chunk_bytes`` at a time (a file
-    without line breaks costs one chunk of memory, not the whole file)."""
-    count = 0
-    open_line = False  # the current line has shown a non-blank byte
-    while chunk := f.read(chunk_bytes):
-        *complete, rest = chunk.split(b"\n")
-        for piece in complete:
-            count += open_line or bool(piece.strip())
-            open_line = False
-        open_line = open_line or bool(rest.strip())
-    return count + open_line
 
 
 class TraceStream:
@@ -281,11 +267,7 @@ def simulation_config(args: argparse.Namespace, *, preset: str, policy: str,
     tokens = (parse_count(args.engine_tokens, "--engine-tokens")
               if args.engine_tokens is not None
               else (1 << 20 if args.trace is not None else 32768))
-    try:
-        flops = float(args.flops)
-        bandwidth = float(args.bandwidth)
-    except ValueError as exc:
-        raise UsageError(f"--flops/--bandwidth: give numbers such as 400e12 ({exc})") from None
+    flops, bandwidth = float(args.flops), float(args.bandwidth)  # check_common_args read them
     disk = (parse_size(args.disk_capacity, "--disk-capacity", minimum=1)
             if args.disk_capacity is not None else None)
     remote = (parse_size(args.remote_capacity, "--remote-capacity", minimum=1)

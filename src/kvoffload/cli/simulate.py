@@ -145,14 +145,10 @@ def run_soak_command(args: argparse.Namespace, config: SimulationConfig,
     import logging
     from dataclasses import replace
 
-    from kvoffload.errors import ConfigError
     from kvoffload.faults.plan import FaultPlan
     from kvoffload.faults.soak import SoakConfig, run_soak
 
-    parsed = FaultPlan.parse(args.faults, seed=args.fault_seed)
-    if not (args.load_deadline > 0 and args.hang > 0):
-        raise ConfigError("--load-deadline/--hang", "must be positive seconds",
-                          "Give e.g. --load-deadline 5 --hang 30.")
+    parsed = FaultPlan.parse(args.faults, seed=args.fault_seed)  # seconds: check_simulate_args
     plan = replace(parsed, hang_s=args.hang)
     # Faults are injected on purpose: their warnings would drown the figures.
     log = logging.getLogger("kvoffload")

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from kvoffload.cli.common import UsageError
-from kvoffload.tiers.config import REMOTE_SCHEMES
+from kvoffload.tiers.config import check_disk_path, check_remote_url
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 """File types ``--plot`` writes (matplotlib picks the format from the suffix)."""
@@ -70,11 +70,10 @@ def check_common_args(args: argparse.Namespace) -> None:
 def check_simulate_args(args: argparse.Namespace) -> None:
     """``simulate``'s own flags: the real tiers, the soak's seconds and rates."""
     check_common_args(args)
-    if args.disk_path is not None and not args.disk_path.strip():
-        raise UsageError("--disk-path: is empty; give a directory, e.g. /tmp/kv")
-    if args.remote_url is not None and not args.remote_url.lower().startswith(REMOTE_SCHEMES):
-        raise UsageError(f"--remote-url: {args.remote_url!r} is not a Redis URL; give "
-                         "redis://host:port/db, rediss://host:port/db or unix:///path.sock")
+    if args.disk_path is not None:
+        check_disk_path(args.disk_path, "--disk-path")
+    if args.remote_url is not None:
+        check_remote_url(args.remote_url, "--remote-url")
     for value, flag in ((args.load_deadline, "--load-deadline"), (args.hang, "--hang")):
         if not (math.isfinite(value) and value > 0):
             raise UsageError(f"{flag}: must be finite positive seconds, got {value!r}")

@@ -312,7 +312,8 @@ class ReferenceEngine:
         flops = 0
         iterations = 1
         for e in entries:
-            flops += preset.prefill_flops(e.start + e.count, e.start)
+            e.flops = preset.prefill_flops(e.start + e.count, e.start)
+            flops += e.flops
             if e.request.num_emitted:
                 # Decode iterations: the new tokens only. Recomputing the prefix after a
                 # preemption or a failed load is prefill (its FLOPs count above).
@@ -323,7 +324,6 @@ class ReferenceEngine:
         return flops, iterations
 
     def _after_forward(self, entries: list[StepEntry], end: float) -> None:
-        preset = self.layout.preset
         finished: list[EngineRequest] = []
         for e in entries:
             req = e.request
@@ -331,7 +331,7 @@ class ReferenceEngine:
             done = e.start + e.count
             if rec.first_token_s is None:
                 rec.prefill_tokens += e.count
-                rec.prefill_flops += preset.prefill_flops(done, e.start)
+                rec.prefill_flops += e.flops
             else:
                 rec.recomputed_tokens += max(0, min(done, req.high_water) - e.start)
             req.num_computed = done

@@ -61,6 +61,8 @@ class StepEntry:
     start: int
     count: int
     sched: ScheduledRequest
+    flops: int = 0
+    """The prefill FLOPs of those tokens (set by the forward pass, read after it)."""
 
 
 class Scheduler:
@@ -232,8 +234,7 @@ class Scheduler:
                 # Deferred past the deadline: run now with the engine's own hit only.
                 self._metrics.deferral_give_ups += 1
             self._transfers.off_offload_path(rid)  # the lookup answered: its wait is over
-            external = 0 if match.num_tokens is None \
-                else match.num_tokens
+            external = match.num_tokens or 0
         if external > 0:
             end = local + external
             if pool.allocate(rid, end, end, hit=hit) is None:
@@ -253,7 +254,6 @@ class Scheduler:
         req.status = Status.RUNNING
         req.num_computed = local
         req.send_full_table = True
-        self._transfers.off_offload_path(rid)
         self._recorder.started(req, local, 0, 0)
         self.running.append(req)
         entries.append(self._entry(req, local, count, alloc))

@@ -89,14 +89,31 @@ class DiskTierConfig:
     fsync: bool = True
 
     def __post_init__(self) -> None:
-        if not self.path:
-            raise ConfigError("disk_path", "is empty", "Give a directory for offloaded blocks.")
+        check_disk_path(self.path)
         if self.capacity_bytes <= 0:
             raise ConfigError("disk_capacity", f"must be positive, got {self.capacity_bytes}",
                               "Give the disk budget, e.g. 64GiB.")
         if not 1 <= self.io_threads <= MAX_IO_THREADS:
             raise ConfigError("disk_io_threads", f"must be >= 1 and at most {MAX_IO_THREADS}, "
                               f"got {self.io_threads}", "Use a few threads, e.g. 4.")
+
+
+def check_disk_path(path: str, field: str = "disk_path") -> None:
+    """A disk tier's directory must be named (not empty, not only blanks)."""
+    if not path.strip():
+        raise ConfigError(field, "is empty", "Give a directory for offloaded blocks, "
+                          "e.g. /var/cache/kvoffload.")
+
+
+def check_remote_url(url: str, field: str = "remote_url") -> None:
+    """A shared tier's URL must be one redis-py opens: ``redis://``, ``rediss://`` (TLS)
+    or ``unix://``."""
+    if not url:
+        raise ConfigError(field, "is empty", "Give redis://host:port/db.")
+    if not url.lower().startswith(REMOTE_SCHEMES):
+        raise ConfigError(field, f"{url!r} is not a Redis URL",
+                          "Use redis://host:port/db, rediss://host:port/db (TLS) or "
+                          "unix:///path/to/redis.sock.")
 
 
 @dataclass(frozen=True)
@@ -133,12 +150,7 @@ class RemoteTierConfig:
     max_known_keys: int = 1_000_000
 
     def __post_init__(self) -> None:
-        if not self.url:
-            raise ConfigError("remote_url", "is empty", "Give redis://host:port/db.")
-        if not self.url.lower().startswith(REMOTE_SCHEMES):
-            raise ConfigError("remote_url", f"{self.url!r} is not a Redis URL",
-                              "Use redis://host:port/db, rediss://host:port/db (TLS) or "
-                              "unix:///path/to/redis.sock.")
+        check_remote_url(self.url)
         if not 1 <= self.io_threads <= MAX_IO_THREADS:
             raise ConfigError("remote_io_threads", f"must be >= 1 and at most "
                               f"{MAX_IO_THREADS}, got {self.io_threads}",

@@ -13,6 +13,7 @@ from kvoffload.engine.workloads.generators import (
 )
 from kvoffload.engine.workloads.mooncake import (
     MOONCAKE_BLOCK_TOKENS,
+    count_trace_lines,
     mooncake_block_tokens,
     open_trace_file,
     read_mooncake_trace,
@@ -35,6 +36,7 @@ __all__ = [
     "WorkloadRequest",
     "as_token_ids",
     "builtin_workload",
+    "count_trace_lines",
     "default_size",
     "derive_tokens",
     "mooncake_block_tokens",

@@ -35,6 +35,7 @@ The reader streams: it reads one line at a time and yields requests as it goes, 
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
@@ -215,8 +216,33 @@ def _lines(path: str, f: IO[bytes]) -> Iterator[tuple[int, str]]:
             raise TraceError(path, lineno, "<line>",
                              f"not valid UTF-8 (byte {exc.start + 1}); save the trace as "
                              "UTF-8") from None
-        if text.strip():
+        if _has_content(text):
             yield lineno, text
+
+
+def _has_content(text: str) -> bool:
+    """Whether a trace line is a request line (not blank)."""
+    return bool(text.strip())
+
+
+def count_trace_lines(path: str | Path, chunk_bytes: int = 1 << 20) -> int:
+    """The request lines (non-blank, as the reader sees them) of trace ``path``, read
+    ``chunk_bytes`` at a time: a file without line breaks costs one chunk of memory, not
+    the whole file. For progress totals; the lines are not validated."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    count = 0
+    open_line = False  # the line being read has shown content (a line is blank iff
+    #                    every part of it is)
+    with open_trace_file(path) as f:
+        while True:
+            chunk = f.read(chunk_bytes)
+            *complete, rest = decoder.decode(chunk, final=not chunk).split("\n")
+            for piece in complete:
+                count += open_line or _has_content(piece)
+                open_line = False
+            open_line = open_line or _has_content(rest)
+            if not chunk:
+                return count + open_line
 
 
 def _too_deep(text: str, limit: int) -> bool:

@@ -130,10 +130,9 @@ def _tier_config(tiers: tuple[str, ...], options: dict[str, Any]) -> TierConfig:
     """The lower tiers ``tiers`` lists, built from their options; each listed tier needs
     its enabling option and each enabling option needs its tier listed."""
     for name, enabler in _TIER_ENABLER.items():
-        if name in tiers and options.get(enabler) in (None, ""):
-            raise ConfigError(f"{PREFIX}.{enabler}", f"is missing or empty while tiers lists "
-                              f"{name!r}",
-                              f"Give a non-empty {enabler}, or remove {name!r} from tiers.")
+        if name in tiers and options.get(enabler) is None:  # an empty one: the tier's check
+            raise ConfigError(f"{PREFIX}.{enabler}", f"is missing while tiers lists "
+                              f"{name!r}", f"Give {enabler}, or remove {name!r} from tiers.")
         if name not in tiers and enabler in options:
             raise ConfigError(f"{PREFIX}.tiers", f"does not list {name!r} while {enabler} "
                               "is set", f'Add "{name}" to tiers, or remove {enabler}.')
