@@ -85,6 +85,17 @@ def test_write_back_demotes_a_victim_from_its_old_slot_as_a_snapshot(tmp_path: P
     tier.check_integrity()
 
 
+def test_lower_usage_reports_what_the_disk_holds(tmp_path: Path) -> None:
+    tier, disk = cascade(tmp_path)
+    assert [(u.name, u.used_bytes, u.blocks) for u in tier.lower_usage()] == [("disk", 0, 0)]
+    store(tier, key(0), key(1), key(2), key(3))
+    store(tier, key(4))  # evicts key 0, written back to disk
+    (demote,) = only(tier.take_tier_work(), TierOp.DEMOTE)
+    report(tier, (demote,))
+    (usage,) = tier.lower_usage()
+    assert (usage.used_bytes, usage.blocks) == (disk.used_bytes, 1) and usage.used_bytes > 0
+
+
 def test_a_demoted_block_is_promoted_and_hit_once_every_rank_reported(tmp_path: Path) -> None:
     tier, _ = cascade(tmp_path)
     store(tier, key(0), key(1), key(2), key(3))

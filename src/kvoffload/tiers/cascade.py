@@ -114,12 +114,7 @@ class CascadeTier(Tier):
     def lower_usage(self) -> tuple[LowerUsage, ...]:
         """Each lower tier's bytes and blocks held, in lookup order (0 where a tier does
         not track them, e.g. the shared remote store)."""
-        usages: list[LowerUsage] = []
-        for lt in self.lowers:
-            used = getattr(lt, "used_bytes", None)
-            usages.append(LowerUsage(lt.name, int(used) if isinstance(used, int) else 0,
-                                     len(lt) if hasattr(lt, "__len__") else 0))
-        return tuple(usages)
+        return tuple(LowerUsage(lt.name, *lt.held()) for lt in self.lowers)
 
     # -- reads --------------------------------------------------------------------------
 

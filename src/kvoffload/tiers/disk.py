@@ -83,6 +83,9 @@ class DiskIndex(LowerTier):
     def __len__(self) -> int:
         return len(self._policy)
 
+    def held(self) -> tuple[int, int]:
+        return self._used, len(self._policy)
+
     def __contains__(self, key: object) -> bool:
         return key in self._policy
 

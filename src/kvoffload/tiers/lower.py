@@ -76,6 +76,11 @@ class LowerTier(ABC):
     write_mode: WriteMode
     stats: LowerTierStats
 
+    def held(self) -> tuple[int, int]:
+        """(bytes, blocks) this tier holds, where it tracks them; (0, 0) for one that does
+        not (a store shared by a fleet). Changes nothing."""
+        return 0, 0
+
     @abstractmethod
     def status(self, key: OffloadKey) -> Presence:
         """Whether ``key`` can be promoted now. May start an asynchronous existence check
