@@ -59,7 +59,7 @@ CHUNK_BYTES = 1 << 18
 
 
 @dataclass
-class _Entry:
+class CopyEntry:
     """A submitted job, from ``submit`` until ``poll`` reports it."""
 
     job: TransferJob
@@ -72,8 +72,8 @@ class _Entry:
     seconds: float = 0.0
 
 
-EntryT = TypeVar("EntryT", bound=_Entry)
-"""The entry type of one copy path (the fields it needs beyond ``_Entry``'s)."""
+EntryT = TypeVar("EntryT", bound=CopyEntry)
+"""The entry type of one copy path (the fields it needs beyond ``CopyEntry``'s)."""
 
 
 @dataclass(frozen=True)

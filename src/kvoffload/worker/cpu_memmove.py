@@ -39,8 +39,8 @@ from kvoffload.worker.cpu_common import (
     CHUNK_BYTES,
     PARALLEL_BYTES,
     SORTED_PIECE_BYTES,
+    CopyEntry,
     CpuBackend,
-    _Entry,
     log_uncopyable,
 )
 from kvoffload.worker.host_pool import HostPool
@@ -56,7 +56,7 @@ BATCH_BYTES = 16 << 20
 
 
 @dataclass
-class _MemmoveEntry(_Entry):
+class _MemmoveEntry(CopyEntry):
     pieces: list[Piece] = field(default_factory=list)
     """The job's copies, planned at submit; released once the job is done."""
 

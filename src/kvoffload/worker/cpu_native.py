@@ -37,8 +37,8 @@ from kvoffload.worker.cpu_common import (
     CHUNK_BYTES,
     PARALLEL_BYTES,
     SORTED_PIECE_BYTES,
+    CopyEntry,
     CpuBackend,
-    _Entry,
     log_uncopyable,
 )
 from kvoffload.worker.host_pool import HostPool
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _NativeEntry(_Entry):
+class _NativeEntry(CopyEntry):
     pushed: list[PushedJob] = field(default_factory=list)
     """The job's parts in the native queue (one per group transfer) until it completes."""
     broken: bool = False
