@@ -99,14 +99,23 @@ def test_every_registered_policy_is_an_option(policy: str) -> None:
 
 
 def test_version_pin() -> None:
-    assert SUPPORTED_VLLM == ">=0.32.0,<0.33"
+    assert SUPPORTED_VLLM == ">=0.32.0,<0.34"
     assert parse_version("0.32.0+cpu") == (0, 32, 0)
     assert parse_version("0.32.1rc1") == (0, 32, 1)
-    assert is_supported("0.32.0") and is_supported("0.32.4+cpu")
-    assert not is_supported("0.31.9") and not is_supported("0.33.0")
-    check_vllm_version("0.32.0")
-    with pytest.raises(RuntimeError, match=re.escape("supports vLLM >=0.32.0,<0.33; found 0.33.0")):
-        check_vllm_version("0.33.0")
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.4+cpu", "0.33.0", "0.33.2rc1"])
+def test_supported_versions_are_accepted(version: str) -> None:
+    assert is_supported(version)
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.9", "0.31.0+cpu", "0.34.0", "0.34.0rc1", "1.0.0"])
+def test_other_versions_are_refused_with_the_range(version: str) -> None:
+    assert not is_supported(version)
+    with pytest.raises(RuntimeError, match=re.escape(
+            f"supports vLLM >=0.32.0,<0.34; found {version}")):
+        check_vllm_version(version)
 
 
 def test_version_override(monkeypatch: pytest.MonkeyPatch) -> None:

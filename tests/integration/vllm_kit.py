@@ -78,13 +78,19 @@ class Engine:
         assert connector.worker_side is not None
         return connector.worker_side
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[Result]:
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8, *,
+                 kv_transfer_params: dict[str, Any] | None = None,
+                 cache_salt: str | None = None) -> list[Result]:
+        """Greedy outputs of ``prompts``; ``kv_transfer_params`` and ``cache_salt`` go with
+        every request, as an OpenAI-compatible request would send them."""
         from vllm import SamplingParams
 
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                                logprobs=0)
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
-                                 use_tqdm=False)
+                                logprobs=0, extra_args=extra)
+        salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+        outs = self.llm.generate([{"prompt_token_ids": list(p), **salt} for p in prompts],
+                                 params, use_tqdm=False)
         results = []
         for out in outs:
             completion = out.outputs[0]

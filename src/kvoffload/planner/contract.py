@@ -36,6 +36,44 @@ class RequestInfo(Protocol):
 
 
 @dataclass(frozen=True)
+class RequestControls:
+    """What one request allows the cache to do with it (``Planner.set_controls``).
+
+    Attributes:
+        max_store_tokens: store at most the first this many tokens of the request (rounded
+            down to whole offloaded blocks, and to a step end for Mamba groups); 0 stores
+            nothing, for a request whose context must not outlive it. None: no cap.
+        max_load_tokens: load at most this many tokens beyond the engine's own prefix hit;
+            0 loads nothing. None: no cap.
+    """
+
+    max_store_tokens: int | None = None
+    max_load_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_store_tokens", "max_load_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise ValueError(f"{name} must be a whole number >= 0 or None, "
+                                 f"got {value!r}")
+
+    def store_end(self, offloadable: int) -> int:
+        """The last token a store may cover when ``offloadable`` tokens are computed."""
+        cap = self.max_store_tokens
+        return offloadable if cap is None else min(offloadable, cap)
+
+    def load_end(self, num_computed_tokens: int, end: int) -> int:
+        """The end of a load the engine's hit of ``num_computed_tokens`` may reach."""
+        cap = self.max_load_tokens
+        return end if cap is None else min(end, num_computed_tokens + cap)
+
+
+NO_CONTROLS = RequestControls()
+"""A request that sets no controls: everything a hit can use is stored and loaded."""
+
+
+@dataclass(frozen=True)
 class ScheduledRequest:
     """One request the engine scheduled this step.
 

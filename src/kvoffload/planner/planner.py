@@ -45,6 +45,7 @@ from kvoffload.planner.contract import (
     LoadFailure,
     MatchResult,
     ReportOutcome,
+    RequestControls,
     RequestInfo,
     ScheduledRequest,
     StepInput,
@@ -284,7 +285,7 @@ class Planner:
         if self._stores.step_end_states and offloadable % self._alignment == 0 and offloadable:
             # A Mamba state exists only where a step ends (module docstring of state.py).
             st.state_ends.add(offloadable)
-        planned = self._stores.plan(st, offloadable)
+        planned = self._stores.plan(st, st.controls.store_end(offloadable))
         if planned is None:
             return None
         rid = request.request_id
@@ -348,6 +349,20 @@ class Planner:
             del self._requests[js.request_id]
         return False
 
+    def set_controls(self, request: RequestInfo, controls: RequestControls) -> None:
+        """Apply the request's own limits (``RequestControls``) from now on.
+
+        Call it before the request's first lookup, so that nothing beyond the caps is
+        stored or loaded; a later call applies to what comes after it. Stores issued
+        before are not undone.
+        """
+        st = self._requests.get(request.request_id)
+        if st is None:
+            st = self._new_state(request)
+        elif st.finished:
+            raise ValueError(f"request {request.request_id!r} already finished")
+        st.controls = controls
+
     def refuse_loads(self, request: RequestInfo) -> None:
         """Offer the request no load again (the engine found a load's bytes wrong); the
         planner does this itself for loads that fail or are abandoned."""
@@ -380,6 +395,11 @@ class Planner:
         if st.finished and not st.jobs:
             del self._requests[request.request_id]
         return job_id
+
+    def job_block_ids(self, job_id: JobId) -> tuple[int, ...]:
+        """The engine blocks job ``job_id`` (in flight) reads or writes."""
+        js = self._jobs[job_id]
+        return js.windowed_block_ids + js.other_block_ids
 
     # ------------------------------------------------------------ lifecycle
 

@@ -48,14 +48,16 @@ class PrefixLookup:
                                  [hashes[i] + suffix for i in range(first, num_hashes, hpb)]))
 
     def find(self, st: RequestState, num_computed: int) -> tuple[int, bool]:
-        """(hit end with what is readable now, whether waiting could give more).
+        """(hit end with what is readable now, whether waiting could give more), within
+        the request's ``max_load_tokens``.
 
         Counts nothing; tells the store policy (``observe_lookup``) where the
         full-attention prefix and the hit reach once the stores in flight land, and
         prefetches the keys of that hit when some are PENDING.
         """
         request = st.request
-        max_end = request.num_tokens - (1 if self._last_token_recomputed else 0)
+        max_end = st.controls.load_end(
+            num_computed, request.num_tokens - (1 if self._last_token_recomputed else 0))
         tier_lookup = self.tier.lookup
         hit, miss, pending = LookupResult.HIT, LookupResult.MISS, LookupResult.PENDING
         # Each (group, block) is asked of the tier at most once per lookup, whatever the

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from kvoffload.jobs import Direction, JobId
 from kvoffload.keys import OffloadKey
-from kvoffload.planner.contract import RequestInfo
+from kvoffload.planner.contract import NO_CONTROLS, RequestControls, RequestInfo
 from kvoffload.planner.store_policy import PolicyRequestState
 
 
@@ -67,6 +67,8 @@ class RequestState:
     """A load of the request failed or was abandoned: it is offered none again
     (``Planner.refuse_loads``)."""
     state_ends: set[int] = field(default_factory=set)
+    controls: RequestControls = NO_CONTROLS
+    """What the request allows: caps on the tokens stored and loaded (``set_controls``)."""
     policy: PolicyRequestState = field(default_factory=PolicyRequestState)
     """What the store policy keeps for the request (``kvoffload.planner.store_policy``)."""
 

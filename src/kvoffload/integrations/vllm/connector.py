@@ -1,4 +1,4 @@
-"""``KVOffloadConnector``: kvoffload as a vLLM v1 KV connector (vLLM 0.32.x).
+"""``KVOffloadConnector``: kvoffload as a vLLM v1 KV connector (vLLM 0.32.x and 0.33.x).
 
 Loaded by vLLM from ``--kv-transfer-config``::
 
@@ -45,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvoffload.integrations.vllm.compat import check_engine_features
 from kvoffload.integrations.vllm.metadata import KVOffloadMetadata
 from kvoffload.integrations.vllm.options import ConnectorOptions
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
@@ -68,6 +69,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.options = ConnectorOptions.from_extra_config(extra)
         num_workers = check_parallelism(vllm_config.parallel_config)
+        check_engine_features(vllm_config, kv_cache_config)
         self.layout = translate(kv_cache_config)
         self.offload_config = self.layout.offload_config(self.options, num_workers)
         self.tier_config = with_model_id(self.options.tier_config, vllm_config)
@@ -83,7 +85,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side = SchedulerSide(
                 self.offload_config,
                 enable_events=bool(events is not None and events.enable_kv_cache_events),
-                tiers=self.tier_config)
+                tiers=self.tier_config, load_deadline_s=self.options.load_deadline_s)
         else:
             rank = int(vllm_config.parallel_config.rank) % num_workers
             self.worker_side = WorkerSide(self.offload_config, self.layout.layer_names,
@@ -110,6 +112,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker_side is None:
             raise RuntimeError("worker-side call on a SCHEDULER-role KVOffloadConnector")
         return self.worker_side
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33 asks at start-up; False makes it refuse ``--enable-sleep-mode``
+        (the worker keeps views of the caches: ``compat``)."""
+        return False
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

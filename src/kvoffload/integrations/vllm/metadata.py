@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvoffload.jobs import StepPlan, WorkerReport
+from kvoffload.jobs import JobId, StepPlan, WorkerReport
 
 
 @dataclass
@@ -26,11 +26,17 @@ class KVOffloadMetadata(KVConnectorMetadata):
             WAITING_FOR_REMOTE_KVS whose load ended without a transfer job (the blocks
             were evicted between lookup and allocation, or a cache reset dropped the job
             before it reached the workers). Every worker reports them as finished
-            receiving (and, if failed, as failed receiving) in this step.
+            receiving (and, if failed, as failed receiving) in this step. Loads given up
+            at their deadline are announced here too, as failed.
+        abandoned_loads: load jobs given up at their deadline (``load_deadline_s``).
+            Their requests are in ``resolved_loads`` now; when such a job's copy ends
+            later, the worker reports it to the scheduler side (which releases its
+            blocks) but never to vLLM again.
     """
 
     plan: StepPlan = field(default_factory=StepPlan)
     resolved_loads: tuple[tuple[str, bool], ...] = ()
+    abandoned_loads: tuple[JobId, ...] = ()
 
 
 @dataclass

@@ -23,6 +23,10 @@ Keys (all optional except ``host_memory_bytes``):
                             for what is readable (default 64) ...
 ``min_deferral_s``          ... and not before this many seconds (default 0.5): an idle
                             vLLM steps faster than a disk or Redis tier answers.
+``load_deadline_s``         Seconds vLLM waits for a load before it gives up and
+                            recomputes the request (default 30; ``null``: wait for
+                            ever). The late copy still lands: its blocks stay reserved
+                            until it does, and nobody reads it.
 ``disk_path``, ...          The lower tiers' settings: every option of
                             ``kvoffload.tiers.config.OPTION_HELP`` except ``tier_order``
                             (the ``tiers`` list gives the order). ``"disk"`` in ``tiers``
@@ -49,6 +53,11 @@ AVAILABLE_TIERS = ("host", "disk", "remote")
 TIER_OPTIONS = tuple(key for key in OPTION_HELP if key != "tier_order")
 """Lower-tier keys the connector accepts, passed to ``TierConfig.from_options``."""
 _TIER_ENABLER = {"disk": "disk_path", "remote": "remote_url"}
+DEFAULT_LOAD_DEADLINE_S = 30.0
+"""A load from host memory takes milliseconds and one from disk or Redis well under a
+second; one that is still running after 30 s is stuck (a hung disk or network), and
+recomputing beats waiting longer."""
+MAX_LOAD_DEADLINE_S = 86_400.0
 
 @dataclass(frozen=True)
 class ConnectorOptions:
@@ -60,6 +69,7 @@ class ConnectorOptions:
     tiers: tuple[str, ...] = ("host",)
     max_deferred_steps: int = 64
     min_deferral_s: float = 0.5
+    load_deadline_s: float | None = DEFAULT_LOAD_DEADLINE_S
     tier_config: TierConfig = field(default_factory=TierConfig)
     """The lower tiers (none by default); ``model_id`` empty until the connector fills it."""
 
@@ -68,7 +78,7 @@ class ConnectorOptions:
         """Parse and validate ``kv_connector_extra_config``; raise ``ConfigError``."""
         extra = dict(extra or {})
         known = {"host_memory_bytes", "eviction_policy", "block_size_factor", "tiers",
-                 "max_deferred_steps", "min_deferral_s", *TIER_OPTIONS}
+                 "max_deferred_steps", "min_deferral_s", "load_deadline_s", *TIER_OPTIONS}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"{PREFIX}.{unknown[0]}", "is not a kvoffload option",
@@ -93,12 +103,24 @@ class ConnectorOptions:
                                  "Use a small positive number of steps, e.g. 64.")
         min_deferral = checked_min_deferral_s(extra.get("min_deferral_s", 0.5),
                                               f"{PREFIX}.min_deferral_s")
+        deadline = _load_deadline(extra.get("load_deadline_s", DEFAULT_LOAD_DEADLINE_S))
         tiers = _tiers(extra.get("tiers", ["host"]))
         tier_config = _tier_config(tiers, {k: v for k, v in extra.items() if k in TIER_OPTIONS})
         return cls(host_memory_bytes=memory, eviction_policy=policy,
                    block_size_factor=factor, tiers=tiers, max_deferred_steps=deferred,
-                   min_deferral_s=min_deferral,
+                   min_deferral_s=min_deferral, load_deadline_s=deadline,
                    tier_config=tier_config)
+
+
+def _load_deadline(value: object) -> float | None:
+    field = f"{PREFIX}.load_deadline_s"
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value <= MAX_LOAD_DEADLINE_S:
+        raise ConfigError(field, f"must be seconds in (0, {MAX_LOAD_DEADLINE_S:g}] or null, "
+                          f"got {value!r}", "Use e.g. 30, or null to wait for every load.")
+    return float(value)
 
 
 def _positive_int(value: object, field: str, fix: str) -> int:

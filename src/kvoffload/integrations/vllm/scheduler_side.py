@@ -15,21 +15,33 @@ planner's outcomes back onto vLLM's expectations:
   allocation, or dropped by a cache reset) is announced through ``resolved_loads`` in the
   next metadata instead, so each waiting request is released exactly once;
 * a request whose load failed is not offered a load again (the planner answers 0): vLLM
-  recomputes it.
+  recomputes it;
+* a load that has not ended ``load_deadline_s`` seconds after it was handed to the
+  workers is given up (``Planner.abandon_load``): it is announced to vLLM as failed
+  through ``resolved_loads`` (vLLM frees the request's blocks and recomputes it into
+  others) and named in ``abandoned_loads``, so its late end reaches the planner only. The
+  engine blocks the late copy still writes are held out of vLLM's free queue (one
+  reference each in vLLM's block pool, ``BlockPool.touch``) until the planner releases
+  the job (``ReportOutcome.released_loads``), so vLLM cannot hand them to anyone, and the
+  recompute never waits for the copy. (vLLM reuses uncached blocks first: without the
+  hold, the recompute would be handed exactly those blocks and its first step would
+  have to wait for the late copy, through the planner's fence.)
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvoffload.config import OffloadConfig
 from kvoffload.integrations.vllm.events import to_vllm_events
 from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
+from kvoffload.integrations.vllm.request_params import request_controls
 from kvoffload.integrations.vllm.stats import KVOffloadStats, StatsCollector
-from kvoffload.jobs import WorkerReport
-from kvoffload.planner.contract import ReportOutcome, ScheduledRequest, StepInput
+from kvoffload.jobs import JobId, WorkerReport
+from kvoffload.planner.contract import NO_CONTROLS, ReportOutcome, ScheduledRequest, StepInput
 from kvoffload.planner.planner import Planner
 from kvoffload.tiers.config import TierConfig
 from kvoffload.tiers.factory import make_tier
@@ -41,11 +53,14 @@ class SchedulerSide:
     """The scheduler half of the connector (see the module docstring)."""
 
     def __init__(self, config: OffloadConfig, *, enable_events: bool = False,
-                 tiers: TierConfig | None = None) -> None:
+                 tiers: TierConfig | None = None, load_deadline_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """Args:
             config: the offload configuration the workers share.
             enable_events: publish KV-cache events for what the tiers hold.
             tiers: lower tiers (disk, remote) behind host memory; None: host only.
+            load_deadline_s: seconds a load may run before it is given up; None: never.
+            clock: the time source of the deadline.
         """
         self.config = config
         self.tier = make_tier(config, tiers, enable_events=enable_events)
@@ -56,8 +71,17 @@ class SchedulerSide:
         self._windowed = tuple(g.index for g in config.resolved if g.is_windowed)
         self._empty_ids: tuple[tuple[int, ...], ...] = ((),) * self._num_groups
         self._managers: Sequence[Any] | None = None
+        self._block_pool: Any = None
+        self._held_blocks: dict[JobId, list[Any]] = {}
+        """vLLM blocks kept out of its free queue while a given-up load still writes them."""
         self._loads_at_workers: set[str] = set()
         self._resolved: list[tuple[str, bool]] = []
+        self._load_deadline_s = load_deadline_s
+        self._clock = clock
+        self._load_started: dict[str, float] = {}
+        """Request id -> when its load went to the workers (loads in flight only)."""
+        self.num_abandoned_loads = 0
+        """Loads given up at their deadline so far."""
         self.num_preempted = 0
         """Requests vLLM preempted so far (each preemption counts)."""
         self._stats = StatsCollector()
@@ -65,12 +89,18 @@ class SchedulerSide:
     def bind_kv_cache_manager(self, manager: Any) -> None:
         """Keep vLLM's per-group block managers, to read freed (null) positions."""
         self._managers = manager.coordinator.single_type_managers
+        self._block_pool = manager.block_pool
 
     # -- lookup and allocation -----------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
-        """Remember vLLM's request object: scheduler outputs name requests by id only."""
+        """Remember vLLM's request object (scheduler outputs name requests by id only) and
+        apply its ``kv_transfer_params`` controls (``request_params``)."""
         self._requests[request.request_id] = request
+        controls = request_controls(request.request_id,
+                                    getattr(request, "kv_transfer_params", None))
+        if controls is not NO_CONTROLS:
+            self.planner.set_controls(request, controls)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
                                    ) -> tuple[int | None, bool]:
@@ -89,15 +119,44 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output: Any) -> KVOffloadMetadata:
         """This step's plan for the workers (vLLM calls it once per step, after scheduling)."""
+        abandoned = self._abandon_late_loads()
         step = self.step_input(scheduler_output)
         plan = self.planner.build_step_plan(step)
         # Loads that ended before reaching a worker (evicted since lookup, reset).
         self._route(self.planner.update_from_worker_reports(()))
+        now = self._clock()
         for job in plan.loads:
             self._loads_at_workers.add(job.request_id)
+            self._load_started[job.request_id] = now
         resolved = tuple(self._resolved)
         self._resolved = []
-        return KVOffloadMetadata(plan=plan, resolved_loads=resolved)
+        return KVOffloadMetadata(plan=plan, resolved_loads=resolved,
+                                 abandoned_loads=abandoned)
+
+    def _abandon_late_loads(self) -> tuple[JobId, ...]:
+        """Give up the loads at the workers for longer than the deadline (module
+        docstring); their requests go to ``resolved_loads`` as failed."""
+        if self._load_deadline_s is None or not self._load_started:
+            return ()
+        due = self._clock() - self._load_deadline_s
+        abandoned: list[JobId] = []
+        for rid, started in list(self._load_started.items()):
+            if started > due:
+                continue
+            del self._load_started[rid]
+            request = self._requests.get(rid)
+            job_id = None if request is None else self.planner.abandon_load(request)
+            if job_id is None:
+                continue
+            self._loads_at_workers.discard(rid)
+            self._resolved.append((rid, True))
+            self._hold_blocks(job_id)
+            abandoned.append(job_id)
+            self.num_abandoned_loads += 1
+            logger.warning("kvoffload: the load of request %s did not end within "
+                           "load_deadline_s=%g s; vLLM recomputes the request", rid,
+                           self._load_deadline_s)
+        return tuple(abandoned)
 
     def step_input(self, so: Any) -> StepInput:
         """vLLM's ``SchedulerOutput`` as the planner's ``StepInput``."""
@@ -149,8 +208,22 @@ class SchedulerSide:
             self._stats.add_transfer(report.stats)
         self._route(self.planner.update_from_worker_reports(reports))
 
+    def _hold_blocks(self, job_id: JobId) -> None:
+        """Take a reference on the vLLM blocks given-up load ``job_id`` writes."""
+        pool = self._block_pool
+        if pool is None:
+            return
+        blocks = [pool.blocks[b] for b in self.planner.job_block_ids(job_id) if b]
+        pool.touch(blocks)
+        self._held_blocks[job_id] = blocks
+
     def _route(self, outcome: ReportOutcome) -> None:
-        """Announce loads that ended without a worker job through the next metadata."""
+        """Give back the blocks of released loads; announce loads that ended without a
+        worker job through the next metadata."""
+        for job_id in outcome.released_loads:
+            held = self._held_blocks.pop(job_id, None)
+            if held is not None:
+                self._block_pool.free_blocks(held)
         if not outcome.finished_loads:
             return
         failed = {f.request_id for f in outcome.failed_loads}
@@ -158,6 +231,7 @@ class SchedulerSide:
             if rid in self._loads_at_workers:
                 # The worker that ran (or runs) the job tells vLLM itself.
                 self._loads_at_workers.discard(rid)
+                self._load_started.pop(rid, None)
             else:
                 self._resolved.append((rid, rid in failed))
 
@@ -166,6 +240,7 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> None:
         """The request ended; vLLM may free its blocks now (the planner fences them)."""
         self._requests.pop(request.request_id, None)
+        self._load_started.pop(request.request_id, None)
         self.planner.request_finished(request)
 
     def take_events(self) -> list[Any]:

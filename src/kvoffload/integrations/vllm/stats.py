@@ -35,6 +35,7 @@ COUNTERS: dict[str, str] = {
     "load_jobs": "Load jobs (host -> engine) issued.",
     "store_jobs": "Store jobs (engine -> host) issued.",
     "failed_loads": "Loads that failed; vLLM recomputed those tokens.",
+    "abandoned_loads": "Loads given up at load_deadline_s; vLLM recomputed those tokens.",
     "failed_stores": "Stores that failed; their host slots were freed.",
     "store_retries": "Stores postponed because the host tier had no evictable room.",
     "cold_keys": "Host blocks stored cold (first to evict) by the value policy's "
@@ -134,6 +135,7 @@ class StatsCollector:
             "load_jobs": planner.load_jobs,
             "store_jobs": planner.store_jobs,
             "failed_loads": planner.failed_loads,
+            "abandoned_loads": planner.abandoned_loads,
             "failed_stores": planner.failed_stores,
             "store_retries": planner.store_retries,
             "cold_keys": planner.cold_stored_keys,

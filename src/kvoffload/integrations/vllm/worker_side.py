@@ -28,7 +28,9 @@ counted in ``same_step_flushes``.
 
 A load is reported to vLLM as finished receiving when the transfer worker reports it
 (as failed receiving too, when it failed); vLLM then recomputes (with
-``kv_load_failure_policy="recompute"``) or fails the request.
+``kv_load_failure_policy="recompute"``) or fails the request. A load the scheduler side
+gave up at its deadline arrives in ``resolved_loads`` as failed and in
+``abandoned_loads``: its late end is reported to the scheduler side only.
 """
 
 from __future__ import annotations
@@ -157,6 +159,10 @@ class WorkerSide:
 
         Also queues the poll's report for ``take_worker_meta``.
         """
+        if meta is not None:
+            for job_id in meta.abandoned_loads:
+                # vLLM recomputes the request already; the late copy is for the planner.
+                self._loads.pop(job_id, None)
         report = self.worker.poll()
         finished: set[str] = set()
         failed: set[str] = set()

