@@ -1,10 +1,10 @@
 """Scheduler-side cost per engine step: kvoffload's connector vs vLLM's OffloadingConnector.
 
-Both connectors run inside vLLM 0.32's real ``Scheduler`` (platform-neutral, so this runs
-on a CPU-only machine), fed the same synthetic requests: prompts that share a few long
-system prefixes, chunked prefill, decode, requests finishing and new ones arriving, then
-the same prompts again after vLLM's own prefix cache is dropped, so the second pass is
-served by the connector. No model runs: a fake worker samples one token per request that
+Both connectors run inside vLLM's real ``Scheduler`` (0.32 in .venv, 0.33 in .venv-vllm033;
+platform-neutral, so this runs on a CPU-only machine), fed the same synthetic requests:
+prompts that share a few long system prefixes, chunked prefill, decode, requests finishing
+and new ones arriving, then the same prompts again after vLLM's own prefix cache is
+dropped, so the second pass is served by the connector. No model runs: a fake worker samples one token per request that
 finished its prefill, and completes every transfer job of a step at the end of that step
 (the cheapest possible worker, so only scheduler-side work is measured).
 
@@ -15,6 +15,7 @@ ratio kvoffload / vLLM, measured in the same run, for a full-attention layout an
 hybrid one (sliding window + full attention, like gpt-oss).
 
     .venv/bin/python benchmarks/vllm_planner_overhead.py [--requests 192] [--repeat 5]
+    VLLM_TARGET_DEVICE=cpu .venv-vllm033/bin/python benchmarks/vllm_planner_overhead.py
 
 Goal: ratio <= 1 (kvoffload costs no more than vLLM's own scheduler side).
 """

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvoffload.config import OffloadConfig
+from kvoffload.planner.contract import RequestControls
 from support.sim_engine import SimEngine
 from support.strategies import draw_groups
 
@@ -54,12 +55,15 @@ class PlannerMachine(RuleBasedStateMachine):
 
     @rule(prefix=st.integers(0, 2), shared=st.sampled_from([0, 6, 13, 24, 40]),
           extra=st.integers(0, 12),
-          out=st.integers(0, 8))
-    def new_request(self, prefix: int, shared: int, extra: int, out: int) -> None:
+          out=st.integers(0, 8),
+          max_store=st.one_of(st.none(), st.none(), st.integers(0, 40)),
+          max_load=st.one_of(st.none(), st.none(), st.integers(0, 40)))
+    def new_request(self, prefix: int, shared: int, extra: int, out: int, *
+                    max_store: int | None, max_load: int | None) -> None:
         tokens = self.prefixes[prefix][:shared] + [self.rng.randrange(50) for _ in range(extra)]
         if not tokens:
             tokens = [1]
-        self.engine.add_request(tokens, out)
+        self.engine.add_request(tokens, out, RequestControls(max_store, max_load))
 
     @precondition(lambda self: bool(self.engine.requests))
     @rule(data=st.data(), extra=st.integers(0, 6), out=st.integers(0, 4))

@@ -24,7 +24,7 @@ from typing import Protocol
 from kvoffload.config import GroupKind, OffloadConfig
 from kvoffload.jobs import NULL_BLOCK_ID, Direction, JobId, StepPlan, TransferJob, WorkerReport
 from kvoffload.keys import BlockHash, BlockHasher
-from kvoffload.planner.contract import ScheduledRequest, StepInput
+from kvoffload.planner.contract import NO_CONTROLS, RequestControls, ScheduledRequest, StepInput
 from kvoffload.planner.planner import Planner
 from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.host import HostTier
@@ -54,6 +54,7 @@ class SimRequest:
     resumed: bool = False
     deferrals: int = 0
     planned_end: int = 0
+    controls: RequestControls = NO_CONTROLS
 
     def __post_init__(self) -> None:
         self.hasher.extend(self.block_hashes, self.tokens)
@@ -294,10 +295,14 @@ class SimEngine:
 
     # ------------------------------------------------------------ requests
 
-    def add_request(self, tokens: list[int], max_new_tokens: int) -> SimRequest:
+    def add_request(self, tokens: list[int], max_new_tokens: int,
+                    controls: RequestControls = NO_CONTROLS) -> SimRequest:
         rid = f"r{len(self.requests)}"
-        req = SimRequest(rid, list(tokens), len(tokens), max_new_tokens, self.hasher)
+        req = SimRequest(rid, list(tokens), len(tokens), max_new_tokens, self.hasher,
+                         controls=controls)
         self.requests[rid] = req
+        if controls is not NO_CONTROLS:
+            self.planner.set_controls(req, controls)
         return req
 
     def _finish(self, req: SimRequest) -> None:
@@ -338,6 +343,10 @@ class SimEngine:
         req.deferrals = 0
         hits = result.num_tokens
         end = local + hits
+        cap = req.controls.max_load_tokens
+        if cap is not None and hits > cap:
+            raise RuleViolation(f"rule 9: {req.request_id} offered {hits} tokens, "
+                                f"max_load_tokens is {cap}")
         if hits:
             if end % self.config.hit_alignment:
                 raise RuleViolation(f"rule 5: hit end {end} not aligned")
@@ -458,6 +467,14 @@ class SimEngine:
         for job in (*plan.stores, *plan.loads):
             for t in job.groups:
                 t.validate(self.groups[t.group].factor)
+        for job in plan.stores:
+            cap = self.requests[job.request_id].controls.max_store_tokens
+            for t in job.groups:
+                block_size = self.groups[t.group].spec.block_size
+                end = (t.first_block_index + len(t.block_ids)) * block_size
+                if cap is not None and end > cap:
+                    raise RuleViolation(f"rule 9: store of {job.request_id} reaches token "
+                                        f"{end}, max_store_tokens is {cap}")
 
     def _check_tier(self) -> None:
         """Rule 1: readable keys were stored by jobs every worker completed."""
