@@ -4,9 +4,10 @@ Both connectors run inside vLLM's real ``Scheduler`` (0.32 in .venv, 0.33 in .ve
 platform-neutral, so this runs on a CPU-only machine), fed the same synthetic requests:
 prompts that share a few long system prefixes, chunked prefill, decode, requests finishing
 and new ones arriving, then the same prompts again after vLLM's own prefix cache is
-dropped, so the second pass is served by the connector. No model runs: a fake worker samples one token per request that
-finished its prefill, and completes every transfer job of a step at the end of that step
-(the cheapest possible worker, so only scheduler-side work is measured).
+dropped, so the second pass is served by the connector. No model runs: a fake worker
+samples one token per request that finished its prefill, and completes every transfer job
+of a step at the end of that step (the cheapest possible worker, so only scheduler-side
+work is measured).
 
 Every scheduler-side method vLLM calls on the connector is timed (lookups, allocation
 updates, building the step's metadata, completion handling, request end, events, stats,
