@@ -98,6 +98,18 @@ def test_two_engines_share_a_prefix_through_redis(
                            prompts)
 
 
+def test_two_engines_share_a_prefix_through_a_redis_cluster(
+        tiny_model: Callable[[str], Path]) -> None:
+    from integration.vllm_kit import random_prompts
+    from tiers.cluster_kit import redis_cluster
+
+    prompts = random_prompts([100, 161, 230], seed=33)
+    with redis_cluster() as cluster:
+        extra = tier_extra(remote=cluster.url) | {"remote_cluster": True}
+        second_engine_hits(tiny_model("llama"), extra, "remote", prompts)
+        assert all(cluster.dbsize(m) > 0 for m in cluster.masters())
+
+
 def test_damaged_block_files_are_misses_and_outputs_are_recomputed(
         tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
     from integration.vllm_kit import engine, random_prompts

@@ -58,7 +58,7 @@ class PlannerMachine(RuleBasedStateMachine):
           out=st.integers(0, 8),
           max_store=st.one_of(st.none(), st.none(), st.integers(0, 40)),
           max_load=st.one_of(st.none(), st.none(), st.integers(0, 40)))
-    def new_request(self, prefix: int, shared: int, extra: int, out: int, *
+    def new_request(self, prefix: int, shared: int, extra: int, out: int, *,
                     max_store: int | None, max_load: int | None) -> None:
         tokens = self.prefixes[prefix][:shared] + [self.rng.randrange(50) for _ in range(extra)]
         if not tokens:

@@ -1,6 +1,6 @@
 """One engine process for the restart and sharing tests: serve prompts, print stats.
 
-    python -m tiers.engine_proc --disk DIR --remote URL --prompts 1,2 --extend 3
+    python -m tiers.engine_proc --disk DIR --remote URL [--remote-cluster] --prompts 1,2 --extend 3
 
 Builds the simulated engine with the real planner, a ``CascadeTier`` and two real
 ``TransferWorker`` ranks with tier I/O, serves the prompts (seeded token lists, each
@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--disk")
     parser.add_argument("--remote")
+    parser.add_argument("--remote-cluster", action="store_true",
+                        help="--remote names one node of a Redis Cluster")
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--extend", type=int, default=0)
     parser.add_argument("--length", type=int, default=40)
@@ -36,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         disk=DiskTierConfig(args.disk, 1 << 30, write_mode=WriteMode.WRITE_THROUGH,
                             io_threads=2, fsync=True) if args.disk else None,
         remote=RemoteTierConfig(args.remote, io_threads=2, max_connections=4,
-                                negative_ttl_s=0.0) if args.remote else None)
+                                negative_ttl_s=0.0, cluster=args.remote_cluster)
+        if args.remote else None)
     hits = []
     with tiered_engine(hybrid_config(host_slots=args.host_slots), tiers) as engine:
         for seed in (int(s) for s in args.prompts.split(",")):

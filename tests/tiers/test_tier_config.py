@@ -114,7 +114,7 @@ def test_block_names_round_trip() -> None:
     assert path == f"/root/ns/rank1/01/{key.hex()}.kvb"
     assert key_of_file_name(path.rsplit("/", 1)[1]) == key
     assert key_of_file_name(f"{key.hex()}.kvb.12.34.tmp") is None
-    assert remote_key("ns", 1, key) == b"kvo:ns:1:" + key
+    assert remote_key("ns", 1, key) == b"kvo:ns:{" + key.hex().encode() + b"}:1"
 
 
 # -- framing --------------------------------------------------------------------------------

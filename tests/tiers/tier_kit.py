@@ -146,13 +146,14 @@ def disk_tiers(path: str | Path, *, capacity: int = 1 << 30,
 
 def remote_tiers(url: str, *, mode: WriteMode = WriteMode.WRITE_THROUGH,
                  retry_interval_s: float = 0.3, negative_ttl_s: float = 0.0,
-                 timeout_s: float = 0.5) -> TierConfig:
+                 timeout_s: float = 0.5, cluster: bool = False) -> TierConfig:
     return TierConfig(model_id="test-model",
                       remote=RemoteTierConfig(url, write_mode=mode, io_threads=2,
                                               max_connections=4, timeout_s=timeout_s,
                                               connect_timeout_s=timeout_s,
                                               retry_interval_s=retry_interval_s,
-                                              negative_ttl_s=negative_ttl_s))
+                                              negative_ttl_s=negative_ttl_s,
+                                              cluster=cluster))
 
 
 # -- the engine ----------------------------------------------------------------------------

@@ -136,6 +136,9 @@ class RemoteTierConfig:
             asks again (another engine may have stored the block since).
         batch_blocks: blocks per pipelined round trip.
         max_known_keys: existence answers remembered by the scheduler (oldest dropped).
+        cluster: ``url`` names one node of a Redis Cluster (or Valkey cluster): the tier
+            finds the others, spreads blocks over every master by hash slot and follows
+            resharding and failover. Standalone server when False (the default).
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -148,9 +151,14 @@ class RemoteTierConfig:
     negative_ttl_s: float = 1.0
     batch_blocks: int = 16
     max_known_keys: int = 1_000_000
+    cluster: bool = False
 
     def __post_init__(self) -> None:
         check_remote_url(self.url)
+        if self.cluster and self.url.lower().startswith("unix://"):
+            raise ConfigError("remote_cluster", "is true with a unix:// socket URL",
+                              "Give one cluster node as redis://host:port, or set "
+                              "remote_cluster to false.")
         if not 1 <= self.io_threads <= MAX_IO_THREADS:
             raise ConfigError("remote_io_threads", f"must be >= 1 and at most "
                               f"{MAX_IO_THREADS}, got {self.io_threads}",
@@ -263,6 +271,9 @@ class TierConfig:
                 if f.name in ("url", "write_mode") or key not in opts:
                     continue
                 current = getattr(base, f.name)
+                if isinstance(current, bool):
+                    kwargs[f.name] = _parse_bool(opts[key], key)
+                    continue
                 kwargs[f.name] = (_int(opts[key], key) if isinstance(current, int)
                                   else _float(opts[key], key))
             remote = RemoteTierConfig(**kwargs)  # type: ignore[arg-type]
@@ -332,6 +343,7 @@ OPTION_HELP: dict[str, str] = {
     "remote_negative_ttl_s": "trust 'not on the server' answers this long (default 1.0)",
     "remote_batch_blocks": "blocks per pipelined round trip (default 16)",
     "remote_max_known_keys": "existence answers remembered (default 1000000)",
+    "remote_cluster": "true: remote_url is one node of a Redis/Valkey Cluster (default false)",
 }
 """Every string option ``TierConfig.from_options`` accepts, with a one-line help."""
 

@@ -66,5 +66,10 @@ def key_of_file_name(name: str) -> bytes | None:
 
 
 def remote_key(ns: str, rank: int, key: bytes) -> bytes:
-    """The Redis key of ``key`` for ``rank``: ``kvo:<ns>:<rank>:`` then the raw key bytes."""
-    return b"kvo:%s:%d:%s" % (ns.encode(), rank, key)
+    """The Redis key of ``key`` for ``rank``: ``kvo:<ns>:{<key hex>}:<rank>``.
+
+    The braces are a Redis Cluster hash tag: every rank's copy of one block hashes to the
+    same slot, so one multi-key ``EXISTS`` can ask for all of them on one shard, while
+    different blocks spread evenly over the slots (and so over every master).
+    """
+    return b"kvo:%s:{%s}:%d" % (ns.encode(), key.hex().encode(), rank)

@@ -59,6 +59,8 @@ def connect(remote: RemoteTierConfig, max_connections: int) -> Any:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("the remote tier needs redis-py: pip install 'kvoffload[redis]'") \
             from exc
+    if remote.cluster:
+        return _connect_cluster(remote, max_connections)
     pool = redis.BlockingConnectionPool.from_url(
         remote.url, max_connections=max_connections, timeout=remote.timeout_s,
         socket_timeout=remote.timeout_s, socket_connect_timeout=remote.connect_timeout_s,
@@ -66,14 +68,34 @@ def connect(remote: RemoteTierConfig, max_connections: int) -> Any:
     return redis.Redis(connection_pool=pool)
 
 
+def _connect_cluster(remote: RemoteTierConfig, max_connections: int) -> Any:
+    """A redis-py ``RedisCluster`` seeded by ``remote.url`` (one node; the client reads the
+    slot map from it). Slots without a master (one lost, its replica not promoted yet)
+    make their commands fail, which the tier counts as unreachable, never as data:
+    ``require_full_coverage=False`` keeps the other shards serving. Each node gets a pool
+    of ``max_connections``."""
+    from redis.backoff import NoBackoff
+    from redis.cluster import RedisCluster
+    from redis.retry import Retry
+
+    return RedisCluster.from_url(
+        remote.url, max_connections=max_connections, socket_timeout=remote.timeout_s,
+        socket_connect_timeout=remote.connect_timeout_s, require_full_coverage=False,
+        retry=Retry(NoBackoff(), 1))
+
+
 def remote_errors() -> tuple[type[BaseException], ...]:
-    """Connection and timeout errors of redis-py, plus ``OSError``."""
+    """Connection, timeout and cluster-availability errors of redis-py, plus ``OSError``."""
     try:
+        from redis.exceptions import ClusterDownError, ClusterError, RedisClusterException
         from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.exceptions import TimeoutError as RedisTimeoutError
     except ImportError:  # pragma: no cover - depends on the environment
         return REMOTE_ERRORS
-    return (*REMOTE_ERRORS, RedisConnectionError, RedisTimeoutError)
+    # Cluster errors: no master for a slot (failover in progress), or the slot map could
+    # not be read; they pass like an unreachable server.
+    return (*REMOTE_ERRORS, RedisConnectionError, RedisTimeoutError, ClusterDownError,
+            ClusterError, RedisClusterException)
 
 
 @dataclass(slots=True)
@@ -257,6 +279,7 @@ class RemoteIndex(LowerTier):
 
     def _run(self) -> None:
         client: Any = None
+        stale_slots = False
         while True:
             with self._cond:
                 while not self._queued and not self._closed:
@@ -270,8 +293,14 @@ class RemoteIndex(LowerTier):
             try:
                 if client is None:
                     client = self._factory()
+                elif stale_slots:
+                    # A cluster node failed or moved slots: read the slot map again (from
+                    # any node the client knows).
+                    client.nodes_manager.initialize()
+                stale_slots = False
                 counts = self._exists(client, batch)
             except self._errors as exc:
+                stale_slots = self.settings.cluster
                 with self._cond:
                     self._probing.difference_update(batch)
                     self._queued.clear()  # asked again once the tier is retried

@@ -59,6 +59,7 @@ class RemoteStore(BlockStore):
         self._clock = clock
         self._lock = threading.Lock()
         self._down_until = 0.0
+        self._stale_slots = False
 
     def _rkey(self, key: bytes) -> bytes:
         return remote_key(self.namespace, self.rank, key)
@@ -66,11 +67,37 @@ class RemoteStore(BlockStore):
     # -- BlockStore ---------------------------------------------------------------------
 
     def put(self, items: Sequence[tuple[bytes, BytesLike]]) -> list[bool]:
-        """One pipelined round trip of ``SET``s. The commands are packed here so that each
-        payload goes to the socket straight from its host slot (redis-py's pipeline would
-        need header and payload joined into one copy first); the connection, its pool,
-        timeouts and reply parsing are redis-py's."""
+        """One pipelined round trip of ``SET``s per server (one for a standalone server, one
+        per master that owns some of the blocks on a cluster). The commands are packed
+        here so that each payload goes to the socket straight from its host slot (redis-py's
+        pipeline would need header and payload joined into one copy first); connections,
+        their pools, timeouts and reply parsing are redis-py's.
+
+        On a cluster, a ``MOVED``/``ASK`` reply (the slot moved since the client read the
+        slot map) leaves that block unwritten (a future miss) and makes the next call read
+        the slot map again."""
         self._check_up()
+        if not self.settings.cluster:
+            return self._put_on(self._client.connection_pool, items)
+        by_node: dict[str, list[int]] = {}
+        nodes: dict[str, Any] = {}
+        try:
+            for i, (key, _) in enumerate(items):
+                node = self._client.get_node_from_key(self._rkey(key))
+                nodes[node.name] = node
+                by_node.setdefault(node.name, []).append(i)
+        except self._errors as exc:
+            self._went_down(exc)
+        out = [False] * len(items)
+        for name, indices in by_node.items():
+            pool = nodes[name].redis_connection.connection_pool
+            for i, ok in zip(indices, self._put_on(pool, [items[i] for i in indices]),
+                             strict=True):
+                out[i] = ok
+        return out
+
+    def _put_on(self, pool: Any, items: Sequence[tuple[bytes, BytesLike]]) -> list[bool]:
+        """Pipelined ``SET``s of ``items`` on one connection of ``pool``."""
         chunks: list[BytesLike] = []
         small = bytearray()
         sizes = []
@@ -85,7 +112,7 @@ class RemoteStore(BlockStore):
             small = bytearray(b"\r\n")
             sizes.append(data.nbytes)
         chunks.append(bytes(small))
-        replies = self._round_trip(chunks, len(items))
+        replies = self._round_trip(pool, chunks, len(items))
         out = []
         for (key, _), reply, size in zip(items, replies, sizes, strict=True):
             ok = reply == b"OK"
@@ -93,6 +120,8 @@ class RemoteStore(BlockStore):
                 self._count(writes=1, written_bytes=size)
             else:
                 self._count(write_errors=1)
+                if _is_redirect(reply):
+                    self._stale_slots = True
                 logger.debug("remote tier: SET of %s refused: %r", key.hex()[:16], reply)
             out.append(ok)
         return out
@@ -163,13 +192,19 @@ class RemoteStore(BlockStore):
         with self._lock:
             if self._clock() < self._down_until:
                 raise TierUnavailable("remote tier skipped: unreachable moments ago")
+            refresh, self._stale_slots = self._stale_slots, False
+        if refresh:
+            # A cluster's slot map changed (a redirect, or a node lost): read it again.
+            try:
+                self._client.nodes_manager.initialize()
+            except self._errors as exc:
+                self._went_down(exc)
 
-    def _round_trip(self, chunks: Sequence[BytesLike], replies: int) -> list[Any]:
-        """Send packed commands on one pooled connection; read ``replies`` replies (an
+    def _round_trip(self, pool: Any, chunks: Sequence[BytesLike], replies: int) -> list[Any]:
+        """Send packed commands on one connection of ``pool``; read ``replies`` replies (an
         error reply, e.g. the server out of memory, is returned, not raised)."""
         from redis.exceptions import ResponseError
 
-        pool = self._client.connection_pool
         try:
             conn = pool.get_connection()
         except self._errors as exc:
@@ -198,4 +233,13 @@ class RemoteStore(BlockStore):
     def _went_down(self, exc: BaseException) -> NoReturn:
         with self._lock:
             self._down_until = self._clock() + self.settings.retry_interval_s
+            self._stale_slots = self.settings.cluster  # a node may have failed over
         raise TierUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _is_redirect(reply: object) -> bool:
+    """Whether a reply says the slot lives elsewhere or is moving: ``MOVED``/``ASK`` (redis-py
+    raises ``MovedError``, a kind of ``AskError``), ``TRYAGAIN`` or ``CLUSTERDOWN``."""
+    from redis.exceptions import AskError, ClusterDownError, TryAgainError
+
+    return isinstance(reply, (AskError, TryAgainError, ClusterDownError))
