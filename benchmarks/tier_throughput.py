@@ -11,6 +11,11 @@ threads and the same batching, doing only the raw operation:
   tier fsyncs); disk load: ``open``/``readinto``/``close`` of those files;
 * remote store: pipelined ``SET`` of the bare payloads; remote load: pipelined ``GET``.
 
+The remote tier is measured twice: against one standalone server (``remote``: one
+master) and against a Redis Cluster of ``--cluster-masters`` masters started on loopback
+(``cluster``), each against raw ``SET``/``GET`` on the same servers (on the cluster,
+through redis-py's cluster pipeline, which groups commands per master).
+
 Both run in the same process, interleaved (which goes first alternates), several
 repetitions; the ratio is tier throughput / raw throughput per repetition, reported as the
 median. Disk reads come from the page cache for both sides, where the tier's checksum of
@@ -41,6 +46,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -102,6 +108,48 @@ def redis_server(url: str | None) -> Iterator[str]:
         finally:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def redis_cluster(masters: int) -> Iterator[str]:
+    """A Redis Cluster of ``masters`` masters (no replicas) on loopback; yields a seed URL."""
+    binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if binary is None or cli is None:
+        sys.exit("redis-server/redis-cli not found: run scripts/install_redis.sh")
+    with tempfile.TemporaryDirectory() as directory:
+        ports, procs = [], []
+        while len(ports) < masters:
+            port = free_port()
+            if port + 10_000 > 65_535:
+                continue  # the cluster bus listens on port + 10000
+            ports.append(port)
+            procs.append(subprocess.Popen(
+                [binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled",
+                 "yes", "--cluster-config-file", f"nodes-{port}.conf", "--save", "",
+                 "--appendonly", "no", "--dir", directory],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        try:
+            for port in ports:
+                for _ in range(200):
+                    done = subprocess.run([cli, "-p", str(port), "PING"], capture_output=True,
+                                          check=False)
+                    if done.stdout.strip() == b"PONG":
+                        break
+                    time.sleep(0.02)
+            subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
+                            "--cluster-replicas", "0", "--cluster-yes"], check=True,
+                           capture_output=True)
+            for _ in range(300):
+                info = subprocess.run([cli, "-p", str(ports[0]), "CLUSTER", "INFO"],
+                                      capture_output=True, check=False).stdout
+                if b"cluster_state:ok" in info:
+                    break
+                time.sleep(0.05)
+            yield f"redis://127.0.0.1:{ports[0]}/0"
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
 
 
 def worker_for(block_bytes: int, num_slots: int, tiers: TierConfig) -> TransferWorker:
@@ -224,17 +272,20 @@ def raw_redis(client: object, names: list[bytes], payloads: list[memoryview],  #
 
 
 def measure(block_kib: int, args: argparse.Namespace, redis_url: str,
-            scratch: str) -> list[Row]:
+            scratch: str, cluster: bool = False) -> list[Row]:
+    """Rows for one block size: disk and remote, or (``cluster``) the remote tier alone
+    on the Redis Cluster ``redis_url`` seeds, named ``cluster``."""
     block = block_kib * KIB
     count = max(4, args.total_mib * 1024 // block_kib)
     disk_dir = os.path.join(scratch, f"tier-{block_kib}")
     raw_dir = os.path.join(scratch, f"raw-{block_kib}")
     tiers = TierConfig(
         model_id="bench",
-        disk=DiskTierConfig(disk_dir, 1 << 40, io_threads=args.threads, fsync=args.fsync),
+        disk=None if cluster else DiskTierConfig(disk_dir, 1 << 40, io_threads=args.threads,
+                                                 fsync=args.fsync),
         remote=RemoteTierConfig(redis_url, io_threads=args.threads,
                                 max_connections=args.threads + 1, timeout_s=30,
-                                batch_blocks=args.batch))
+                                batch_blocks=args.batch, cluster=cluster))
     worker = worker_for(block, 2 * count, tiers)
     io = worker.tier_io
     assert io is not None
@@ -245,14 +296,16 @@ def measure(block_kib: int, args: argparse.Namespace, redis_url: str,
     payloads = [memoryview(arena[i].numpy()) for i in src]  # type: ignore[arg-type]
     buffers = [memoryview(arena[i].numpy()) for i in dst]  # type: ignore[arg-type]
     import redis
+    from redis.cluster import RedisCluster
 
-    client = redis.Redis.from_url(redis_url)
+    client: Any = (RedisCluster.from_url(redis_url) if cluster
+                   else redis.Redis.from_url(redis_url))
     names = [b"raw:%d" % i for i in range(count)]
     nbytes = count * block
     samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
 
     for rep in range(args.repeats):
-        for tier in ("disk", "remote"):
+        for tier in (("remote",) if cluster else ("disk", "remote")):
             if tier == "disk":
                 raw_store = raw_disk_write(raw_dir, payloads, args.threads, args.fsync)
                 raw_load = raw_disk_read(raw_dir, buffers, args.threads)
@@ -282,10 +335,13 @@ def measure(block_kib: int, args: argparse.Namespace, redis_url: str,
             if rep == 0 and not torch.equal(arena[count:], arena[:count]):
                 raise RuntimeError(f"{tier}: loaded bytes differ from the stored ones")
             arena[count:].zero_()
-        client.flushdb()
-        shutil.rmtree(disk_dir, ignore_errors=True)
-        shutil.rmtree(raw_dir, ignore_errors=True)
-        io.stores["disk"].purge()
+        if cluster:
+            client.flushdb(target_nodes=RedisCluster.PRIMARIES)
+        else:
+            client.flushdb()
+            shutil.rmtree(disk_dir, ignore_errors=True)
+            shutil.rmtree(raw_dir, ignore_errors=True)
+            io.stores["disk"].purge()
     worker.shutdown()
     client.close()
 
@@ -293,7 +349,7 @@ def measure(block_kib: int, args: argparse.Namespace, redis_url: str,
     for (tier, op), pairs in samples.items():
         ratios = [raw_s / tier_s for tier_s, raw_s in pairs]
         rows.append(Row(
-            tier=tier, op=op, block_kib=block_kib,
+            tier="cluster" if cluster else tier, op=op, block_kib=block_kib,
             tier_mb_s=nbytes / statistics.median(t for t, _ in pairs) / 1e6,
             raw_mb_s=nbytes / statistics.median(r for _, r in pairs) / 1e6,
             ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios)))
@@ -315,6 +371,9 @@ def main() -> None:
                              "side's files are evicted from the page cache before it reads)")
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--cluster-masters", type=int, default=3,
+                        help="also measure the remote tier on a Redis Cluster of this many "
+                             "masters started on loopback (0: skip)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -324,6 +383,11 @@ def main() -> None:
             tempfile.TemporaryDirectory(dir=args.dir, prefix="kvoffload-bench-") as scratch:
         for size in sizes:
             rows.extend(measure(size, args, url, scratch))
+    if args.cluster_masters > 0:
+        with redis_cluster(args.cluster_masters) as url, \
+                tempfile.TemporaryDirectory(dir=args.dir, prefix="kvoffload-bench-") as scratch:
+            for size in sizes:
+                rows.extend(measure(size, args, url, scratch, cluster=True))
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))
         return

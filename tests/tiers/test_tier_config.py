@@ -60,6 +60,8 @@ def test_string_options_build_both_tiers_with_defaults_and_overrides() -> None:
     ({"remote_url": "redis://h", "remote_io_threads": "20"}, "remote_max_connections"),
     ({"tier_order": "disk,tape"}, "tier_order"),
     ({"dsk_path": "/x"}, "dsk_path"),
+    ({"remote_url": "redis://h", "remote_cluster": "maybe"}, "remote_cluster"),
+    ({"remote_url": "unix:///run/redis.sock", "remote_cluster": "true"}, "remote_cluster"),
 ])
 def test_bad_options_name_the_option_to_fix(options: dict[str, str], field: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -79,6 +81,15 @@ def test_command_line_flags_round_trip() -> None:
     assert tiers.disk == DiskTierConfig("/tmp/kv", 500_000_000, WriteMode.WRITE_THROUGH)
     assert tiers.remote == RemoteTierConfig("redis://127.0.0.1:7000/0")
     assert len(OPTION_HELP) == len([a for a in parser._actions if a.dest.startswith("tier_")])
+
+
+@pytest.mark.parametrize(("value", "cluster"), [("true", True), ("yes", True), (True, True),
+                                              ("false", False), ("0", False)])
+def test_cluster_mode_is_an_option(value: object, cluster: bool) -> None:
+    tiers = TierConfig.from_options({"remote_url": "redis://10.0.0.5:7000",
+                                     "remote_cluster": value})
+    assert tiers.remote is not None and tiers.remote.cluster is cluster
+    assert not TierConfig.from_options({"remote_url": "redis://h"}).remote.cluster  # type: ignore[union-attr]
 
 
 def test_sizes_parse_with_units() -> None:
