@@ -13,12 +13,15 @@ reads as a miss; a value of the wrong size, or whose header or checksum does not
 is deleted and read as a miss; a ``SET`` the server refuses (out of memory) writes as
 ``False``. A connection error or timeout raises ``TierUnavailable`` and makes the store
 refuse further calls at once for ``retry_interval_s`` (so a dead server costs one timeout,
-not one per block); the first call after that tries the server again.
+not one per block); the first call after that tries the server again. A server that
+refuses the credentials (``kvoffload.tiers.remote.auth_failure``) gets one error logged
+and no further call: the store raises ``TierUnavailable`` at once until it is closed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +30,7 @@ from typing import Any, NoReturn
 from kvoffload.tiers.config import RemoteTierConfig
 from kvoffload.tiers.framing import HEADER_BYTES, BytesLike, check, encode_header
 from kvoffload.tiers.naming import remote_key
-from kvoffload.tiers.remote import connect, remote_errors
+from kvoffload.tiers.remote import auth_failure, connect, refused_message, remote_errors
 from kvoffload.worker.block_store import BlockStore, TierUnavailable
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,7 @@ class RemoteStore(BlockStore):
         self._clock = clock
         self._lock = threading.Lock()
         self._down_until = 0.0
+        self._refused = False
 
     def _rkey(self, key: bytes) -> bytes:
         return remote_key(self.namespace, self.rank, key)
@@ -86,6 +90,7 @@ class RemoteStore(BlockStore):
             sizes.append(data.nbytes)
         chunks.append(bytes(small))
         replies = self._round_trip(chunks, len(items))
+        self._check_refused(replies)
         out = []
         for (key, _), reply, size in zip(items, replies, sizes, strict=True):
             ok = reply == b"OK"
@@ -103,6 +108,7 @@ class RemoteStore(BlockStore):
         for key, _ in items:
             pipe.get(self._rkey(key))
         replies = self._execute(pipe)
+        self._check_refused(replies)
         out = []
         damaged = []
         for (key, dest), value in zip(items, replies, strict=True):
@@ -129,7 +135,11 @@ class RemoteStore(BlockStore):
         if damaged:
             try:
                 self._client.delete(*damaged)
-            except self._errors:
+            except Exception as exc:
+                if auth_failure(exc):
+                    self._went_down(exc)
+                if not isinstance(exc, self._errors):
+                    raise
                 logger.debug("remote tier: could not delete damaged blocks", exc_info=True)
         return out
 
@@ -139,8 +149,10 @@ class RemoteStore(BlockStore):
         self._check_up()
         try:
             self._client.delete(*(self._rkey(k) for k in keys))
-        except self._errors as exc:
-            self._went_down(exc)
+        except Exception as exc:
+            if auth_failure(exc) or isinstance(exc, self._errors):
+                self._went_down(exc)
+            raise
 
     def purge(self) -> None:
         """Shared blocks are never purged by one engine (other engines may use them)."""
@@ -161,8 +173,17 @@ class RemoteStore(BlockStore):
 
     def _check_up(self) -> None:
         with self._lock:
+            if self._refused:
+                raise TierUnavailable("remote tier off: the server refused the credentials")
             if self._clock() < self._down_until:
                 raise TierUnavailable("remote tier skipped: unreachable moments ago")
+
+    def _check_refused(self, replies: Sequence[Any]) -> None:
+        """A per-command error reply refusing the credentials (``NOPERM``) stops the store
+        as a refused login does."""
+        for reply in replies:
+            if isinstance(reply, Exception) and auth_failure(reply):
+                self._went_down(reply)
 
     def _round_trip(self, chunks: Sequence[BytesLike], replies: int) -> list[Any]:
         """Send packed commands on one pooled connection; read ``replies`` replies (an
@@ -196,6 +217,17 @@ class RemoteStore(BlockStore):
             self._went_down(exc)
 
     def _went_down(self, exc: BaseException) -> NoReturn:
+        refused = auth_failure(exc)
         with self._lock:
-            self._down_until = self._clock() + self.settings.retry_interval_s
-        raise TierUnavailable(f"{type(exc).__name__}: {exc}") from exc
+            first = refused and not self._refused
+            if refused:
+                self._refused = True
+                self._down_until = math.inf
+            else:
+                self._down_until = max(self._down_until,
+                                       self._clock() + self.settings.retry_interval_s)
+        if first:
+            logger.error("rank %d: remote tier %s; no more calls to it until the worker "
+                         "restarts", self.rank, refused_message(self.settings, exc))
+        raise TierUnavailable(f"remote tier {self.settings.shown_url}: "
+                              f"{type(exc).__name__}: {exc}") from exc
