@@ -11,11 +11,13 @@ everything else is plain redis-py.
 Outcomes: a missing value (never stored, or evicted by the server's ``maxmemory`` policy)
 reads as a miss; a value of the wrong size, or whose header or checksum does not match,
 is deleted and read as a miss; a ``SET`` the server refuses (out of memory) writes as
-``False``. A connection error or timeout raises ``TierUnavailable`` and makes the store
-refuse further calls at once for ``retry_interval_s`` (so a dead server costs one timeout,
-not one per block); the first call after that tries the server again. A server that
-refuses the credentials (``kvoffload.tiers.remote.auth_failure``) gets one error logged
-and no further call: the store raises ``TierUnavailable`` at once until it is closed.
+``False``. Reads ask for at most one byte more than the block's size (``GETRANGE``), so an
+oversized value costs no more than that before it is dropped. A connection error or
+timeout raises ``TierUnavailable`` and makes the store refuse further calls at once for
+``retry_interval_s`` (so a dead server costs one timeout, not one per block); the first
+call after that tries the server again. A server that refuses the credentials
+(``kvoffload.tiers.remote.auth_failure``) gets one error logged and no further call: the
+store raises ``TierUnavailable`` at once until it is closed.
 """
 
 from __future__ import annotations
@@ -103,22 +105,27 @@ class RemoteStore(BlockStore):
         return out
 
     def get_into(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
+        """One pipelined round trip of ``GETRANGE key 0 size`` (inclusive end: at most one
+        byte past the expected ``size``, so an oversized value is told apart without
+        fetching it whole). A missing key reads as an empty value: a miss."""
         self._check_up()
         pipe = self._client.pipeline(transaction=False)
-        for key, _ in items:
-            pipe.get(self._rkey(key))
+        for key, dest in items:
+            pipe.getrange(self._rkey(key), 0, HEADER_BYTES + dest.nbytes)
         replies = self._execute(pipe)
         self._check_refused(replies)
         out = []
         damaged = []
         for (key, dest), value in zip(items, replies, strict=True):
-            if value is None or isinstance(value, Exception):
+            if not value or isinstance(value, Exception):
                 self._count(misses=1)
                 out.append(False)
                 continue
             view = memoryview(value)
             if view.nbytes != HEADER_BYTES + dest.nbytes:
-                problem: str | None = (f"{view.nbytes} bytes, expected "
+                size = (f"more than {HEADER_BYTES + dest.nbytes}"
+                        if view.nbytes > HEADER_BYTES + dest.nbytes else f"{view.nbytes}")
+                problem: str | None = (f"{size} bytes, expected "
                                        f"{HEADER_BYTES + dest.nbytes}")
             else:
                 problem = check(view[:HEADER_BYTES], view[HEADER_BYTES:], self.fingerprint,
