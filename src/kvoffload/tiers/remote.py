@@ -403,6 +403,7 @@ class RemoteIndex(LowerTier):
         if client is not None:
             try:
                 client.close()
+                client.connection_pool.disconnect()
             except Exception:  # pragma: no cover - best effort at shutdown
                 logger.debug("closing the remote index client failed", exc_info=True)
 

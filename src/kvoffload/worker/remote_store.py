@@ -171,8 +171,11 @@ class RemoteStore(BlockStore):
         return self._client
 
     def close(self) -> None:
+        """Close the client and disconnect every connection of its pool (the server sees
+        this worker's clients go)."""
         try:
             self._client.close()
+            self._client.connection_pool.disconnect()
         except Exception:  # pragma: no cover - best effort at shutdown
             logger.debug("closing the remote client failed", exc_info=True)
 
