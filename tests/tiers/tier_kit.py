@@ -1,7 +1,8 @@
-"""Helpers for the lower-tier tests: a real redis-server on a free loopback port, and the
-simulated engine (``support.sim_engine``) wired to the real planner, a ``CascadeTier`` and
-real ``TransferWorker`` ranks whose ``TierIO`` reads and writes a real directory and a real
-server.
+"""Helpers for the lower-tier tests: a real redis-server on a free loopback port (with a
+password, ACL users or TLS where a test asks; ``make_tls_files`` makes the certificates
+with ``openssl``), and the simulated engine (``support.sim_engine``) wired to the real
+planner, a ``CascadeTier`` and real ``TransferWorker`` ranks whose ``TierIO`` reads and
+writes a real directory and a real server.
 
 Block contents are a hash of (rank, layer, what the block summarises: its group, position
 and tokens), so two engine processes fed the same tokens produce the same bytes, and the
@@ -17,10 +18,11 @@ import random
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ from support.real_workers import RandomFaults, TensorDevice, with_pages
 from support.sim_engine import SimEngine
 
 REDIS_SERVER = shutil.which("redis-server")
+OPENSSL = shutil.which("openssl")
 
 
 # -- redis-server --------------------------------------------------------------------------
@@ -48,23 +51,79 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclasses.dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a test CA, a server certificate for 127.0.0.1/localhost and a client
+    certificate, all signed by that CA."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def make_tls_files(directory: Path) -> TlsFiles:
+    """A throw-away CA and its server and client certificates (EC keys, one day), made
+    with ``openssl``; skips the test where ``openssl`` is missing."""
+    if OPENSSL is None:
+        pytest.skip("openssl is not installed: cannot make test certificates")
+    files = TlsFiles(*(directory / n for n in ("ca.crt", "server.crt", "server.key",
+                                                "client.crt", "client.key")))
+    ca_key = directory / "ca.key"
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def openssl(*args: str | Path) -> None:
+        subprocess.run([OPENSSL, *map(str, args)], check=True, capture_output=True,
+                       timeout=60)
+
+    openssl("req", "-x509", *ec, "-keyout", ca_key, "-out", files.ca, "-days", "1",
+            "-subj", "/CN=kvoffload test CA")
+    san = directory / "san.ext"
+    san.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for cert, key, name, ext in ((files.server_cert, files.server_key, "localhost", True),
+                                 (files.client_cert, files.client_key, "client", False)):
+        csr = directory / f"{name}.csr"
+        openssl("req", *ec, "-keyout", key, "-out", csr, "-subj", f"/CN={name}")
+        openssl("x509", "-req", "-in", csr, "-CA", files.ca, "-CAkey", ca_key,
+                "-CAcreateserial", "-out", cert, "-days", "1",
+                *(["-extfile", san] if ext else []))
+    return files
+
+
 class RedisServer:
     """A throw-away ``redis-server`` on 127.0.0.1 (no persistence), startable again on the
-    same port after ``kill``."""
+    same port after ``kill``.
+
+    ``extra_args`` go to the server as they are (``--requirepass``, ``--user`` lines);
+    ``password`` is the default user's, for ``client`` and the start-up check. With
+    ``tls`` the server speaks TLS only (``--port 0``), asking clients for a certificate
+    as ``tls_auth_clients`` says (``yes``, ``optional``, ``no``).
+    """
 
     def __init__(self, directory: Path, port: int | None = None,
-                 maxmemory: str | None = None, policy: str = "allkeys-lru") -> None:
+                 maxmemory: str | None = None, policy: str = "allkeys-lru", *,
+                 extra_args: Sequence[str] = (), password: str | None = None,
+                 tls: TlsFiles | None = None, tls_auth_clients: str = "optional") -> None:
         if REDIS_SERVER is None:
             pytest.skip("redis-server is not installed; run scripts/install_redis.sh")
         self.directory = directory
         self.port = port or free_port()
         self.maxmemory = maxmemory
         self.policy = policy
+        self.extra_args = tuple(extra_args)
+        self.password = password
+        self.tls = tls
+        self.tls_auth_clients = tls_auth_clients
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
+
+    @property
+    def log(self) -> Path:
+        return self.directory / "redis-server.log"
 
     def start(self) -> None:
         assert REDIS_SERVER is not None
@@ -73,18 +132,34 @@ class RedisServer:
                 "--protected-mode", "no", "--loglevel", "warning"]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if self.tls is not None:
+            args += ["--port", "0", "--tls-port", str(self.port),
+                     "--tls-cert-file", str(self.tls.server_cert),
+                     "--tls-key-file", str(self.tls.server_key),
+                     "--tls-ca-cert-file", str(self.tls.ca),
+                     "--tls-auth-clients", self.tls_auth_clients]
+        args += self.extra_args
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=log)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), \
-                    socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+            with contextlib.suppress(OSError), self._socket() as sock:
                 sock.sendall(b"PING\r\n")
-                if sock.recv(16).startswith(b"+PONG"):
+                if sock.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                     return
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: "
+                                   + self.log.read_text(errors="replace")[-400:])
             time.sleep(0.02)
         raise RuntimeError("redis-server did not answer within 10 s")
+
+    def _socket(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=0.2)
+        if self.tls is None:
+            return sock
+        context = ssl.create_default_context(cafile=str(self.tls.ca))
+        context.load_cert_chain(str(self.tls.client_cert), str(self.tls.client_key))
+        return context.wrap_socket(sock, server_hostname="127.0.0.1")
 
     def kill(self) -> None:
         """SIGKILL: the server dies mid-whatever, its data is gone."""
@@ -103,17 +178,36 @@ class RedisServer:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGCONT)
 
-    def client(self) -> object:
+    def client(self) -> Any:
+        """An administrator's client (the default user, TLS with the client certificate)."""
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port)
+        tls: dict[str, Any] = {}
+        if self.tls is not None:
+            tls = {"ssl": True, "ssl_ca_certs": str(self.tls.ca),
+                   "ssl_certfile": str(self.tls.client_cert),
+                   "ssl_keyfile": str(self.tls.client_key)}
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, **tls)
+
+    def stats(self) -> dict[str, Any]:
+        """``INFO`` of the server, asked on a connection closed at once."""
+        client = self.client()
+        try:
+            return dict(client.info())
+        finally:
+            client.connection_pool.disconnect()
+
+    def clients(self) -> int:
+        """Clients connected now, not counting the connection that asks."""
+        return int(self.stats()["connected_clients"]) - 1
 
 
 @contextlib.contextmanager
-def redis_server(maxmemory: str | None = None,
-                 policy: str = "allkeys-lru") -> Iterator[RedisServer]:
+def redis_server(maxmemory: str | None = None, policy: str = "allkeys-lru",
+                 **options: Any) -> Iterator[RedisServer]:
+    """A started ``RedisServer`` (``options``: its keyword arguments), killed at exit."""
     with tempfile.TemporaryDirectory(prefix="kvoffload-redis-") as directory:
-        server = RedisServer(Path(directory), maxmemory=maxmemory, policy=policy)
+        server = RedisServer(Path(directory), maxmemory=maxmemory, policy=policy, **options)
         server.start()
         try:
             yield server
@@ -146,14 +240,14 @@ def disk_tiers(path: str | Path, *, capacity: int = 1 << 30,
 
 def remote_tiers(url: str, *, mode: WriteMode = WriteMode.WRITE_THROUGH,
                  retry_interval_s: float = 0.3, negative_ttl_s: float = 0.0,
-                 timeout_s: float = 0.5, cluster: bool = False) -> TierConfig:
+                 timeout_s: float = 0.5, **remote: Any) -> TierConfig:
+    """``remote``: more ``RemoteTierConfig`` fields (credentials, TLS files)."""
     return TierConfig(model_id="test-model",
                       remote=RemoteTierConfig(url, write_mode=mode, io_threads=2,
                                               max_connections=4, timeout_s=timeout_s,
                                               connect_timeout_s=timeout_s,
                                               retry_interval_s=retry_interval_s,
-                                              negative_ttl_s=negative_ttl_s,
-                                              cluster=cluster))
+                                              negative_ttl_s=negative_ttl_s, **remote))
 
 
 # -- the engine ----------------------------------------------------------------------------

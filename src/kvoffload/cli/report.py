@@ -8,6 +8,7 @@ from typing import Any
 from kvoffload.cli.common import format_bytes, format_seconds
 from kvoffload.engine.simulation import Mode, SimulationResult, describe_groups
 from kvoffload.engine.summary import Percentiles, RunSummary
+from kvoffload.tiers.config import masked_url
 
 
 def _pct(x: float) -> str:
@@ -157,6 +158,8 @@ def simulation_dict(result: SimulationResult, workload_label: str) -> dict[str, 
     config = asdict(cfg)
     config["mode"] = cfg.mode.value
     config["arrival"] = cfg.arrival.value
+    if cfg.remote_url is not None:
+        config["remote_url"] = masked_url(cfg.remote_url)
     return {
         "workload": workload_label,
         "config": config,

@@ -1,7 +1,9 @@
 """Start-up checks of the command line's numbers, paths and URLs.
 
 ``check_common_args`` (every command that runs simulations) and ``check_simulate_args``
-run before anything is simulated. Each raises ``UsageError`` naming the flag and what to
+run before anything is simulated. A ``--remote-url`` server is asked once whether it takes
+the URL's credentials (a refused login is a ``ConfigError``; an unreachable server passes:
+the tier skips it while it is down). Each raises ``UsageError`` naming the flag and what to
 give, so ``kvoffload.cli.main`` prints one ``error:`` line and exits with status 2. Sizes
 are read later by ``kvoffload.sizes.parse_size`` (which raises ``ConfigError`` naming the
 flag, handled the same way).
@@ -58,6 +60,16 @@ def check_plot_path(path: Path | None, flag: str = "--plot") -> None:
                          f"in {', '.join(PLOT_SUFFIXES)}, e.g. run.png")
 
 
+def check_remote_login(url: str) -> None:
+    """Log in to the ``--remote-url`` server once: refused credentials raise
+    ``ConfigError`` naming the flag (the password shown as ``***``)."""
+    from kvoffload.tiers.config import RemoteTierConfig
+    from kvoffload.tiers.remote import check_credentials
+
+    check_credentials(RemoteTierConfig(url, timeout_s=2.0, connect_timeout_s=1.0),
+                      "--remote-url")
+
+
 def check_common_args(args: argparse.Namespace) -> None:
     """The engine and output flags ``add_engine_options`` / ``add_output_options`` add."""
     for dest, flag, example in _POSITIVE_INTS:
@@ -74,6 +86,7 @@ def check_simulate_args(args: argparse.Namespace) -> None:
         check_disk_path(args.disk_path, "--disk-path")
     if args.remote_url is not None:
         check_remote_url(args.remote_url, "--remote-url")
+        check_remote_login(args.remote_url)
     for value, flag in ((args.load_deadline, "--load-deadline"), (args.hang, "--hang")):
         if not (math.isfinite(value) and value > 0):
             raise UsageError(f"{flag}: must be finite positive seconds, got {value!r}")

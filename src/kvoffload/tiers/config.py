@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from enum import Enum
+from urllib.parse import parse_qsl, unquote
 
 from kvoffload.errors import ConfigError
 from kvoffload.sizes import parse_size
@@ -39,6 +42,12 @@ class WriteMode(str, Enum):
 
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 """URL schemes of the remote tier (what redis-py's ``from_url`` connects to)."""
+
+PASSWORD_ENV = "KVOFFLOAD_REMOTE_PASSWORD"
+"""Environment variable holding the remote tier's password (read when a client connects)."""
+
+MASK = "***"
+"""What a password looks like in every log line, error message and repr."""
 
 MAX_IO_THREADS = 256
 """The most I/O threads (and, times 16, pool connections) a tier accepts."""
@@ -111,14 +120,98 @@ def check_remote_url(url: str, field: str = "remote_url") -> None:
     if not url:
         raise ConfigError(field, "is empty", "Give redis://host:port/db.")
     if not url.lower().startswith(REMOTE_SCHEMES):
-        raise ConfigError(field, f"{url!r} is not a Redis URL",
+        raise ConfigError(field, f"{masked_url(url)!r} is not a Redis URL",
                           "Use redis://host:port/db, rediss://host:port/db (TLS) or "
                           "unix:///path/to/redis.sock.")
 
 
-@dataclass(frozen=True)
+def _split_url(url: str) -> tuple[str, str, str, str]:
+    """``(scheme://, userinfo, host:port, rest)`` of a URL, by plain string cuts (no
+    parsing that could fail or re-spell it)."""
+    scheme, sep, after = url.partition("://")
+    if not sep:
+        return "", "", url, ""
+    end = min((i for i in (after.find(c) for c in "/?#") if i >= 0), default=len(after))
+    userinfo, at, hostport = after[:end].rpartition("@")
+    return scheme + sep, userinfo + at, hostport, after[end:]
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its password shown as ``***``: ``redis://user:***@host:port/0``.
+
+    Covers the password of the user part and a ``password=`` query parameter; every log
+    line, error message and repr that shows a remote tier's URL goes through here.
+    """
+    scheme, userinfo, hostport, rest = _split_url(url)
+    user, colon, password = userinfo[:-1].partition(":")
+    if colon and password:
+        userinfo = f"{user}:{MASK}@"
+    path, qmark, query = rest.partition("?")
+    if qmark:
+        query, hash_, fragment = query.partition("#")
+        pairs = [(k, MASK if k.lower() == "password" and v else v)
+                 for k, v in parse_qsl(query, keep_blank_values=True)]
+        if any(v == MASK for _, v in pairs):
+            query = "&".join(f"{k}={v}" for k, v in pairs)
+        rest = path + qmark + query + hash_ + fragment
+    return scheme + userinfo + hostport + rest
+
+
+def url_without_credentials(url: str) -> str:
+    """``url`` without its ``user:password@`` part (what redis-py is given, with the
+    resolved credentials as keyword arguments: see ``RemoteTierConfig``)."""
+    scheme, _, hostport, rest = _split_url(url)
+    return scheme + hostport + rest
+
+
+def url_credentials(url: str) -> tuple[str | None, str | None]:
+    """The (percent-decoded) user and password written in ``url``, None where absent."""
+    userinfo = _split_url(url)[1][:-1]
+    if not userinfo:
+        return None, None
+    user, colon, password = userinfo.partition(":")
+    return (unquote(user) or None), (unquote(password) if colon and password else None)
+
+
+def check_readable_file(path: str, field: str, what: str) -> bytes:
+    """``path`` must name a regular file this process can read; returns its bytes."""
+    if not path.strip():
+        raise ConfigError(field, "is empty", f"Give the path of {what}.")
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ConfigError(field, f"{path!r} is not a regular file",
+                              f"Give the path of {what}.")
+        with open(path, "rb") as f:
+            return f.read()
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise ConfigError(field, f"cannot read {path!r}: {reason}",
+                          f"Give a file this process can read, holding {what}.") from None
+
+
+def read_password_file(path: str, field: str = "remote_password_file") -> str:
+    """The password held in ``path`` (one line; a trailing newline is dropped)."""
+    data = check_readable_file(path, field, "the remote tier's password")
+    try:
+        text = data.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise ConfigError(field, f"{path!r} is not UTF-8 text",
+                          "Write the password as one line of text.") from None
+    if not text:
+        raise ConfigError(field, f"{path!r} is empty", "Write the password into it, "
+                          "as one line.")
+    return text
+
+
+@dataclass(frozen=True, repr=False)
 class RemoteTierConfig:
     """A Redis/Valkey server shared by a fleet of engines.
+
+    Credentials. The ACL user is ``username``, else the URL's user, else the server's
+    ``default`` user. The password is read from ``password_file``, else from the
+    environment variable ``KVOFFLOAD_REMOTE_PASSWORD``, else taken from the URL; none of
+    them: no ``AUTH``. The password is read when a client connects and never kept in this
+    value; every URL shown (repr, logs, errors) masks it as ``***`` (``masked_url``).
 
     Attributes:
         url: ``redis://[user:password@]host:port/db`` (``rediss://`` for TLS,
@@ -139,6 +232,15 @@ class RemoteTierConfig:
         cluster: ``url`` names one node of a Redis Cluster (or Valkey cluster): the tier
             finds the others, spreads blocks over every master by hash slot and follows
             resharding and failover. Standalone server when False (the default).
+        username: the ACL user (overrides the URL's user).
+        password_file: a file holding the password, one line (overrides the environment
+            variable and the URL's password).
+        tls_ca_file: PEM certificates of the authorities the server's certificate must
+            chain to (default: the system's). Needs a ``rediss://`` URL, as every TLS
+            option does; the server's certificate and host name are always verified.
+        tls_cert_file: the client's certificate (PEM), for a server that asks for one.
+        tls_key_file: the client certificate's private key (PEM), if not in
+            ``tls_cert_file``.
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -152,6 +254,43 @@ class RemoteTierConfig:
     batch_blocks: int = 16
     max_known_keys: int = 1_000_000
     cluster: bool = False
+    username: str | None = None
+    password_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                          if f.name != "url")
+        return f"RemoteTierConfig(url={masked_url(self.url)!r}, {shown})"
+
+    @property
+    def shown_url(self) -> str:
+        """The URL as logs and errors show it (password masked)."""
+        return masked_url(self.url)
+
+    def credentials(self) -> tuple[str | None, str | None]:
+        """``(user, password)`` as the class docstring resolves them (reads the password
+        file or the environment now)."""
+        url_user, url_password = url_credentials(self.url)
+        if self.password_file is not None:
+            password: str | None = read_password_file(self.password_file)
+        else:
+            password = os.environ.get(PASSWORD_ENV) or url_password
+        return self.username or url_user, password
+
+    def credential_source(self) -> str:
+        """Where the user and password come from, for an error message (no secrets)."""
+        url_user, url_password = url_credentials(self.url)
+        user = (f"remote_username {self.username!r}" if self.username
+                else f"the user {url_user!r} in remote_url" if url_user
+                else "the default user")
+        password = (f"remote_password_file {self.password_file!r}" if self.password_file
+                    else f"${PASSWORD_ENV}" if os.environ.get(PASSWORD_ENV)
+                    else "the password in remote_url" if url_password
+                    else "no password")
+        return f"{user} with {password}"
 
     def __post_init__(self) -> None:
         check_remote_url(self.url)
@@ -159,6 +298,7 @@ class RemoteTierConfig:
             raise ConfigError("remote_cluster", "is true with a unix:// socket URL",
                               "Give one cluster node as redis://host:port, or set "
                               "remote_cluster to false.")
+        self._check_credentials()
         if not 1 <= self.io_threads <= MAX_IO_THREADS:
             raise ConfigError("remote_io_threads", f"must be >= 1 and at most "
                               f"{MAX_IO_THREADS}, got {self.io_threads}",
@@ -175,6 +315,29 @@ class RemoteTierConfig:
         if self.max_known_keys <= 0:
             raise ConfigError("remote_max_known_keys", f"must be positive, got "
                               f"{self.max_known_keys}", "Use e.g. 1000000 answers.")
+
+    def _check_credentials(self) -> None:
+        if self.username is not None and not self.username.strip():
+            raise ConfigError("remote_username", "is empty",
+                              "Give the ACL user, or leave the option out.")
+        if self.password_file is not None:
+            read_password_file(self.password_file)
+        tls = {"remote_tls_ca_file": self.tls_ca_file,
+               "remote_tls_cert_file": self.tls_cert_file,
+               "remote_tls_key_file": self.tls_key_file}
+        given = [name for name, path in tls.items() if path is not None]
+        if given and not self.url.lower().startswith("rediss://"):
+            raise ConfigError(given[0], f"needs a TLS URL, remote_url is "
+                              f"{masked_url(self.url)!r}",
+                              "Use rediss://host:port/db, or drop the TLS options.")
+        if self.tls_key_file is not None and self.tls_cert_file is None:
+            raise ConfigError("remote_tls_cert_file", "is missing while remote_tls_key_file "
+                              "is set", "Give the client certificate the key belongs to.")
+        what = {"remote_tls_ca_file": "the certificate authorities (PEM)",
+                "remote_tls_cert_file": "the client certificate (PEM)",
+                "remote_tls_key_file": "the client certificate's private key (PEM)"}
+        for name in given:
+            check_readable_file(tls[name] or "", name, what[name])
 
     def _check_seconds(self) -> None:
         for name in ("timeout_s", "connect_timeout_s"):
@@ -270,6 +433,9 @@ class TierConfig:
                 key = f"remote_{f.name}"
                 if f.name in ("url", "write_mode") or key not in opts:
                     continue
+                if f.name in _REMOTE_TEXT_FIELDS:
+                    kwargs[f.name] = _text(opts[key], key)
+                    continue
                 current = getattr(base, f.name)
                 if isinstance(current, bool):
                     kwargs[f.name] = _parse_bool(opts[key], key)
@@ -294,6 +460,11 @@ class TierConfig:
         """Build from the arguments ``add_cli_arguments`` added to a parser."""
         return cls.from_options({key: getattr(args, f"tier_{key}", None)
                                  for key in OPTION_HELP})
+
+
+_REMOTE_TEXT_FIELDS = ("username", "password_file", "tls_ca_file", "tls_cert_file",
+                       "tls_key_file")
+"""``RemoteTierConfig`` fields given as text (the others are numbers)."""
 
 
 def _text(value: object, option: str) -> str:
@@ -333,7 +504,8 @@ OPTION_HELP: dict[str, str] = {
     "disk_eviction_policy": "eviction policy of the disk tier (lru, arc, ...)",
     "disk_io_threads": "file I/O threads per worker (default 4)",
     "disk_fsync": "fsync every block before it counts as stored (default true)",
-    "remote_url": "redis://host:port/db of the shared Redis/Valkey tier (enables it)",
+    "remote_url": "redis://[user:password@]host:port/db (rediss:// for TLS) of the shared "
+                  "Redis/Valkey tier (enables it)",
     "remote_write_mode": "write_through (default) or write_back",
     "remote_io_threads": "threads per worker talking to the server (default 4)",
     "remote_max_connections": "connection pool size per process (default 16)",
@@ -343,6 +515,13 @@ OPTION_HELP: dict[str, str] = {
     "remote_negative_ttl_s": "trust 'not on the server' answers this long (default 1.0)",
     "remote_batch_blocks": "blocks per pipelined round trip (default 16)",
     "remote_max_known_keys": "existence answers remembered (default 1000000)",
+    "remote_username": "ACL user on the server (overrides the URL's user)",
+    "remote_password_file": "file holding the server's password (overrides "
+                            f"${PASSWORD_ENV} and the URL's password)",
+    "remote_tls_ca_file": "CA certificates (PEM) the server's certificate must chain to "
+                          "(rediss:// URLs)",
+    "remote_tls_cert_file": "client certificate (PEM) for TLS client authentication",
+    "remote_tls_key_file": "private key (PEM) of the client certificate",
     "remote_cluster": "true: remote_url is one node of a Redis/Valkey Cluster (default false)",
 }
 """Every string option ``TierConfig.from_options`` accepts, with a one-line help."""

@@ -16,11 +16,17 @@ Unreachable or slow server. A check that errors or times out (``timeout_s``), or
 report naming the tier unreachable, marks the tier *down* for ``retry_interval_s``: every
 lookup answers ABSENT and no demote starts, so the engine keeps serving from the other
 tiers. One warning is logged when it goes down, one info line when it answers again.
+
+Refused credentials. A server that refuses the user or password (``WRONGPASS``,
+``NOAUTH``, ``NOPERM``: ``auth_failure``) will not accept them later either: the index
+logs one error naming the options to check and keeps the tier off (every lookup ABSENT,
+no demote) for the life of the process; it asks the server nothing more.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -30,9 +36,9 @@ from itertools import islice
 from typing import Any
 
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import InvariantError
+from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.config import RemoteTierConfig
+from kvoffload.tiers.config import RemoteTierConfig, url_without_credentials
 from kvoffload.tiers.lower import LowerTier, LowerTierStats, Presence
 from kvoffload.tiers.naming import remote_key
 
@@ -49,8 +55,9 @@ def connect(remote: RemoteTierConfig, max_connections: int) -> Any:
     """A redis-py client for ``remote.url`` with bounded timeouts and no silent retries.
 
     Blocks on nothing: connections open lazily. A pool of ``max_connections`` connections;
-    a caller waiting for a free one gives up after ``timeout_s``. Needs the ``redis``
-    extra (``pip install kvoffload[redis]``).
+    a caller waiting for a free one gives up after ``timeout_s``. Credentials and TLS
+    settings come from ``connection_kwargs``. Needs the ``redis`` extra
+    (``pip install kvoffload[redis]``).
     """
     try:
         import redis
@@ -62,9 +69,10 @@ def connect(remote: RemoteTierConfig, max_connections: int) -> Any:
     if remote.cluster:
         return _connect_cluster(remote, max_connections)
     pool = redis.BlockingConnectionPool.from_url(
-        remote.url, max_connections=max_connections, timeout=remote.timeout_s,
-        socket_timeout=remote.timeout_s, socket_connect_timeout=remote.connect_timeout_s,
-        retry=Retry(NoBackoff(), 0))
+        url_without_credentials(remote.url), max_connections=max_connections,
+        timeout=remote.timeout_s, socket_timeout=remote.timeout_s,
+        socket_connect_timeout=remote.connect_timeout_s, retry=Retry(NoBackoff(), 0),
+        **connection_kwargs(remote))
     return redis.Redis(connection_pool=pool)
 
 
@@ -79,13 +87,44 @@ def _connect_cluster(remote: RemoteTierConfig, max_connections: int) -> Any:
     from redis.retry import Retry
 
     return RedisCluster.from_url(
-        remote.url, max_connections=max_connections, socket_timeout=remote.timeout_s,
-        socket_connect_timeout=remote.connect_timeout_s, require_full_coverage=False,
-        retry=Retry(NoBackoff(), 1))
+        url_without_credentials(remote.url), max_connections=max_connections,
+        socket_timeout=remote.timeout_s, socket_connect_timeout=remote.connect_timeout_s,
+        require_full_coverage=False, retry=Retry(NoBackoff(), 1), **connection_kwargs(remote))
+
+
+
+def connection_kwargs(remote: RemoteTierConfig) -> dict[str, Any]:
+    """Credential and TLS keyword arguments of a redis-py client (a pool, a cluster
+    client) for ``remote``: ``username``/``password`` as ``RemoteTierConfig`` resolves
+    them (options over the environment over the URL) and, for ``rediss://``, the
+    ``ssl_*`` settings (the server's certificate and host name verified).
+
+    Give them with ``url_without_credentials(remote.url)``: redis-py lets a URL's own
+    user and password override keyword arguments.
+    """
+    kwargs: dict[str, Any] = {}
+    username, password = remote.credentials()
+    if username is not None:
+        kwargs["username"] = username
+    if password is not None:
+        kwargs["password"] = password
+    if remote.url.lower().startswith("rediss://"):
+        kwargs["ssl_cert_reqs"] = "required"
+        kwargs["ssl_check_hostname"] = True
+        for key, path in (("ssl_ca_certs", remote.tls_ca_file),
+                          ("ssl_certfile", remote.tls_cert_file),
+                          ("ssl_keyfile", remote.tls_key_file)):
+            if path is not None:
+                kwargs[key] = path
+    return kwargs
 
 
 def remote_errors() -> tuple[type[BaseException], ...]:
-    """Connection, timeout and cluster-availability errors of redis-py, plus ``OSError``."""
+    """Connection, timeout and cluster-availability errors of redis-py, plus ``OSError``.
+
+    A refused login (``AuthenticationError``) is one of them too: tell it apart with
+    ``auth_failure`` before treating the server as merely unreachable.
+    """
     try:
         from redis.exceptions import ClusterDownError, ClusterError, RedisClusterException
         from redis.exceptions import ConnectionError as RedisConnectionError
@@ -96,6 +135,61 @@ def remote_errors() -> tuple[type[BaseException], ...]:
     # not be read; they pass like an unreachable server.
     return (*REMOTE_ERRORS, RedisConnectionError, RedisTimeoutError, ClusterDownError,
             ClusterError, RedisClusterException)
+
+
+_AUTH_REPLIES = ("WRONGPASS", "NOAUTH", "NOPERM")
+
+
+def auth_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says the server refused our credentials (a wrong user or password,
+    none given where one is needed, or a user without the rights the tier needs)."""
+    try:
+        from redis.exceptions import (
+            AuthenticationError,
+            AuthenticationWrongNumberOfArgsError,
+            NoPermissionError,
+        )
+    except ImportError:  # pragma: no cover - depends on the environment
+        return False
+    if isinstance(exc, (AuthenticationError, AuthenticationWrongNumberOfArgsError,
+                        NoPermissionError)):
+        return True
+    return str(exc).lstrip("-").upper().startswith(_AUTH_REPLIES)
+
+
+def refused_message(remote: RemoteTierConfig, exc: BaseException) -> str:
+    """What the server refused (``exc``), naming the options to check; no secrets."""
+    what = f"{remote.shown_url} refused the credentials ({type(exc).__name__}: {exc})"
+    if type(exc).__name__ == "NoPermissionError" or \
+            str(exc).lstrip("-").upper().startswith("NOPERM"):
+        return (f"{what}: the user ({remote.credential_source()}) lacks a command or key "
+                "the tier needs; grant it ping, set, getrange, exists and del on keys kvo:*")
+    return (f"{what}: check remote_username and the password "
+            f"({remote.credential_source()})")
+
+
+def check_credentials(remote: RemoteTierConfig, field: str = "remote_url") -> None:
+    """Start-up check: log in once and ``PING``; raise ``ConfigError`` (naming ``field``)
+    when the server refuses the credentials. An unreachable server passes (the tier
+    skips it while it is down); so does a missing redis-py (the tier says so)."""
+    try:
+        client = connect(remote, 1)
+    except ImportError:  # pragma: no cover - depends on the environment
+        return
+    except ValueError as exc:  # redis-py cannot read the URL (a port that is no number)
+        raise ConfigError(field, f"cannot read {remote.shown_url!r}: {exc}",
+                          "Use redis://host:port/db.") from None
+    try:
+        client.ping()
+    except Exception as exc:
+        if auth_failure(exc):
+            raise ConfigError(field, refused_message(remote, exc),
+                              "Fix them and start again.") from None
+        if not isinstance(exc, remote_errors()):
+            raise
+        logger.debug("remote tier %s not reachable at start-up: %s", remote.shown_url, exc)
+    finally:
+        client.connection_pool.disconnect()
 
 
 @dataclass(slots=True)
@@ -139,6 +233,7 @@ class RemoteIndex(LowerTier):
         self._writing: set[OffloadKey] = set()
         self._down_until = 0.0
         self._down = False
+        self._refused = False
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -146,9 +241,16 @@ class RemoteIndex(LowerTier):
 
     @property
     def is_down(self) -> bool:
-        """Whether the tier is skipped now (unreachable recently)."""
+        """Whether the tier is skipped now (unreachable recently, or refused our
+        credentials)."""
         with self._cond:
             return self._clock() < self._down_until
+
+    @property
+    def refused(self) -> bool:
+        """Whether the server refused the credentials (the tier is off for good)."""
+        with self._cond:
+            return self._refused
 
     def wait_idle(self, timeout: float = 5.0) -> bool:
         """Block until no existence check is queued or in flight (tests, tools)."""
@@ -263,13 +365,27 @@ class RemoteIndex(LowerTier):
 
     def _go_down(self, why: str) -> None:
         """Skip the tier for ``retry_interval_s`` (lock held)."""
-        self._down_until = self._clock() + self.settings.retry_interval_s
+        self._down_until = max(self._down_until,
+                               self._clock() + self.settings.retry_interval_s)
         self.stats.unreachable += 1
         if not self._down:
             self._down = True
             logger.warning("remote tier %s unreachable (%s); skipping it for %.1f s, the "
-                           "engine keeps serving from the other tiers", self.settings.url,
-                           why, self.settings.retry_interval_s)
+                           "engine keeps serving from the other tiers",
+                           self.settings.shown_url, why, self.settings.retry_interval_s)
+
+    def _refuse(self, exc: BaseException) -> None:
+        """The server refused the credentials: off for good, one error (lock held)."""
+        self._down_until = math.inf
+        self._queued.clear()
+        self._down = True
+        if not self._refused:
+            self._refused = True
+            self.stats.extra["refused"] = self.stats.extra.get("refused", 0) + 1
+            why = (str(exc) if isinstance(exc, ConfigError)
+                   else refused_message(self.settings, exc))
+            logger.error("remote tier: %s; the tier stays off until the engine restarts "
+                         "(the other tiers keep serving)", why)
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -299,19 +415,9 @@ class RemoteIndex(LowerTier):
                     client.nodes_manager.initialize()
                 stale_slots = False
                 counts = self._exists(client, batch)
-            except self._errors as exc:
+            except Exception as exc:  # never kill the thread
                 stale_slots = self.settings.cluster
-                with self._cond:
-                    self._probing.difference_update(batch)
-                    self._queued.clear()  # asked again once the tier is retried
-                    self._go_down(f"{type(exc).__name__}: {exc}")
-                    self._cond.notify_all()
-                continue
-            except Exception:  # a bug or an unexpected server reply: never kill the thread
-                logger.exception("remote tier existence check failed")
-                with self._cond:
-                    self._probing.difference_update(batch)
-                    self._cond.notify_all()
+                self._probe_failed(exc, batch)
                 continue
             with self._cond:
                 now = self._clock()
@@ -322,13 +428,31 @@ class RemoteIndex(LowerTier):
                 self._probing.difference_update(batch)
                 if self._down:
                     self._down = False
-                    logger.info("remote tier %s answers again", self.settings.url)
+                    logger.info("remote tier %s answers again", self.settings.shown_url)
                 self._cond.notify_all()
         if client is not None:
             try:
                 client.close()
+                client.connection_pool.disconnect()
             except Exception:  # pragma: no cover - best effort at shutdown
                 logger.debug("closing the remote index client failed", exc_info=True)
+
+    def _probe_failed(self, exc: Exception, batch: Sequence[OffloadKey]) -> None:
+        """An existence check raised: refused credentials turn the tier off, an
+        unreachable server marks it down, anything else (a bug, an unexpected reply) is
+        logged with its traceback."""
+        refused = auth_failure(exc) or isinstance(exc, ConfigError)
+        unreachable = not refused and isinstance(exc, self._errors)
+        if not (refused or unreachable):
+            logger.error("remote tier existence check failed", exc_info=exc)
+        with self._cond:
+            self._probing.difference_update(batch)
+            if refused:
+                self._refuse(exc)
+            elif unreachable:
+                self._queued.clear()  # asked again once the tier is retried
+                self._go_down(f"{type(exc).__name__}: {exc}")
+            self._cond.notify_all()
 
     def _exists(self, client: Any, keys: Sequence[OffloadKey]) -> list[int]:
         pipe = client.pipeline(transaction=False)

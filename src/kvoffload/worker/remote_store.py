@@ -11,14 +11,19 @@ everything else is plain redis-py.
 Outcomes: a missing value (never stored, or evicted by the server's ``maxmemory`` policy)
 reads as a miss; a value of the wrong size, or whose header or checksum does not match,
 is deleted and read as a miss; a ``SET`` the server refuses (out of memory) writes as
-``False``. A connection error or timeout raises ``TierUnavailable`` and makes the store
-refuse further calls at once for ``retry_interval_s`` (so a dead server costs one timeout,
-not one per block); the first call after that tries the server again.
+``False``. Reads ask for at most one byte more than the block's size (``GETRANGE``), so an
+oversized value costs no more than that before it is dropped. A connection error or
+timeout raises ``TierUnavailable`` and makes the store refuse further calls at once for
+``retry_interval_s`` (so a dead server costs one timeout, not one per block); the first
+call after that tries the server again. A server that refuses the credentials
+(``kvoffload.tiers.remote.auth_failure``) gets one error logged and no further call: the
+store raises ``TierUnavailable`` at once until it is closed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +32,7 @@ from typing import Any, NoReturn
 from kvoffload.tiers.config import RemoteTierConfig
 from kvoffload.tiers.framing import HEADER_BYTES, BytesLike, check, encode_header
 from kvoffload.tiers.naming import remote_key
-from kvoffload.tiers.remote import connect, remote_errors
+from kvoffload.tiers.remote import auth_failure, connect, refused_message, remote_errors
 from kvoffload.worker.block_store import BlockStore, TierUnavailable
 
 logger = logging.getLogger(__name__)
@@ -60,6 +65,7 @@ class RemoteStore(BlockStore):
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._stale_slots = False
+        self._refused = False
 
     def _rkey(self, key: bytes) -> bytes:
         return remote_key(self.namespace, self.rank, key)
@@ -113,6 +119,7 @@ class RemoteStore(BlockStore):
             sizes.append(data.nbytes)
         chunks.append(bytes(small))
         replies = self._round_trip(pool, chunks, len(items))
+        self._check_refused(replies)
         out = []
         for (key, _), reply, size in zip(items, replies, sizes, strict=True):
             ok = reply == b"OK"
@@ -127,21 +134,27 @@ class RemoteStore(BlockStore):
         return out
 
     def get_into(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
+        """One pipelined round trip of ``GETRANGE key 0 size`` (inclusive end: at most one
+        byte past the expected ``size``, so an oversized value is told apart without
+        fetching it whole). A missing key reads as an empty value: a miss."""
         self._check_up()
         pipe = self._client.pipeline(transaction=False)
-        for key, _ in items:
-            pipe.get(self._rkey(key))
+        for key, dest in items:
+            pipe.getrange(self._rkey(key), 0, HEADER_BYTES + dest.nbytes)
         replies = self._execute(pipe)
+        self._check_refused(replies)
         out = []
         damaged = []
         for (key, dest), value in zip(items, replies, strict=True):
-            if value is None or isinstance(value, Exception):
+            if not value or isinstance(value, Exception):
                 self._count(misses=1)
                 out.append(False)
                 continue
             view = memoryview(value)
             if view.nbytes != HEADER_BYTES + dest.nbytes:
-                problem: str | None = (f"{view.nbytes} bytes, expected "
+                size = (f"more than {HEADER_BYTES + dest.nbytes}"
+                        if view.nbytes > HEADER_BYTES + dest.nbytes else f"{view.nbytes}")
+                problem: str | None = (f"{size} bytes, expected "
                                        f"{HEADER_BYTES + dest.nbytes}")
             else:
                 problem = check(view[:HEADER_BYTES], view[HEADER_BYTES:], self.fingerprint,
@@ -158,7 +171,11 @@ class RemoteStore(BlockStore):
         if damaged:
             try:
                 self._client.delete(*damaged)
-            except self._errors:
+            except Exception as exc:
+                if auth_failure(exc):
+                    self._went_down(exc)
+                if not isinstance(exc, self._errors):
+                    raise
                 logger.debug("remote tier: could not delete damaged blocks", exc_info=True)
         return out
 
@@ -168,8 +185,10 @@ class RemoteStore(BlockStore):
         self._check_up()
         try:
             self._client.delete(*(self._rkey(k) for k in keys))
-        except self._errors as exc:
-            self._went_down(exc)
+        except Exception as exc:
+            if auth_failure(exc) or isinstance(exc, self._errors):
+                self._went_down(exc)
+            raise
 
     def purge(self) -> None:
         """Shared blocks are never purged by one engine (other engines may use them)."""
@@ -181,8 +200,13 @@ class RemoteStore(BlockStore):
         return self._client
 
     def close(self) -> None:
+        """Close the client and disconnect every connection of its pool (the server sees
+        this worker's clients go)."""
         try:
-            self._client.close()
+            self._client.close()  # a cluster client disconnects every node's pool here
+            pool = getattr(self._client, "connection_pool", None)
+            if pool is not None:
+                pool.disconnect()
         except Exception:  # pragma: no cover - best effort at shutdown
             logger.debug("closing the remote client failed", exc_info=True)
 
@@ -190,6 +214,8 @@ class RemoteStore(BlockStore):
 
     def _check_up(self) -> None:
         with self._lock:
+            if self._refused:
+                raise TierUnavailable("remote tier off: the server refused the credentials")
             if self._clock() < self._down_until:
                 raise TierUnavailable("remote tier skipped: unreachable moments ago")
             refresh, self._stale_slots = self._stale_slots, False
@@ -199,6 +225,13 @@ class RemoteStore(BlockStore):
                 self._client.nodes_manager.initialize()
             except self._errors as exc:
                 self._went_down(exc)
+
+    def _check_refused(self, replies: Sequence[Any]) -> None:
+        """A per-command error reply refusing the credentials (``NOPERM``) stops the store
+        as a refused login does."""
+        for reply in replies:
+            if isinstance(reply, Exception) and auth_failure(reply):
+                self._went_down(reply)
 
     def _round_trip(self, pool: Any, chunks: Sequence[BytesLike], replies: int) -> list[Any]:
         """Send packed commands on one connection of ``pool``; read ``replies`` replies (an
@@ -231,10 +264,21 @@ class RemoteStore(BlockStore):
             self._went_down(exc)
 
     def _went_down(self, exc: BaseException) -> NoReturn:
+        refused = auth_failure(exc)
         with self._lock:
-            self._down_until = self._clock() + self.settings.retry_interval_s
-            self._stale_slots = self.settings.cluster  # a node may have failed over
-        raise TierUnavailable(f"{type(exc).__name__}: {exc}") from exc
+            first = refused and not self._refused
+            if refused:
+                self._refused = True
+                self._down_until = math.inf
+            else:
+                self._down_until = max(self._down_until,
+                                       self._clock() + self.settings.retry_interval_s)
+                self._stale_slots = self.settings.cluster  # a node may have failed over
+        if first:
+            logger.error("rank %d: remote tier %s; no more calls to it until the worker "
+                         "restarts", self.rank, refused_message(self.settings, exc))
+        raise TierUnavailable(f"remote tier {self.settings.shown_url}: "
+                              f"{type(exc).__name__}: {exc}") from exc
 
 
 def _is_redirect(reply: object) -> bool:
