@@ -10,7 +10,8 @@ everything else is plain redis-py.
 
 Outcomes: a missing value (never stored, or evicted by the server's ``maxmemory`` policy)
 reads as a miss; a value of the wrong size, or whose header or checksum does not match,
-is deleted and read as a miss; a ``SET`` the server refuses (out of memory) writes as
+is deleted and read as a miss (with a MAC key: a value whose MAC does not verify, too);
+a ``SET`` the server refuses (out of memory) writes as
 ``False``. A connection error or timeout raises ``TierUnavailable`` and makes the store
 refuse further calls at once for ``retry_interval_s`` (so a dead server costs one timeout,
 not one per block); the first call after that tries the server again.
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from kvoffload.tiers.config import RemoteTierConfig
-from kvoffload.tiers.framing import HEADER_BYTES, BytesLike, check, encode_header
+from kvoffload.tiers.framing import HEADER_BYTES, BytesLike, MacKey, check, encode_header
 from kvoffload.tiers.naming import remote_key
 from kvoffload.tiers.remote import connect, remote_errors
 from kvoffload.worker.block_store import BlockStore, TierUnavailable
@@ -39,7 +40,8 @@ class RemoteStore(BlockStore):
     name = "remote"
 
     def __init__(self, remote: RemoteTierConfig, ns: str, rank: int, fingerprint: bytes, *,
-                 client: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 client: Any = None, clock: Callable[[], float] = time.monotonic,
+                 mac_key: MacKey | None = None) -> None:
         """Args:
             remote: the remote tier's settings.
             ns: the namespace fingerprint.
@@ -47,11 +49,14 @@ class RemoteStore(BlockStore):
             fingerprint: the layout fingerprint written into and checked in every header.
             client: a redis-py client (default: ``connect`` with ``max_connections``).
             clock: monotonic seconds.
+            mac_key: MAC every value with it and accept only values whose MAC verifies
+                (None: unkeyed checksums only; ``kvoffload.tiers.framing``).
         """
         super().__init__()
         self.settings = remote
         self.namespace = ns
         self.rank = rank
+        self._mac_key = mac_key
         self.fingerprint = fingerprint
         self._client = client if client is not None else connect(remote,
                                                                  remote.max_connections)
@@ -76,7 +81,8 @@ class RemoteStore(BlockStore):
         sizes = []
         for key, payload in items:
             data = memoryview(payload).cast("B")
-            header = encode_header(self.fingerprint, self.rank, key, data)
+            header = encode_header(self.fingerprint, self.rank, key, data,
+                                   mac_key=self._mac_key)
             name = self._rkey(key)
             small += b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (
                 len(name), name, HEADER_BYTES + data.nbytes, header)
@@ -116,7 +122,7 @@ class RemoteStore(BlockStore):
                                        f"{HEADER_BYTES + dest.nbytes}")
             else:
                 problem = check(view[:HEADER_BYTES], view[HEADER_BYTES:], self.fingerprint,
-                                self.rank, key)
+                                self.rank, key, mac_key=self._mac_key)
             if problem is not None:
                 logger.warning("remote tier: dropped block %s: %s", key.hex()[:16], problem)
                 damaged.append(self._rkey(key))
