@@ -10,9 +10,8 @@ block's name. Temporary files a crash left behind are removed when a store opens
 Reads open the file, check its size, scatter-read header and payload (the payload straight
 into the host slot), and verify everything the header promises. A damaged file (wrong
 size, magic, rank, layout, key or checksum -- or, with a MAC key, a MAC that does not
-verify) is deleted and read as a miss. Running out of
-space (``ENOSPC``) or any other write error fails that block cleanly: the temporary file is
-removed, nothing else changes.
+verify) is deleted and read as a miss. Running out of space (``ENOSPC``) or any other
+write error fails that block cleanly: the temporary file is removed, nothing else changes.
 
 What the directory is trusted with. Only the directory the configuration names
 (``disk_path``) is trusted; everything below it may be hostile:

@@ -9,9 +9,8 @@ are packed here (header bytes, then the payload straight from the host slot, no 
 everything else is plain redis-py.
 
 Outcomes: a missing value (never stored, or evicted by the server's ``maxmemory`` policy)
-reads as a miss; a value of the wrong size, or whose header or checksum does not match,
-is deleted and read as a miss (with a MAC key: a value whose MAC does not verify, too);
-a ``SET`` the server refuses (out of memory) writes as
+reads as a miss; a value of the wrong size, or whose header, checksum or MAC does not match,
+is deleted and read as a miss; a ``SET`` the server refuses (out of memory) writes as
 ``False``. A connection error or timeout raises ``TierUnavailable`` and makes the store
 refuse further calls at once for ``retry_interval_s`` (so a dead server costs one timeout,
 not one per block); the first call after that tries the server again.
