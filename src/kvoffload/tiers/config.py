@@ -14,6 +14,12 @@ Three ways in, one meaning:
 * the command line: ``add_cli_arguments(parser)`` then ``TierConfig.from_cli_args(ns)``.
 
 Every invalid value raises ``ConfigError`` naming the option and what to change.
+
+The tiers' MAC key (``TierConfig.mac_key``, see ``kvoffload.tiers.framing``) is a secret:
+it comes from a file (option ``tier_mac_key_file``) or the environment variable
+``KVOFFLOAD_TIER_MAC_KEY`` (``read_mac_key``), never from an option value (option values
+end up in logged configuration dumps), and it is never shown: not in a repr, a log line or
+an error message.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from urllib.parse import parse_qsl, unquote
 
 from kvoffload.errors import ConfigError
 from kvoffload.sizes import parse_size
+from kvoffload.tiers.framing import MIN_MAC_KEY_BYTES, MacKey
 
 
 class WriteMode(str, Enum):
@@ -51,6 +58,13 @@ MASK = "***"
 
 MAX_IO_THREADS = 256
 """The most I/O threads (and, times 16, pool connections) a tier accepts."""
+
+MAC_KEY_ENV = "KVOFFLOAD_TIER_MAC_KEY"
+"""Environment variable holding the tiers' MAC key (when ``tier_mac_key_file`` is not set)."""
+MAX_MAC_KEY_FILE_BYTES = 4096
+"""The largest key file read (anything bigger is not a key file)."""
+_KEY_FIX = (f"Use at least {MIN_MAC_KEY_BYTES} random bytes, the same for every engine "
+            "sharing the tiers, e.g. openssl rand -hex 32")
 
 
 def _parse_bool(value: object, option: str) -> bool:
@@ -369,6 +383,11 @@ class TierConfig:
         disk: the disk tier, or None.
         remote: the remote tier, or None.
         order: lookup order of the configured lower tiers (host memory always first).
+        mac_key: the secret every block in a lower tier is MAC'd with, or None (blocks
+            then carry only an unkeyed checksum, and the tiers trust everyone who can
+            write to them; see ``kvoffload.tiers.framing``). It is in no fingerprint or
+            name: engines with another key (or none) share names with this one, and their
+            blocks are misses here. Its repr hides it.
     """
 
     model_id: str = ""
@@ -376,6 +395,7 @@ class TierConfig:
     disk: DiskTierConfig | None = None
     remote: RemoteTierConfig | None = None
     order: tuple[str, ...] = LOWER_TIER_NAMES
+    mac_key: MacKey | None = None
 
     def __post_init__(self) -> None:
         unknown = [n for n in self.order if n not in LOWER_TIER_NAMES]
@@ -394,11 +414,14 @@ class TierConfig:
     # -- string options ---------------------------------------------------------------
 
     @classmethod
-    def from_options(cls, options: Mapping[str, object]) -> TierConfig:
+    def from_options(cls, options: Mapping[str, object],
+                     environ: Mapping[str, str] | None = None) -> TierConfig:
         """Build from flat string options (see ``OPTION_HELP``); unknown keys raise.
 
         ``disk_path`` enables the disk tier (``disk_capacity`` is then required);
-        ``remote_url`` enables the remote tier.
+        ``remote_url`` enables the remote tier. The MAC key is read from
+        ``tier_mac_key_file`` or, without it, from ``KVOFFLOAD_TIER_MAC_KEY`` in
+        ``environ`` (default: the process environment); see ``read_mac_key``.
         """
         opts = {k: v for k, v in options.items() if v is not None}
         unknown = sorted(set(opts) - set(OPTION_HELP))
@@ -449,9 +472,13 @@ class TierConfig:
         order: tuple[str, ...] = LOWER_TIER_NAMES
         if "tier_order" in opts:
             order = tuple(p.strip() for p in str(opts["tier_order"]).split(",") if p.strip())
+        key_file = opts.get("tier_mac_key_file")
+        mac_key = read_mac_key(None if key_file is None
+                               else _text(key_file, "tier_mac_key_file"),
+                               os.environ if environ is None else environ)
         return cls(model_id=str(opts.get("model_id", "")),
                    key_scheme=str(opts.get("key_scheme", "xxh3_128:kvoffload")),
-                   disk=disk, remote=remote, order=order)
+                   disk=disk, remote=remote, order=order, mac_key=mac_key)
 
     # -- command line -----------------------------------------------------------------
 
@@ -465,6 +492,69 @@ class TierConfig:
 _REMOTE_TEXT_FIELDS = ("username", "password_file", "tls_ca_file", "tls_cert_file",
                        "tls_key_file")
 """``RemoteTierConfig`` fields given as text (the others are numbers)."""
+
+
+def read_mac_key(path: str | None, environ: Mapping[str, str]) -> MacKey | None:
+    """The tiers' MAC key: the contents of file ``path`` if given, else the value of
+    ``KVOFFLOAD_TIER_MAC_KEY`` in ``environ``; None when neither is set. Surrounding
+    whitespace (a trailing newline) is not part of the key.
+
+    Raises:
+        ConfigError: both are set; the file is missing, unreadable, not a regular file or
+            over 4 KiB; the key is shorter than 16 bytes. Messages name the file or the
+            variable, never the key.
+    """
+    from_env = environ.get(MAC_KEY_ENV)
+    if path is not None and from_env is not None:
+        raise ConfigError("tier_mac_key_file", f"is set and so is {MAC_KEY_ENV}",
+                          "Give the key one way: unset the variable or drop the option.")
+    if path is not None:
+        secret = _read_key_file(path).strip()
+        if len(secret) < MIN_MAC_KEY_BYTES:
+            raise ConfigError("tier_mac_key_file", f"{path} holds {len(secret)} bytes of "
+                              f"key, fewer than {MIN_MAC_KEY_BYTES}",
+                              f"{_KEY_FIX} > {path}")
+        return MacKey(secret)
+    if from_env is None:
+        return None
+    secret = from_env.encode("utf-8", "surrogateescape").strip()
+    if len(secret) < MIN_MAC_KEY_BYTES:
+        raise ConfigError(MAC_KEY_ENV, f"holds {len(secret)} bytes, fewer than "
+                          f"{MIN_MAC_KEY_BYTES}", f"{_KEY_FIX}, or unset it to run "
+                          "without a MAC key")
+    return MacKey(secret)
+
+
+def _read_key_file(path: str) -> bytes:
+    """The bytes of key file ``path`` (never waits on a FIFO; refuses anything but a
+    regular file of at most ``MAX_MAC_KEY_FILE_BYTES``)."""
+    fix = ("Point tier_mac_key_file at a readable file holding the key; make one with "
+           "openssl rand -hex 32 > FILE")
+    if not path.strip():
+        raise ConfigError("tier_mac_key_file", "is empty", fix)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError("tier_mac_key_file", f"cannot open {path} "
+                          f"({exc.strerror or type(exc).__name__})", fix) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError("tier_mac_key_file", f"{path} is not a regular file", fix)
+        data = b""
+        while len(data) <= MAX_MAC_KEY_FILE_BYTES:
+            piece = os.read(fd, MAX_MAC_KEY_FILE_BYTES + 1 - len(data))
+            if not piece:
+                break
+            data += piece
+    except OSError as exc:
+        raise ConfigError("tier_mac_key_file", f"cannot read {path} "
+                          f"({exc.strerror or type(exc).__name__})", fix) from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_MAC_KEY_FILE_BYTES:
+        raise ConfigError("tier_mac_key_file", f"{path} is over {MAX_MAC_KEY_FILE_BYTES} "
+                          "bytes, too big for a key file", fix)
+    return data
 
 
 def _text(value: object, option: str) -> str:
@@ -498,6 +588,8 @@ OPTION_HELP: dict[str, str] = {
     "model_id": "model name/revision; part of the namespace so models never share blocks",
     "key_scheme": "block-hash scheme (algorithm:seed); part of the namespace",
     "tier_order": "lookup order below host memory, e.g. disk,remote",
+    "tier_mac_key_file": "file holding the secret that MACs every block in the lower "
+                         f"tiers (else ${MAC_KEY_ENV}; none: unkeyed checksums only)",
     "disk_path": "directory of the disk tier (enables it)",
     "disk_capacity": "disk budget, all ranks, e.g. 64GiB",
     "disk_write_mode": "write_back (default) or write_through",

@@ -2,26 +2,43 @@
 
 Every block on disk or on the remote server is ``header + payload``, where the payload is
 exactly the block's bytes in a host slot (``HostPool.slot_view(slot, group)``). The header
-says what the block is and carries a checksum, so a reader can prove it got the block it
-asked for, whole::
+says what the block is and carries a checksum and a MAC, so a reader can prove it got the
+block it asked for, whole, and -- with a MAC key -- written by an engine holding the key::
 
     offset size field
     0      4    magic b"KVOB"
-    4      2    format version (1)
+    4      2    format version (2)
     6      2    rank that wrote it
     8      16   layout fingerprint (namespace + the worker's tensor layout)
     24     2    key length
     26     64   key, zero padded
     90     8    payload length
     98     8    xxh3_64 of bytes 0..97 followed by the payload
+    106    16   MAC: keyed BLAKE2b-128 of bytes 0..105 followed by the payload, or 16 zero
+                bytes when the writer has no MAC key
+    122         payload
 
 A reader checks all of it (``check``); anything off -- wrong magic or version, another
 rank, layout or key (a *foreign* block), another length (a *truncated* block), another
 checksum (a *corrupt* block) -- makes the block a miss, never data.
+
+The checksum has no key: anyone who can write to the tier and knows this format can
+recompute it for a payload of their choice. The MAC is what stops that. A reader with a
+MAC key (``MacKey``) accepts a block only if its MAC verifies with that key (compared in
+constant time); a block written without a key, with another key, or forged, is a miss.
+A reader without a key ignores the MAC field and trusts the checksum -- that is, it trusts
+everyone who can write to the tier. The key covers the whole header, so a MAC'd value
+copied under another block's name, rank or layout fails as well. Nothing derived from the
+key is written anywhere: a block MAC'd with another key simply fails to verify.
+
+Version 1 frames (106-byte header, no MAC field) read as damaged (wrong size or version)
+and are removed like any damaged block.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 
 import xxhash
@@ -30,18 +47,73 @@ BytesLike = bytes | bytearray | memoryview
 """Anything with contiguous bytes the framing reads."""
 
 MAGIC = b"KVOB"
-VERSION = 1
+VERSION = 2
 FINGERPRINT_BYTES = 16
 MAX_KEY_BYTES = 64
+MAC_BYTES = 16
+"""Bytes of the MAC field (BLAKE2b with a 128-bit digest)."""
+MIN_MAC_KEY_BYTES = 16
+"""The shortest secret ``MacKey`` accepts."""
 
 _FIELDS = struct.Struct(f"<4sHH{FINGERPRINT_BYTES}sH{MAX_KEY_BYTES}sQ")
 _CHECKSUM = struct.Struct("<Q")
-HEADER_BYTES = _FIELDS.size + _CHECKSUM.size
-"""Bytes before the payload (106)."""
+_CHECKED = _FIELDS.size + _CHECKSUM.size
+"""Header bytes the MAC covers before the payload (everything but the MAC field)."""
+HEADER_BYTES = _CHECKED + MAC_BYTES
+"""Bytes before the payload (122)."""
+_NO_MAC = bytes(MAC_BYTES)
+_MAC_PERSON = b"kvoffload-block"
+_KEY_PERSON = b"kvoffload-key"
+_BLAKE2B_MAX_KEY = 64
 
 
-def encode_header(fingerprint: bytes, rank: int, key: bytes, payload: BytesLike) -> bytes:
-    """The header of ``payload`` stored as ``key`` by ``rank`` (computes the checksum)."""
+class MacKey:
+    """The secret that MACs every block of the lower tiers (keyed BLAKE2b).
+
+    Its repr and str never show the secret, and nothing else of it is exposed: framing is
+    the only user. Two keys are equal when their secrets are (compared in constant time).
+    Secrets longer than BLAKE2b's 64-byte key are hashed down to 64 bytes first.
+
+    Raises:
+        ValueError: a secret shorter than ``MIN_MAC_KEY_BYTES`` (the message gives its
+            length, never its bytes).
+    """
+
+    __slots__ = ("_secret",)
+
+    def __init__(self, secret: bytes) -> None:
+        if not isinstance(secret, (bytes, bytearray)):
+            raise TypeError(f"a MAC key is bytes, not {type(secret).__name__}")
+        if len(secret) < MIN_MAC_KEY_BYTES:
+            raise ValueError(f"a MAC key needs at least {MIN_MAC_KEY_BYTES} bytes, "
+                             f"got {len(secret)}")
+        if len(secret) > _BLAKE2B_MAX_KEY:
+            secret = hashlib.blake2b(secret, digest_size=_BLAKE2B_MAX_KEY,
+                                     person=_KEY_PERSON).digest()
+        self._secret = bytes(secret)
+
+    def new(self) -> hashlib.blake2b:
+        """A fresh keyed hash for one block's MAC."""
+        return hashlib.blake2b(key=self._secret, digest_size=MAC_BYTES, person=_MAC_PERSON)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MacKey):
+            return NotImplemented
+        return hmac.compare_digest(self._secret, other._secret)
+
+    def __hash__(self) -> int:
+        return hash(MacKey)  # equal keys hash alike; nothing of the secret is revealed
+
+    def __repr__(self) -> str:
+        return "MacKey(<secret>)"
+
+    __str__ = __repr__
+
+
+def encode_header(fingerprint: bytes, rank: int, key: bytes, payload: BytesLike, *,
+                  mac_key: MacKey | None = None) -> bytes:
+    """The header of ``payload`` stored as ``key`` by ``rank`` (computes the checksum, and
+    the MAC with ``mac_key``; without one the MAC field is zero)."""
     if len(fingerprint) != FINGERPRINT_BYTES:
         raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes")
     if len(key) > MAX_KEY_BYTES:
@@ -50,31 +122,50 @@ def encode_header(fingerprint: bytes, rank: int, key: bytes, payload: BytesLike)
     fields = _FIELDS.pack(MAGIC, VERSION, rank, fingerprint, len(key), key, size)
     digest = xxhash.xxh3_64(fields)
     digest.update(payload)
-    return fields + _CHECKSUM.pack(digest.intdigest())
+    checked = fields + _CHECKSUM.pack(digest.intdigest())
+    if mac_key is None:
+        return checked + _NO_MAC
+    mac = mac_key.new()
+    mac.update(checked)
+    mac.update(payload)
+    return checked + mac.digest()
 
 
 class PayloadCheck:
     """Checks a payload against a header piece by piece (``update`` as bytes arrive,
-    ``problem`` at the end), so a reader can hash each piece while it is still in cache."""
+    ``problem`` at the end), so a reader can hash each piece while it is still in cache.
+    With ``mac_key`` the MAC must verify too; without, the MAC field is not looked at."""
 
-    def __init__(self, header: BytesLike) -> None:
+    def __init__(self, header: BytesLike, *, mac_key: MacKey | None = None) -> None:
         head = memoryview(header)
         self._digest = xxhash.xxh3_64(head[: _FIELDS.size])
-        (self._expected,) = _CHECKSUM.unpack(head[_FIELDS.size:])
+        (self._expected,) = _CHECKSUM.unpack(head[_FIELDS.size:_CHECKED])
+        self._mac = None
+        if mac_key is not None:
+            self._mac = mac_key.new()
+            self._mac.update(head[:_CHECKED])
+            self._expected_mac = bytes(head[_CHECKED:HEADER_BYTES])
 
     def update(self, piece: BytesLike) -> None:
         self._digest.update(piece)
+        if self._mac is not None:
+            self._mac.update(piece)
 
     def problem(self) -> str | None:
         if self._digest.intdigest() != self._expected:
             return "checksum mismatch (corrupt block)"
+        if self._mac is not None and not hmac.compare_digest(self._mac.digest(),
+                                                             self._expected_mac):
+            if self._expected_mac == _NO_MAC:
+                return "no MAC (written without the tier MAC key, or forged)"
+            return "MAC mismatch (written with another tier MAC key, or forged)"
         return None
 
 
 def check_header(header: BytesLike, payload_bytes: int, fingerprint: bytes, rank: int,
                  key: bytes) -> str | None:
     """Why ``header`` does not announce block ``key`` of ``rank`` with ``payload_bytes`` of
-    payload, or None if it does (the checksum is checked by ``PayloadCheck``)."""
+    payload, or None if it does (checksum and MAC are checked by ``PayloadCheck``)."""
     head = memoryview(header)
     if head.nbytes != HEADER_BYTES:
         return f"header of {head.nbytes} bytes, expected {HEADER_BYTES}"
@@ -96,8 +187,9 @@ def check_header(header: BytesLike, payload_bytes: int, fingerprint: bytes, rank
 
 
 def check(header: BytesLike, payload: BytesLike, fingerprint: bytes, rank: int,
-          key: bytes) -> str | None:
-    """Why ``header + payload`` is not the block ``key`` of ``rank``, or None if it is.
+          key: bytes, *, mac_key: MacKey | None = None) -> str | None:
+    """Why ``header + payload`` is not the block ``key`` of ``rank``, or None if it is
+    (with ``mac_key``: only if its MAC verifies with that key).
 
     ``payload`` must already have the expected length (the caller sized it from the
     group); the header's length field must agree with it.
@@ -105,6 +197,6 @@ def check(header: BytesLike, payload: BytesLike, fingerprint: bytes, rank: int,
     problem = check_header(header, memoryview(payload).nbytes, fingerprint, rank, key)
     if problem is not None:
         return problem
-    verify = PayloadCheck(header)
+    verify = PayloadCheck(header, mac_key=mac_key)
     verify.update(payload)
     return verify.problem()

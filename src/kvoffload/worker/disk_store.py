@@ -9,9 +9,9 @@ block's name. Temporary files a crash left behind are removed when a store opens
 
 Reads open the file, check its size, scatter-read header and payload (the payload straight
 into the host slot), and verify everything the header promises. A damaged file (wrong
-size, magic, rank, layout, key or checksum) is deleted and read as a miss. Running out of
-space (``ENOSPC``) or any other write error fails that block cleanly: the temporary file is
-removed, nothing else changes.
+size, magic, rank, layout, key or checksum -- or, with a MAC key, a MAC that does not
+verify) is deleted and read as a miss. Running out of space (``ENOSPC``) or any other
+write error fails that block cleanly: the temporary file is removed, nothing else changes.
 
 What the directory is trusted with. Only the directory the configuration names
 (``disk_path``) is trusted; everything below it may be hostile:
@@ -62,6 +62,7 @@ from kvoffload.tiers.framing import (
     FINGERPRINT_BYTES,
     HEADER_BYTES,
     BytesLike,
+    MacKey,
     PayloadCheck,
     check_header,
     encode_header,
@@ -97,7 +98,7 @@ class DiskStore(BlockStore):
     name = "disk"
 
     def __init__(self, root: str, ns: str, rank: int, fingerprint: bytes, *,
-                 fsync: bool = True) -> None:
+                 fsync: bool = True, mac_key: MacKey | None = None) -> None:
         """Lock the directory, open (create) the rank's directory, read its epoch and
         remove temporary files left by a crash.
 
@@ -108,6 +109,8 @@ class DiskStore(BlockStore):
             fingerprint: the layout fingerprint written into and checked in every header
                 (combined with the directory's epoch, if a purge left one).
             fsync: make every block durable before reporting it stored.
+            mac_key: MAC every file with it and accept only files whose MAC verifies
+                (None: unkeyed checksums only; ``kvoffload.tiers.framing``).
 
         Raises:
             ConfigError: another engine holds the directory, it cannot be written (a
@@ -119,6 +122,7 @@ class DiskStore(BlockStore):
         self.rank = rank
         self.fingerprint = fingerprint
         self.fsync = fsync
+        self._mac_key = mac_key
         self.directory = rank_dir(root, ns, rank)
         try:
             os.makedirs(root, exist_ok=True)
@@ -205,7 +209,7 @@ class DiskStore(BlockStore):
         try:
             fan, fd = self._create_tmp(name[:2], tmp)  # may re-read the epoch: first
             try:
-                header = encode_header(self._fp, self.rank, key, data)
+                header = encode_header(self._fp, self.rank, key, data, mac_key=self._mac_key)
                 write_all(fd, [memoryview(header), data])
                 if self.fsync:
                     os.fsync(fd)
@@ -321,7 +325,7 @@ class DiskStore(BlockStore):
         problem = check_header(header, dest.nbytes, self._fp, self.rank, key)
         if problem is not None:
             return problem
-        verify = PayloadCheck(header)
+        verify = PayloadCheck(header, mac_key=self._mac_key)
         for start in range(0, dest.nbytes, _PIECE):
             piece = dest[start:start + _PIECE]
             if not read_all(fd, [piece], HEADER_BYTES + start):

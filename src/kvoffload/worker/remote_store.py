@@ -9,7 +9,7 @@ are packed here (header bytes, then the payload straight from the host slot, no 
 everything else is plain redis-py.
 
 Outcomes: a missing value (never stored, or evicted by the server's ``maxmemory`` policy)
-reads as a miss; a value of the wrong size, or whose header or checksum does not match,
+reads as a miss; a value of the wrong size, or whose header, checksum or MAC does not match,
 is deleted and read as a miss; a ``SET`` the server refuses (out of memory) writes as
 ``False``. Reads ask for at most one byte more than the block's size (``GETRANGE``), so an
 oversized value costs no more than that before it is dropped. A connection error or
@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from kvoffload.tiers.config import RemoteTierConfig
-from kvoffload.tiers.framing import HEADER_BYTES, BytesLike, check, encode_header
+from kvoffload.tiers.framing import HEADER_BYTES, BytesLike, MacKey, check, encode_header
 from kvoffload.tiers.naming import remote_key
 from kvoffload.tiers.remote import auth_failure, connect, refused_message, remote_errors
 from kvoffload.worker.block_store import BlockStore, TierUnavailable
@@ -44,7 +44,8 @@ class RemoteStore(BlockStore):
     name = "remote"
 
     def __init__(self, remote: RemoteTierConfig, ns: str, rank: int, fingerprint: bytes, *,
-                 client: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 client: Any = None, clock: Callable[[], float] = time.monotonic,
+                 mac_key: MacKey | None = None) -> None:
         """Args:
             remote: the remote tier's settings.
             ns: the namespace fingerprint.
@@ -52,11 +53,14 @@ class RemoteStore(BlockStore):
             fingerprint: the layout fingerprint written into and checked in every header.
             client: a redis-py client (default: ``connect`` with ``max_connections``).
             clock: monotonic seconds.
+            mac_key: MAC every value with it and accept only values whose MAC verifies
+                (None: unkeyed checksums only; ``kvoffload.tiers.framing``).
         """
         super().__init__()
         self.settings = remote
         self.namespace = ns
         self.rank = rank
+        self._mac_key = mac_key
         self.fingerprint = fingerprint
         self._client = client if client is not None else connect(remote,
                                                                  remote.max_connections)
@@ -109,7 +113,8 @@ class RemoteStore(BlockStore):
         sizes = []
         for key, payload in items:
             data = memoryview(payload).cast("B")
-            header = encode_header(self.fingerprint, self.rank, key, data)
+            header = encode_header(self.fingerprint, self.rank, key, data,
+                                   mac_key=self._mac_key)
             name = self._rkey(key)
             small += b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (
                 len(name), name, HEADER_BYTES + data.nbytes, header)
@@ -158,7 +163,7 @@ class RemoteStore(BlockStore):
                                        f"{HEADER_BYTES + dest.nbytes}")
             else:
                 problem = check(view[:HEADER_BYTES], view[HEADER_BYTES:], self.fingerprint,
-                                self.rank, key)
+                                self.rank, key, mac_key=self._mac_key)
             if problem is not None:
                 logger.warning("remote tier: dropped block %s: %s", key.hex()[:16], problem)
                 damaged.append(self._rkey(key))

@@ -72,11 +72,12 @@ def build_stores(tiers: TierConfig, ns: str, rank: int,
         from kvoffload.worker.disk_store import DiskStore
 
         stores["disk"] = DiskStore(tiers.disk.path, ns, rank, fingerprint,
-                                   fsync=tiers.disk.fsync)
+                                   fsync=tiers.disk.fsync, mac_key=tiers.mac_key)
     if tiers.remote is not None:
         from kvoffload.worker.remote_store import RemoteStore
 
-        stores["remote"] = RemoteStore(tiers.remote, ns, rank, fingerprint)
+        stores["remote"] = RemoteStore(tiers.remote, ns, rank, fingerprint,
+                                       mac_key=tiers.mac_key)
     return stores
 
 

@@ -33,6 +33,9 @@ Keys (all optional except ``host_memory_bytes``):
                             needs ``disk_path`` and ``disk_capacity``; ``"remote"`` needs
                             ``remote_url``. ``model_id`` defaults to the served model,
                             its revision and dtype (see ``KVOffloadConnector``).
+                            The tiers' MAC key comes only from a file
+                            (``tier_mac_key_file``) or ``$KVOFFLOAD_TIER_MAC_KEY``,
+                            never from a value here (vLLM logs this config).
 ==========================  ==========================================================
 """
 
@@ -46,7 +49,7 @@ from kvoffload.config import checked_min_deferral_s
 from kvoffload.errors import ConfigError
 from kvoffload.policies import cache_policy_names
 from kvoffload.sizes import parse_size
-from kvoffload.tiers.config import OPTION_HELP, TierConfig
+from kvoffload.tiers.config import MAC_KEY_ENV, OPTION_HELP, TierConfig
 
 PREFIX = "kv_connector_extra_config"
 AVAILABLE_TIERS = ("host", "disk", "remote")
@@ -164,4 +167,6 @@ def _tier_config(tiers: tuple[str, ...], options: dict[str, Any]) -> TierConfig:
     try:
         return TierConfig.from_options(options)
     except ConfigError as exc:
+        if exc.field == MAC_KEY_ENV:  # not an option: the environment variable
+            raise
         raise ConfigError(f"{PREFIX}.{exc.field}", exc.problem, exc.fix) from None
