@@ -1,4 +1,4 @@
-"""The ``kvoffload`` command: ``simulate``, ``sweep``, ``presets``.
+"""The ``kvoffload`` command: ``simulate``, ``sweep``, ``presets``, ``trace``.
 
 Errors a user can fix (a bad option, a malformed trace line, a configuration that cannot
 work) print one ``error:`` line naming what to change and exit with status 2; no traceback.
@@ -20,11 +20,12 @@ EPILOG = textwrap.dedent("""\
       kvoffload simulate --help          # presets, workloads, traces, capacities
       kvoffload sweep --preset all --host-capacity 4GiB,16GiB,64GiB --plot sweep.png
       kvoffload presets
+      kvoffload trace convert chat.jsonl --model DIR -o trace.jsonl   # traces from real traffic
     """)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvoffload.cli import presets, simulate, sweep
+    from kvoffload.cli import presets, simulate, sweep, trace
 
     parser = argparse.ArgumentParser(
         prog="kvoffload",
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_parser(sub)
     sweep.add_parser(sub)
     presets.add_parser(sub)
+    trace.add_parser(sub)
     return parser
 
 
