@@ -159,6 +159,11 @@ TRACE_FORMAT = [
     "2; line 0 with field `<file>` is about the file as a whole, `<line>` about a line's length "
     "or encoding, `<json>` about its syntax, nesting or type.",
     "",
+    "To make such a trace from your own request logs (chat messages or token ids, tokenized "
+    "with the model's own tokenizer and chat template), and to see how much of a trace "
+    "repeats and how long after before sizing anything: `kvoffload trace convert` and "
+    "`kvoffload trace stats` ([traces.md](traces.md)).",
+    "",
 ]
 
 
