@@ -79,10 +79,24 @@ def _granite_hybrid() -> Any:
         position_embedding_type="rope", initializer_range=0.2)
 
 
+def _two_kv_heads(make: Callable[[], Any]) -> Callable[[], Any]:
+    """``make``'s model with two KV heads (and its Mamba heads), so that each of two
+    tensor-parallel ranks holds a shard of its own."""
+    def build() -> Any:
+        config = make()
+        config.num_key_value_heads = 2
+        return config
+    return build
+
+
 MODELS: dict[str, Callable[[], Any]] = {
     "llama": _llama,
     "gemma3": _gemma3,
     "granite_hybrid": _granite_hybrid,
+    # for tensor parallelism over two ranks
+    "llama_tp2": _two_kv_heads(_llama),
+    "gemma3_tp2": _two_kv_heads(_gemma3),
+    "granite_hybrid_tp2": _two_kv_heads(_granite_hybrid),
 }
 
 

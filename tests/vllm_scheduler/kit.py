@@ -15,6 +15,12 @@ step's attention reads (all earlier tokens for full attention, the window for sl
 window) against the same function. Any load of wrong or stale bytes, or a late copy
 landing on blocks a forward pass already wrote, fails the check with the request, the
 group and the position.
+
+With ``async_scheduling`` the scheduler is vLLM's ``AsyncScheduler`` and the engine loop is
+vLLM's batch queue of two (``EngineCore.step_with_batch_queue``): step N+1 is scheduled
+(and executed by the workers, in order) before step N's output reaches the scheduler. The
+runner then knows tokens vLLM has not been told yet (it sampled them), as vLLM's model
+runner does, and feeds them to the next step.
 """
 
 from __future__ import annotations
@@ -104,6 +110,12 @@ class Engine:
     steps: int = 0
     checked_positions: int = 0
     outputs: dict[str, list[int]] = field(default_factory=dict)
+    """Tokens the engine handed to each client (from ``update_from_output``)."""
+    async_scheduling: bool = False
+    in_flight: list[tuple[Any, Any]] = field(default_factory=list)
+    """(scheduler output, model runner output) of steps executed, not yet delivered."""
+    undelivered: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """Per request, (step, token) the runner sampled whose output vLLM has not seen."""
     flushed: set[Any] = field(default_factory=set)
     """Job ids a step's plan flushed (the workers waited for them before the forward)."""
     abandoned: set[Any] = field(default_factory=set)
@@ -135,15 +147,39 @@ class Engine:
                                            block_hasher=_block_hasher()))
 
     def step(self) -> None:
-        """One engine step: schedule, run the scripted model runner, update."""
-        so = self.scheduler.schedule()
-        output = self._run(so)
-        self.scheduler.update_from_output(so, output)
+        """One engine step: schedule, run the scripted model runner, update. With async
+        scheduling, vLLM's batch queue: a step's output is delivered after the next step
+        was scheduled and executed (module docstring)."""
         self.steps += 1
+        if not self.async_scheduling:
+            so = self.scheduler.schedule()
+            self._deliver(so, self._run(so))
+            return
+        if self.scheduler.has_requests():
+            so = self.scheduler.schedule()
+            self.in_flight.insert(0, (so, self._run(so)))
+            if len(self.in_flight) < 2 and (so.total_num_scheduled_tokens > 0
+                                            or self.scheduler.has_requests()):
+                return
+        if self.in_flight:
+            self._deliver(*self.in_flight.pop())
+
+    def _deliver(self, so: Any, output: Any) -> None:
+        step = id(so)
+        for pending in self.undelivered.values():
+            pending[:] = [(s, t) for s, t in pending if s != step]
+        engine_outputs = self.scheduler.update_from_output(so, output)
+        for outs in engine_outputs.values():
+            for out in outs.outputs:
+                self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    def busy(self) -> bool:
+        return bool(self.scheduler.has_requests() or self.in_flight
+                    or self.connector.has_pending_push_work())
 
     def run(self, *, max_steps: int = 20_000, idle_sleep_s: float = 0.002) -> None:
         """Step until no request is left and the connector has nothing in flight."""
-        while self.scheduler.has_requests() or self.connector.has_pending_push_work():
+        while self.busy():
             if self.steps >= max_steps:
                 raise AssertionError(f"still busy after {max_steps} steps")
             before = self.checked_positions
@@ -153,7 +189,7 @@ class Engine:
 
     def run_until_finished(self, rid: str, *, max_steps: int = 20_000) -> None:
         """Step until request ``rid`` has finished (jobs may still be in flight)."""
-        while rid in self.scheduler.requests:
+        while rid in self.scheduler.requests or self.in_flight:
             if self.steps >= max_steps:
                 raise AssertionError(f"request {rid} still running after {max_steps} steps")
             before = self.checked_positions
@@ -179,17 +215,23 @@ class Engine:
         sampled = []
         req_ids = list(so.num_scheduled_tokens)
         computed = _computed_before(so)
+        for new in so.scheduled_new_reqs:  # new or back from preemption: vLLM's tokens only
+            self.undelivered.pop(new.req_id, None)
+        for rid in so.scheduled_cached_reqs.resumed_req_ids:
+            self.undelivered.pop(rid, None)
         for rid in req_ids:
             request = self.scheduler.requests[rid]
             start, count = computed[rid], so.num_scheduled_tokens[rid]
-            tokens = list(request.all_token_ids)
+            pending = self.undelivered.setdefault(rid, [])
+            tokens = list(request.all_token_ids) + [t for _, t in pending]
+            assert start + count <= len(tokens), (rid, start, count, len(tokens))
             tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
             self._check(rid, tokens, tables, start)
             self._write(tokens, tables, start, start + count)
-            done_prefill = start + count >= request.num_tokens
+            done_prefill = start + count == len(tokens)
             sampled.append([next_token(tokens)] if done_prefill else [])
-            if done_prefill:
-                self.outputs.setdefault(rid, []).append(sampled[-1][0])
+            if done_prefill and self.async_scheduling:
+                pending.append((id(so), sampled[-1][0]))
         worker.start_load_kv(None)
         worker.wait_for_save()
         results = worker.get_transfer_results(so.finished_req_ids)
@@ -248,14 +290,16 @@ def _block_hasher() -> Any:
     return get_request_block_hasher(BLOCK, hash_fn)
 
 
-def build(root: Path, layout: Layout, *, num_blocks: int = 256,
+def build(root: Path, layout: Layout, *, num_blocks: int = 256,  # noqa: PLR0913
           extra: dict[str, Any] | None = None, max_num_batched_tokens: int = 256,
-          max_num_seqs: int = 16) -> Engine:
+          max_num_seqs: int = 16, async_scheduling: bool = False) -> Engine:
     """An engine of ``layout`` with ``num_blocks`` engine blocks per group and connector
-    options ``extra`` (``host_memory_bytes`` defaults to room for 512 blocks)."""
+    options ``extra`` (``host_memory_bytes`` defaults to room for 512 blocks); vLLM's
+    ``AsyncScheduler`` and a batch queue of two with ``async_scheduling``."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -273,9 +317,10 @@ def build(root: Path, layout: Layout, *, num_blocks: int = 256,
     vllm_config = args.create_engine_config()
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_config = layout.kv_cache_config(num_blocks)
-    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_config,
-                          structured_output_manager=StructuredOutputManager(vllm_config),
-                          block_size=BLOCK, hash_block_size=BLOCK)
+    scheduler_class = AsyncScheduler if async_scheduling else Scheduler
+    scheduler = scheduler_class(vllm_config=vllm_config, kv_cache_config=kv_config,
+                                structured_output_manager=StructuredOutputManager(vllm_config),
+                                block_size=BLOCK, hash_block_size=BLOCK)
     worker = KVOffloadConnector(vllm_config, KVConnectorRole.WORKER, kv_config)
     caches: dict[str, torch.Tensor] = {}
     groups: list[tuple[list[str], int | None]] = []
@@ -285,7 +330,7 @@ def build(root: Path, layout: Layout, *, num_blocks: int = 256,
         for name in group.layer_names:
             caches[name] = torch.full((num_blocks, 1, BLOCK, 2 * HEAD), -1.0)
     worker.register_kv_caches(caches)
-    return Engine(scheduler, worker, caches, groups)
+    return Engine(scheduler, worker, caches, groups, async_scheduling=async_scheduling)
 
 
 @contextmanager
