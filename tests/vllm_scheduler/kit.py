@@ -290,7 +290,7 @@ def _block_hasher() -> Any:
     return get_request_block_hasher(BLOCK, hash_fn)
 
 
-def build(root: Path, layout: Layout, *, num_blocks: int = 256,  # noqa: PLR0913
+def build(root: Path, layout: Layout, *, num_blocks: int = 256,
           extra: dict[str, Any] | None = None, max_num_batched_tokens: int = 256,
           max_num_seqs: int = 16, async_scheduling: bool = False) -> Engine:
     """An engine of ``layout`` with ``num_blocks`` engine blocks per group and connector
