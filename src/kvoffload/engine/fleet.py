@@ -318,11 +318,11 @@ def build_fleet(config: FleetConfig, *, offload: bool = True
     if tiers is not None and tiers.remote is not None and sim.remote_capacity_bytes:
         store = SharedStore(parts.offload, sim.remote_capacity_bytes,
                             write_mode=tiers.remote.write_mode)
+    ns = namespace(parts.offload, tiers) if tiers is not None else ""
     engines = []
     for _ in range(config.engines):
         tier: Tier | None = None
         if tiers is not None:
-            ns = namespace(parts.offload, tiers)
             lowers: list[LowerTier] = []
             for name in tiers.enabled:
                 if name == "disk":
