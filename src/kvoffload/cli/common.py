@@ -94,6 +94,8 @@ OPTION_OF_FIELD = {
     "remote_url": "--remote-url",
     "tier_faults": "--tier-faults",
     "faults": "--faults",
+    "engines": "--engines",
+    "router": "--router",
 }
 
 

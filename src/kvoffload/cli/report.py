@@ -6,7 +6,15 @@ from dataclasses import asdict
 from typing import Any
 
 from kvoffload.cli.common import format_bytes, format_seconds
-from kvoffload.engine.simulation import Mode, SimulationResult, describe_groups
+from kvoffload.engine.fleet import ROUTER_HELP, FleetResult
+from kvoffload.engine.model_presets import ModelLayout
+from kvoffload.engine.simulation import (
+    Capacities,
+    Mode,
+    SimulationConfig,
+    SimulationResult,
+    describe_groups,
+)
 from kvoffload.engine.summary import Percentiles, RunSummary
 from kvoffload.tiers.config import masked_url
 
@@ -46,11 +54,17 @@ def simulation_text(result: SimulationResult, workload_label: str) -> str:
 
 def _setup_lines(result: SimulationResult, workload_label: str) -> list[str]:
     """What was simulated: model, workload, groups, mode, capacities, modelled hardware."""
-    cfg, lay, caps = result.config, result.layout, result.capacities
     o = result.offload
+    return _setup(result.config, result.layout, result.capacities,
+                  f"{workload_label}, {o.requests} requests, {o.prompt_tokens:,} prompt tokens")
+
+
+def _setup(cfg: SimulationConfig, lay: ModelLayout, caps: Capacities, what: str,
+           each: str = "") -> list[str]:
+    """``_setup_lines`` of ``what`` was run; ``each`` qualifies the engine's and host's
+    capacities (a fleet: " (each)")."""
     t = cfg.timing
-    lines = [f"kvoffload simulate: {lay.preset.name}, {workload_label}, "
-             f"{o.requests} requests, {o.prompt_tokens:,} prompt tokens, {cfg.mode.value} mode"]
+    lines = [f"kvoffload simulate: {lay.preset.name}, {what}, {cfg.mode.value} mode"]
     lines.append(f"  groups: {'; '.join(describe_groups(lay))}")
     if cfg.mode.value == "bytes":
         scaled = ("pages scaled to " + ", ".join(f"{g.spec.page_bytes} B" for g in lay.groups)
@@ -60,9 +74,9 @@ def _setup_lines(result: SimulationResult, workload_label: str) -> list[str]:
         lines.append(f"  moved bytes: real tensors, {scaled}")
     else:
         lines.append("  accounting mode: no tensors move; jobs complete in modelled time")
-    lines.append(f"  engine: {caps.engine_blocks - 1:,} blocks of {lay.block_size} tokens "
+    lines.append(f"  engine{each}: {caps.engine_blocks - 1:,} blocks of {lay.block_size} tokens "
                  f"({format_bytes((caps.engine_blocks - 1) * caps.engine_block_bytes)}); "
-                 f"host: {caps.host_slots:,} slots of {format_bytes(caps.host_slot_bytes)} "
+                 f"host{each}: {caps.host_slots:,} slots of {format_bytes(caps.host_slot_bytes)} "
                  f"({format_bytes(caps.host_slots * caps.host_slot_bytes)}), policy "
                  f"{cfg.eviction_policy}")
     steps = ("" if cfg.decode_tokens_per_step == 1 else
@@ -154,27 +168,145 @@ def run_dict(summary: RunSummary | None) -> dict[str, Any] | None:
 
 def simulation_dict(result: SimulationResult, workload_label: str) -> dict[str, Any]:
     """The JSON object ``kvoffload simulate --json`` prints."""
-    cfg = result.config
+    return {
+        "workload": workload_label,
+        "config": _config_dict(result.config),
+        "layout": _layout_dict(result.layout),
+        "capacities": asdict(result.capacities),
+        "offload": run_dict(result.offload),
+        "baseline": run_dict(result.baseline),
+    }
+
+
+def _config_dict(cfg: SimulationConfig) -> dict[str, Any]:
     config = asdict(cfg)
     config["mode"] = cfg.mode.value
     config["arrival"] = cfg.arrival.value
     if cfg.remote_url is not None:
         config["remote_url"] = masked_url(cfg.remote_url)
+    return config
+
+
+def _layout_dict(layout: ModelLayout) -> dict[str, Any]:
+    return {
+        "preset": layout.preset.name,
+        "block_size": layout.block_size,
+        "scaled": layout.is_scaled,
+        "groups": [{"name": g.spec.name, "kind": g.spec.kind.value,
+                    "num_layers": g.spec.num_layers, "block_size": g.spec.block_size,
+                    "sliding_window": g.spec.sliding_window,
+                    "real_page_bytes": g.real_page_bytes,
+                    "moved_page_bytes": g.spec.page_bytes}
+                   for g in layout.groups],
+    }
+
+
+# ---------------------------------------------------------------------------- fleets
+
+
+def fleet_dict(result: FleetResult, workload_label: str) -> dict[str, Any]:
+    """The JSON object ``kvoffload simulate --engines N --json`` prints: the keys of
+    ``simulation_dict``, with ``offload`` and ``baseline`` holding the fleet's figures
+    (``FleetRun.to_dict``: the totals, the shared tier, and ``engines``: one object per
+    engine), and ``fleet`` saying how it was set up."""
+    fleet = result.config
+    sim = fleet.simulation
     return {
         "workload": workload_label,
-        "config": config,
-        "layout": {
-            "preset": result.layout.preset.name,
-            "block_size": result.layout.block_size,
-            "scaled": result.layout.is_scaled,
-            "groups": [{"name": g.spec.name, "kind": g.spec.kind.value,
-                        "num_layers": g.spec.num_layers, "block_size": g.spec.block_size,
-                        "sliding_window": g.spec.sliding_window,
-                        "real_page_bytes": g.real_page_bytes,
-                        "moved_page_bytes": g.spec.page_bytes}
-                       for g in result.layout.groups],
-        },
+        "config": _config_dict(sim),
+        "fleet": {"engines": fleet.engines, "router": fleet.router.value,
+                  "router_rule": ROUTER_HELP[fleet.router],
+                  "shared_tier_capacity_bytes": sim.remote_capacity_bytes},
+        "layout": _layout_dict(result.layout),
         "capacities": asdict(result.capacities),
-        "offload": run_dict(result.offload),
-        "baseline": run_dict(result.baseline),
+        "offload": result.offload.to_dict(),
+        "baseline": None if result.baseline is None else result.baseline.to_dict(),
     }
+
+
+def fleet_text(result: FleetResult, workload_label: str) -> str:
+    """The human summary of ``kvoffload simulate --engines N``."""
+    fleet = result.config
+    sim = fleet.simulation
+    o, base = result.offload, result.baseline
+    t = o.totals
+    lines = _setup(sim, result.layout, result.capacities,
+                   f"{workload_label}, {t.requests} requests, {t.prompt_tokens:,} prompt "
+                   f"tokens, {fleet.engines} engines", each=" (each)")
+    lines.append(f"  router {fleet.router.value}: {ROUTER_HELP[fleet.router]}")
+    if fleet.shared_tier:
+        lines.append(f"  shared tier: one remote store of "
+                     f"{format_bytes(sim.remote_capacity_bytes or 0)} that every engine "
+                     "writes through and promotes from (modelled, LRU)")
+    else:
+        lines.append("  shared tier: none (each engine has only its own tiers; "
+                     "--remote-capacity SIZE adds one)")
+    lines.append("")
+    lines += _fleet_comparison_lines(result)
+    lines.append("")
+    lines += _fleet_engine_lines(result)
+    if fleet.shared_tier:
+        lines.append(f"  shared tier holds {o.shared_blocks:,} blocks "
+                     f"({format_bytes(o.shared_bytes)}) at the end")
+    wall = o.wall_s + (base.wall_s if base is not None else 0.0)
+    lines.append(f"  modelled makespan {format_seconds(t.makespan_s)}; wall time {wall:.1f} s")
+    return "\n".join(lines)
+
+
+def _tier_label(name: str) -> str:
+    return {"host": "host tiers", "disk": "disk tiers (promoted)",
+            "remote": "the shared tier (promoted)"}.get(name, f"{name} tier (promoted)")
+
+
+def _fleet_tiers(result: FleetResult) -> list[str]:
+    """The offload tiers a fleet's requests could be served from, in cascade order."""
+    sim = result.config.simulation
+    return ["host"] + (["disk"] if sim.disk_capacity_bytes else []) + (
+        ["remote"] if sim.remote_capacity_bytes else [])
+
+
+def _fleet_comparison_lines(result: FleetResult) -> list[str]:
+    """The fleet's hits per tier, prefill work and TTFT, without and with offloading."""
+    o, b = result.offload.totals, (result.baseline.totals if result.baseline else None)
+    rows = [["all engines", "without offload", "with offload"]]
+    rows.append(["prompt tokens from the engines' prefix caches (device)",
+                 _pct(b.engine_hit_rate) if b else "-", _pct(o.engine_hit_rate)])
+    rates = o.tier_hit_rates
+    for name in _fleet_tiers(result):
+        rows.append([f"prompt tokens from {_tier_label(name)}", "-",
+                     _pct(rates.get(name, 0.0))])
+    rows.append(["prefill tokens saved (served from a cache)",
+                 f"{b.prefill_tokens_saved:,}" if b else "-", f"{o.prefill_tokens_saved:,}"])
+    rows.append(["prefill tokens computed", f"{b.prefill_tokens_computed:,}" if b else "-",
+                 f"{o.prefill_tokens_computed:,}"])
+    rows.append(["TTFT modelled, mean / p50 / p90", _ttft(b.ttft) if b else "-",
+                 _ttft(o.ttft)])
+    rows.append(["TTFT on the clock (with queueing)", _ttft(b.clock_ttft) if b else "-",
+                 _ttft(o.clock_ttft)])
+    rows.append(["preemptions", f"{b.preemptions:,}" if b else "-", f"{o.preemptions:,}"])
+    lines = _table(rows)
+    if b is not None and b.prefill_tokens_computed:
+        saved = 1 - o.prefill_tokens_computed / b.prefill_tokens_computed
+        speed = b.ttft.mean / o.ttft.mean if o.ttft.mean else float("inf")
+        lines.append(f"  offloading computes {100 * saved:.1f} % fewer prefill tokens; mean "
+                     f"modelled TTFT {speed:.2f}x faster")
+    return lines
+
+
+def _fleet_engine_lines(result: FleetResult) -> list[str]:
+    """One row per engine (with offloading): requests, hits per tier, tokens saved."""
+    run = result.offload
+    tiers = _fleet_tiers(result)
+    names = {"host": "host", "disk": "disk", "remote": "shared"}
+    rows = [["engine", "requests", "prompt tokens", "device", *(names[n] for n in tiers),
+             "tokens saved", "waits given up"]]
+    for i, (s, tokens, timeouts) in enumerate(zip(run.engines, run.engine_tier_tokens,
+                                                  run.deferral_timeouts, strict=True)):
+        prompt = s.prompt_tokens or 1
+        rows.append([str(i), f"{s.requests:,}", f"{s.prompt_tokens:,}",
+                     _pct(s.engine_hit_rate), *(_pct(tokens.get(n, 0) / prompt) for n in tiers),
+                     f"{s.prefill_tokens_saved:,}", f"{timeouts:,}"])
+    lines = _table(rows)
+    lines.append("  (shares of each engine's prompt tokens; waits given up: lookups that "
+                 "stopped waiting for a promote after max_deferred_steps steps)")
+    return lines

@@ -8,6 +8,7 @@ import textwrap
 from collections.abc import Iterable
 
 from kvoffload.cli.common import (
+    WorkloadSpec,
     add_engine_options,
     add_output_options,
     add_workload_options,
@@ -17,8 +18,9 @@ from kvoffload.cli.common import (
     simulation_config,
     workload_spec,
 )
-from kvoffload.cli.report import simulation_dict, simulation_text
-from kvoffload.cli.validate import check_simulate_args
+from kvoffload.cli.report import fleet_dict, fleet_text, simulation_dict, simulation_text
+from kvoffload.cli.validate import check_fleet_args, check_simulate_args
+from kvoffload.engine.fleet import MAX_ENGINES, ROUTER_HELP, FleetConfig, Router, simulate_fleet
 from kvoffload.engine.simulation import Mode, SimulationConfig, simulate
 from kvoffload.engine.workloads.request import WorkloadRequest
 from kvoffload.sizes import parse_size
@@ -36,6 +38,9 @@ EPILOG = textwrap.dedent("""\
       kvoffload simulate --json | jq .offload.host_hit_rate
       kvoffload simulate --faults 0.02                     # soak: faults, checks, figures
       kvoffload simulate --faults 0.05,fail,hang --load-deadline 2 --workload agentic
+      kvoffload simulate --trace ../shared/traces/mooncake_conversation_trace.jsonl \\
+          --limit 2000 --engines 8 --router prefix --remote-capacity 1TiB
+                                                           # a fleet with a shared tier
 
     What it does: the reference engine (a hybrid prefix-caching block pool, chunked prefill,
     decode, preemption) runs the workload twice: with kvoffload's planner, host tier and
@@ -50,6 +55,12 @@ EPILOG = textwrap.dedent("""\
     reorder, partial; default all). Every loaded byte is verified (bytes mode), the
     bookkeeping is checked every modelled minute, and the soak figures are printed; the
     exit status is 1 unless the run is clean (docs/reliability.md).
+
+    With --engines N the run is a fleet: N such engines, each with its own prefix cache,
+    host tier (and --disk-capacity disk tier), behind one router (--router); with
+    --remote-capacity SIZE they share one modelled remote tier that every engine writes
+    through and promotes from. Fleets run in accounting mode. The summary gives the
+    fleet's hits per tier and prefill tokens saved, then each engine's (docs/fleet.md).
     """)
 
 
@@ -95,6 +106,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         help="with real tiers (--disk-path, --remote-url): that share of "
                              "tier I/O calls fails, damages the block it wrote, or starts "
                              "an outage of the tier")
+    fleet = parser.add_argument_group("fleet (several engines, one router, a shared tier)")
+    fleet.add_argument("--engines", metavar="N", default=None,
+                       help=f"simulate N engines (1 to {MAX_ENGINES}), each with its own "
+                            "prefix cache and host tier, behind one router; "
+                            "--remote-capacity SIZE becomes one tier they all share "
+                            "(accounting mode)")
+    fleet.add_argument("--router", metavar="NAME", default=None,
+                       help="how --engines assigns requests: 'round-robin' (default): "
+                            f"{ROUTER_HELP[Router.ROUND_ROBIN]}; 'prefix': "
+                            f"{ROUTER_HELP[Router.PREFIX]}")
     add_workload_options(parser, default_limit=None)
     add_engine_options(parser)
     add_output_options(parser)
@@ -103,12 +124,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     check_simulate_args(args)
+    fleet = check_fleet_args(args)
     preset = check_preset(args.preset)
     policy = check_policy(args.policy)
     modelled = args.disk_capacity or args.remote_capacity
     real = args.disk_path or args.remote_url
     mode = Mode(args.mode) if args.mode else (
         Mode.BYTES if real else Mode.ACCOUNTING if args.trace or modelled else Mode.BYTES)
+    if fleet is not None:
+        mode = Mode.ACCOUNTING
     spec = workload_spec(args, args.seed)
     config = simulation_config(args, preset=preset, policy=policy, mode=mode,
                                host_capacity=parse_size(args.host_capacity, "--host-capacity"))
@@ -117,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
 
         config = replace(config, baseline=False)
     workload = spec.load()
+    if fleet is not None:
+        return run_fleet_command(args, FleetConfig(config, *fleet), spec, workload)
     if args.faults is not None:
         return run_soak_command(args, config, workload)
     show = not (args.quiet or args.json)
@@ -165,3 +191,21 @@ def run_soak_command(args: argparse.Namespace, config: SimulationConfig,
     else:
         print(report.text())
     return 0 if report.ok else 1
+
+
+def run_fleet_command(args: argparse.Namespace, fleet: FleetConfig, spec: WorkloadSpec,
+                      workload: Iterable[WorkloadRequest]) -> int:
+    """``--engines N``: the fleet with and without offloading; prints its figures."""
+    show = not (args.quiet or args.json)
+    what = f"{fleet.simulation.preset}, {fleet.engines} engines ({fleet.router.value})"
+    with progress_bar(show) as start:
+        total = spec.count() if show else 0
+        result = simulate_fleet(fleet, workload,
+                                progress=start(f"{what} with offloading", total),
+                                baseline_progress=(start(f"{what} without offloading", total)
+                                                   if fleet.simulation.baseline else None))
+    if args.json:
+        print(json.dumps(fleet_dict(result, spec.label), indent=2))
+    else:
+        print(fleet_text(result, spec.label))
+    return 0

@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 
 from kvoffload.cli.common import UsageError
+from kvoffload.engine.fleet import MAX_ENGINES, Router
 from kvoffload.tiers.config import check_disk_path, check_remote_url
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
@@ -98,3 +99,39 @@ def check_simulate_args(args: argparse.Namespace) -> None:
                          "--disk-capacity SIZE or --remote-url URL")
     if rate > 0 and args.faults is None:
         raise UsageError("--tier-faults: works in a soak only; add --faults RATE")
+
+
+def check_fleet_args(args: argparse.Namespace) -> tuple[int, Router] | None:
+    """``--engines`` and ``--router``: the fleet's size and router, or None for the
+    one-engine simulation (neither given). A fleet is modelled: it refuses the flags of
+    real tiers, bytes mode, soaks and plots."""
+    if args.engines is None:
+        if args.router is not None:
+            raise UsageError("--router: assigns requests to several engines; add "
+                             "--engines N (e.g. --engines 4)")
+        return None
+    text = str(args.engines).strip()
+    if not (text.isdigit() and 1 <= int(text) <= MAX_ENGINES):
+        raise UsageError(f"--engines: give a whole number of engines from 1 to "
+                         f"{MAX_ENGINES}, e.g. 4; got {args.engines!r}")
+    names = [r.value for r in Router]
+    router = args.router if args.router is not None else Router.ROUND_ROBIN.value
+    if router not in names:
+        raise UsageError(f"--router: unknown router {router!r}; give one of "
+                         f"{' or '.join(names)}")
+    refused = (
+        (args.faults is not None, "--faults", "a soak runs one engine; drop --engines or "
+                                              "--faults"),
+        (args.disk_path is not None, "--disk-path", "a fleet models its tiers; give "
+                                                    "--disk-capacity SIZE instead"),
+        (args.remote_url is not None, "--remote-url", "a fleet models its shared tier; "
+                                                      "give --remote-capacity SIZE instead"),
+        (args.mode == "bytes", "--mode", "a fleet (--engines) runs in accounting mode; drop "
+                                         "--mode bytes"),
+        (args.plot is not None, "--plot", "not drawn for a fleet (--engines); "
+                                          "benchmarks/make_fleet_doc.py plots fleets"),
+    )
+    for bad, flag, why in refused:
+        if bad:
+            raise UsageError(f"{flag}: {why}")
+    return int(text), Router(router)

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.engine.metrics import EngineMetrics, GroupTraffic, Sample
+from kvoffload.engine.requests import RequestRecord
+from kvoffload.engine.timing import TimingModel
 from kvoffload.jobs import Direction
 
 if TYPE_CHECKING:
@@ -167,8 +169,7 @@ def summarize(engine: ReferenceEngine, metrics: EngineMetrics, *, wall_s: float)
         for usage in engine.tier.lower_usage():
             lower[usage.name] = usage.used_bytes
             lower_blocks[usage.name] = usage.blocks
-    ttft = [timing.compute_seconds(r.prefill_flops) + timing.transfer_seconds(r.loaded_bytes)
-            + r.promoted_bytes / timing.lower_bytes_per_s for r in records]
+    ttft = [modelled_ttft_s(r, timing) for r in records]
     clock = [r.first_token_s - r.arrival_s for r in records if r.first_token_s is not None]
     return RunSummary(
         offload=engine.planner is not None,
@@ -207,6 +208,14 @@ def summarize(engine: ReferenceEngine, metrics: EngineMetrics, *, wall_s: float)
         moved_loaded_bytes=metrics.moved_loaded_bytes,
         measured_transfer_s=metrics.measured_store_s + metrics.measured_load_s,
         wall_s=wall_s, samples=tuple(metrics.samples))
+
+
+def modelled_ttft_s(record: RequestRecord, timing: TimingModel) -> float:
+    """A request's modelled TTFT (module docstring): its prefill FLOPs, loaded bytes and
+    promoted bytes at the modelled rates, without queueing."""
+    return (timing.compute_seconds(record.prefill_flops)
+            + timing.transfer_seconds(record.loaded_bytes)
+            + record.promoted_bytes / timing.lower_bytes_per_s)
 
 
 def _group(name: str, kind: str, traffic: GroupTraffic, peak: int, final: int) -> GroupSummary:
