@@ -160,7 +160,9 @@ def start_engine(model: Path, *, host_memory: str = "64MiB", block_size: int = 3
     from vllm.config import KVTransferConfig
 
     restore = _thread_state()
+    # Store everything (LRU) unless a test says otherwise: the stories count exact hits.
     config = dict(CONNECTOR, kv_connector_extra_config={"host_memory_bytes": host_memory,
+                                                        "eviction_policy": "lru",
                                                         **(extra or {})})
     try:
         llm = LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=512,

@@ -25,7 +25,7 @@ EPILOG = textwrap.dedent("""\
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvoffload.cli import presets, simulate, sweep, trace
+    from kvoffload.cli import plan, presets, simulate, sweep, trace
 
     parser = argparse.ArgumentParser(
         prog="kvoffload",
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     simulate.add_parser(sub)
     sweep.add_parser(sub)
+    plan.add_parser(sub)
     presets.add_parser(sub)
     trace.add_parser(sub)
     return parser

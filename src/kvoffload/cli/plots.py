@@ -10,6 +10,7 @@ from kvoffload.cli.common import UsageError
 from kvoffload.engine.simulation import SimulationResult
 
 if TYPE_CHECKING:
+    from kvoffload.cli.plan import Plan
     from kvoffload.cli.sweep import SweepPoint
 
 GIB = float(1 << 30)
@@ -102,6 +103,46 @@ def plot_sweep(points: Sequence[SweepPoint], path: Path, title: str) -> None:
     right.axhline(1.0, color="black", linewidth=0.8)
     left.legend(fontsize="small")
     fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_plan(plan: Plan, path: Path) -> None:
+    """A plan's hit-rate curves against host memory per rank (one per policy, dashed with
+    the disk tier), the unbounded hit rate and its 50/90/99 % marks; and TTFT speed-up."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    colors = plt.get_cmap("tab10")
+    policies = list(dict.fromkeys(p.policy for p in plan.points))
+    for i, policy in enumerate(policies):
+        for disk in (False, True):
+            pts = sorted((p for p in plan.points if p.policy == policy and p.disk == disk),
+                         key=lambda p: p.host_capacity_bytes)
+            if not pts:
+                continue
+            xs = [p.host_capacity_bytes / GIB for p in pts]
+            style = {"color": colors(i % 10), "marker": "o",
+                     "linestyle": "--" if disk else "-"}
+            label = policy + (" + disk" if disk else "")
+            left.plot(xs, [100 * (p.host_hit_rate + p.lower_hit_rate) for p in pts],
+                      label=label, **style)
+            right.plot(xs, [p.ttft_speedup for p in pts], label=label, **style)
+    for share in (0.5, 0.9, 0.99):
+        left.axhline(100 * share * plan.unbounded_hit_rate, color="gray", linewidth=0.6,
+                     linestyle=":")
+    left.axhline(100 * plan.unbounded_hit_rate, color="black", linewidth=0.8,
+                 label="unbounded host memory")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("host memory per rank (GiB)")
+        ax.grid(True, alpha=0.3)
+    left.set_ylabel("prompt tokens served by offloading (%)")
+    right.set_ylabel("mean modelled TTFT, without / with offloading")
+    right.axhline(1.0, color="black", linewidth=0.8)
+    left.legend(fontsize="small")
+    fig.suptitle(f"kvoffload plan: {plan.preset} on {plan.workload} "
+                 "(dotted: 50/90/99 % of unbounded)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

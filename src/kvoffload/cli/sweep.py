@@ -8,7 +8,7 @@ import math
 import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from kvoffload.cli.common import (
     UsageError,
@@ -32,7 +32,7 @@ from kvoffload.engine.summary import RunSummary
 
 EPILOG = textwrap.dedent("""\
     examples:
-      kvoffload sweep                                          # gpt-oss-20b, chat, lru vs arc
+      kvoffload sweep                                          # gpt-oss-20b, chat, value vs lru
       kvoffload sweep --preset all --policy lru --host-capacity 8GiB,32GiB,128GiB \\
           --trace ../shared/traces/mooncake_conversation_trace.jsonl --limit 2000
       kvoffload sweep --preset llama3-8b,gemma3-27b --seeds 0,1,2 --plot sweep.png --json
@@ -111,14 +111,24 @@ class Reference:
         return asdict(self)
 
 
-def memory_to_reach(points: Sequence[SweepPoint], target: float) -> float | None:
+class CurvePoint(Protocol):
+    """One point of a hit-rate curve (a ``SweepPoint``, a plan's point)."""
+
+    @property
+    def host_capacity_bytes(self) -> int: ...
+
+    @property
+    def host_hit_rate(self) -> float: ...
+
+
+def memory_to_reach(points: Sequence[CurvePoint], target: float) -> float | None:
     """The host capacity at which the host hit rate first reaches ``target``, linearly
     interpolated between grid points (in log capacity); ``None`` if no point reaches it.
 
     ``points`` are one (preset, policy) curve.
     """
     pts = sorted(points, key=lambda p: p.host_capacity_bytes)
-    previous: SweepPoint | None = None
+    previous: CurvePoint | None = None
     for p in pts:
         if p.host_hit_rate >= target:
             if previous is None or p.host_hit_rate == previous.host_hit_rate:
@@ -279,8 +289,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gpt-oss-20b",
                         help="comma-separated presets, or 'all' (default gpt-oss-20b)")
-    parser.add_argument("--policy", default="lru,arc",
-                        help="comma-separated eviction policies (default lru,arc)")
+    parser.add_argument("--policy", default="value,lru",
+                        help="comma-separated cache policies (default value,lru)")
     parser.add_argument("--host-capacity", default="1GiB,4GiB,16GiB,64GiB", metavar="SIZES",
                         help="comma-separated host capacities (default 1GiB,4GiB,16GiB,64GiB)")
     parser.add_argument("--capacity-fraction", metavar="SHARES",

@@ -11,8 +11,8 @@ Keys (all optional except ``host_memory_bytes``):
 ``host_memory_bytes``       Host memory for offloaded blocks, per rank: a size in the
                             grammar of ``kvoffload.sizes`` (an integer, or ``"8GiB"``,
                             ``"512MiB"``, ``"2GB"``).
-``eviction_policy``         A registered policy name: ``"lru"`` (default), ``"arc"``,
-                            ``"hybrid"`` or ``"value"`` (hybrid-aware: window blocks and
+``eviction_policy``         A registered policy name: ``"value"`` (default), ``"lru"``,
+                            ``"arc"`` or ``"hybrid"`` (``value`` is hybrid-aware: window blocks and
                             Mamba states only at likely hit points, eviction by compute
                             saved per byte; see docs/policy.md).
 ``block_size_factor``       Engine blocks per offloaded block (default 1).
@@ -56,6 +56,10 @@ AVAILABLE_TIERS = ("host", "disk", "remote")
 TIER_OPTIONS = tuple(key for key in OPTION_HELP if key != "tier_order")
 """Lower-tier keys the connector accepts, passed to ``TierConfig.from_options``."""
 _TIER_ENABLER = {"disk": "disk_path", "remote": "remote_url"}
+DEFAULT_POLICY = "value"
+"""The hybrid-aware policy: in every sweep of docs/policy.md ("The default") it serves at
+most 0.26 points fewer prompt tokens than LRU, and reaches 90 % of the unbounded hit rate
+with 0.34x to 1.00x LRU's host memory."""
 DEFAULT_LOAD_DEADLINE_S = 30.0
 """A load from host memory takes milliseconds and one from disk or Redis well under a
 second; one that is still running after 30 s is stuck (a hung disk or network), and
@@ -67,7 +71,7 @@ class ConnectorOptions:
     """Validated connector options (see the module docstring for the keys)."""
 
     host_memory_bytes: int
-    eviction_policy: str = "lru"
+    eviction_policy: str = DEFAULT_POLICY
     block_size_factor: int = 1
     tiers: tuple[str, ...] = ("host",)
     max_deferred_steps: int = 64
@@ -92,7 +96,7 @@ class ConnectorOptions:
                               '"host_memory_bytes": "8GiB".')
         memory = parse_size(extra["host_memory_bytes"], f"{PREFIX}.host_memory_bytes",
                             minimum=1)
-        policy = extra.get("eviction_policy", "lru")
+        policy = extra.get("eviction_policy", DEFAULT_POLICY)
         policies = cache_policy_names()
         if not isinstance(policy, str) or policy not in policies:
             raise ConfigError(f"{PREFIX}.eviction_policy", f"{policy!r} is not a policy",
