@@ -1,5 +1,5 @@
 """Regenerate docs/simulator.md and its plots: one sweep over the shared Mooncake trace for
-every preset, plus one run's time series.
+four presets (``DOC_PRESETS``), plus one run's time series.
 
     .venv/bin/python benchmarks/make_simulator_doc.py              # first 1000 requests
     .venv/bin/python benchmarks/make_simulator_doc.py --limit 3000
@@ -52,6 +52,8 @@ POLICIES = ("lru", "arc", "hybrid")
 GiB = 1 << 30
 ENGINE_BYTES = 80 * GiB
 """Accelerator memory for KV blocks in every run (an 80-141 GB H100/H200-class device)."""
+DOC_PRESETS = ("llama3-8b", "gpt-oss-20b", "gemma3-27b", "nemotron-h-8b")
+"""The presets the page sweeps: dense, sliding window, interleaved windows, Mamba hybrid."""
 
 
 def preset_config(name: str, limit: int) -> SimulationConfig:
@@ -66,7 +68,7 @@ def preset_config(name: str, limit: int) -> SimulationConfig:
 def layout_table(limit: int) -> list[str]:
     rows = ["| preset | groups | engine block | engine KV memory | host slot |",
             "|---|---|---|---|---|"]
-    for name in PRESETS:
+    for name in DOC_PRESETS:
         config = preset_config(name, limit)
         layout = config.layout()
         caps, _ = resolve(config, layout)
@@ -80,7 +82,7 @@ def layout_table(limit: int) -> list[str]:
 def slot_notes() -> list[str]:
     """How much of a host slot each group's offloaded block fills, per preset."""
     out = []
-    for name in PRESETS:
+    for name in DOC_PRESETS:
         config = preset_config(name, 0)
         layout = config.layout()
         caps, _ = resolve(config, layout)
@@ -111,7 +113,7 @@ def main() -> int:
     spec = WorkloadSpec("trace", args.trace, args.limit, 0)
     started = time.perf_counter()
     points: list[SweepPoint] = []
-    for name in PRESETS:
+    for name in DOC_PRESETS:
         print(f"sweeping {name} ...", file=sys.stderr)
         points += run_sweep(preset_config(name, args.limit), spec, presets=[name],
                             policies=POLICIES, capacities=CAPACITIES, seeds=[0])
@@ -141,6 +143,32 @@ class _Trace:
     def __iter__(self):  # type: ignore[no-untyped-def]
         return read_mooncake_trace(self.path, limit=self.limit)
 
+
+MODELS = [
+    "## Models: presets, `--model` and `--tp`",
+    "",
+    "`kvoffload presets` lists the built-in models: "
+    + ", ".join(f"`{name}`" for name in PRESETS) + ". They are data: "
+    "`src/kvoffload/engine/presets.json` holds each model's public config.json fields (with "
+    "the Hugging Face repo they come from), and every figure (layer kinds, KV bytes per "
+    "token, Mamba or gated delta-net state bytes, prefill FLOPs) is derived from them by "
+    "`kvoffload.engine.hf_config`, the same code that reads a local model:",
+    "",
+    "```bash",
+    "kvoffload simulate --model ~/models/Qwen3-8B            # a model directory (or its "
+    "config.json)",
+    "kvoffload sweep --model ~/models/granite-4.0-h-small --tp 4 --host-capacity 4GiB,16GiB",
+    "kvoffload presets --model ~/models/Qwen3-8B --tp 2 --verbose",
+    "```",
+    "",
+    "`--model PATH` replaces `--preset` (`sweep` takes several, comma-separated). `--tp N` "
+    "makes every figure one tensor-parallel rank's: KV heads are split over N ranks (at "
+    "least one each), and so are query, Mamba and gated delta-net heads; a rank count the "
+    "heads do not split over is refused in one line naming the count to change. "
+    "[docs/models.md](models.md) lists the families kvoffload reads, what each layer kind "
+    "holds, the approximations of the FLOPs count, and how to add a model.",
+    "",
+]
 
 TRACE_FORMAT = [
     "`--trace` reads Mooncake-format JSON lines: one object per line with `timestamp` "
@@ -271,7 +299,8 @@ def render(points: list[SweepPoint], result: object, limit: int, elapsed: float)
         "",
         "```bash",
         "kvoffload simulate                      # built-in chat workload, bytes mode, verified",
-        "kvoffload sweep --preset all --trace ../shared/traces/mooncake_conversation_trace.jsonl"
+        f"kvoffload sweep --preset {','.join(DOC_PRESETS)} \\",
+        "    --trace ../shared/traces/mooncake_conversation_trace.jsonl"
         f" --limit {limit} --block-size 64 --block-size-factor 4 \\",
         "    --policy lru,arc,hybrid --host-capacity 16GiB,64GiB,256GiB --plot sweep.png",
         "python benchmarks/replay_speed.py       # the whole trace, accounting mode",
@@ -280,6 +309,7 @@ def render(points: list[SweepPoint], result: object, limit: int, elapsed: float)
         "(`--block-size 64` applies to every preset in that command; the table above runs "
         f"Nemotron-H at its page-matching block size {auto_block_size(PRESETS['nemotron-h-8b'])}.)",
         "",
+        *MODELS,
         "## Trace format",
         "",
         *TRACE_FORMAT,

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvoffload.engine.hf_config import is_model_path, resolve_model
 from kvoffload.engine.model_presets import PRESETS
 from kvoffload.engine.replay import Arrival
 from kvoffload.engine.simulation import Mode, SimulationConfig
@@ -83,7 +84,8 @@ OPTION_OF_FIELD = {
     "block_size": "--block-size",
     "block_size_factor": "--block-size-factor",
     "scale_bytes": "--scale-bytes",
-    "model": "--preset",
+    "model": "--preset / --model",
+    "tensor_parallel": "--tp",
     "workload": "--workload",
     "max_num_batched_tokens": "--max-batched-tokens",
     "max_num_seqs": "--max-seqs",
@@ -131,8 +133,65 @@ def add_workload_options(parser: argparse.ArgumentParser, *, default_limit: int 
                             "as the engine takes them (default: trace)")
 
 
+class _DefaultPreset(str):
+    """A ``--preset`` default, told apart from a ``--preset`` the user gave (``--model``
+    refuses to be given with one)."""
+
+    __slots__ = ()
+
+
+class _ModelAction(argparse.Action):
+    """``--model PATH``: the model whose config PATH is replaces the command's ``--preset``
+    (``args.preset`` becomes PATH, which ``kvoffload.engine.hf_config`` resolves)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        path = str(values)
+        given = getattr(namespace, "preset", None)
+        if given is not None and not isinstance(given, _DefaultPreset) and given != path:
+            namespace.model_conflict = True  # --preset came first; reported by check_model
+        namespace.model = path
+        if hasattr(namespace, "preset"):
+            namespace.preset = path
+
+
+def add_model_options(parser: argparse.ArgumentParser,
+                      group: argparse._ArgumentGroup | None = None) -> None:
+    """``--model PATH`` and ``--tp N``, for a command that takes ``--preset`` (or none).
+
+    ``--model`` stands in for ``--preset``: the rest of the command handles the path as a
+    preset name (``check_preset``, ``SimulationConfig.preset``); ``check_model`` reports a
+    ``--preset`` given beside it. ``--tp`` makes every figure one rank's.
+    """
+    target = group if group is not None else parser
+    default = parser.get_default("preset")
+    if isinstance(default, str):
+        parser.set_defaults(preset=_DefaultPreset(default))
+    target.add_argument("--model", metavar="PATH", action=_ModelAction, default=None,
+                        help="a local Hugging Face model directory or its config.json, "
+                             "instead of --preset: layer kinds, KV and Mamba bytes and "
+                             "prefill FLOPs are derived from the config (docs/models.md)")
+    target.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="tensor-parallel ranks: KV and Mamba heads are split across N "
+                             "ranks and every figure is one rank's (default 1)")
+
+
+def check_model(args: argparse.Namespace) -> None:
+    """``--model`` and ``--preset`` together, or a ``--tp`` below 1: ``UsageError``."""
+    model = getattr(args, "model", None)
+    preset = getattr(args, "preset", None)
+    if model is not None and (getattr(args, "model_conflict", False)
+                              or (preset is not None and preset != model)):
+        raise UsageError("--model: give either --model PATH or --preset NAME, not both")
+    tp = getattr(args, "tp", 1)
+    if tp < 1:
+        raise UsageError(f"--tp: must be at least 1, got {tp}; give the tensor-parallel "
+                         "rank count, e.g. --tp 2")
+
+
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine and model")
+    add_model_options(parser, group)
     group.add_argument("--block-size", type=int, metavar="TOKENS",
                        help="engine block size (default: 16, or vLLM's page-matching size "
                             "for models with Mamba layers)")
@@ -182,10 +241,15 @@ def check_policy(name: str) -> str:
 
 
 def check_preset(name: str) -> str:
-    if name not in PRESETS:
-        raise UsageError(f"--preset: unknown preset {name!r}; choose one of "
-                         f"{', '.join(PRESETS)} (see 'kvoffload presets')")
-    return name
+    """A preset name, or a model path (``--model``): its config must derive a layout
+    (``ConfigError`` naming the path and field otherwise)."""
+    if name in PRESETS:
+        return name
+    if is_model_path(name):
+        resolve_model(name)
+        return name
+    raise UsageError(f"--preset: unknown preset {name!r}; choose one of "
+                     f"{', '.join(PRESETS)} (see 'kvoffload presets'), or give --model PATH")
 
 
 @dataclass(frozen=True)
@@ -261,7 +325,11 @@ def workload_spec(args: argparse.Namespace, seed: int) -> WorkloadSpec:
 
 def simulation_config(args: argparse.Namespace, *, preset: str, policy: str,
                       host_capacity: int, mode: Mode) -> SimulationConfig:
-    """A ``SimulationConfig`` from the shared engine options."""
+    """A ``SimulationConfig`` from the shared engine options (``--model`` and ``--tp``
+    included: the model is checked for ``tp`` ranks here, before anything runs)."""
+    check_model(args)
+    tensor_parallel = getattr(args, "tp", 1)
+    resolve_model(preset, tensor_parallel)
     decode = args.decode_steps if args.decode_steps is not None else (
         1 if mode is Mode.BYTES else 16)
     engine_bytes = (parse_size(args.engine_capacity, "--engine-capacity", minimum=1)
@@ -275,7 +343,7 @@ def simulation_config(args: argparse.Namespace, *, preset: str, policy: str,
     remote = (parse_size(args.remote_capacity, "--remote-capacity", minimum=1)
               if args.remote_capacity is not None else None)
     return SimulationConfig(
-        preset=preset, mode=mode, block_size=args.block_size,
+        preset=preset, tensor_parallel=tensor_parallel, mode=mode, block_size=args.block_size,
         disk_capacity_bytes=disk, remote_capacity_bytes=remote,
         block_size_factor=args.block_size_factor, engine_capacity_bytes=engine_bytes,
         engine_tokens=tokens, host_capacity_bytes=host_capacity, eviction_policy=policy,

@@ -4,23 +4,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import textwrap
 from typing import Any
 
-from kvoffload.cli.common import format_bytes
+from kvoffload.cli.common import add_model_options, check_model, format_bytes
+from kvoffload.engine.hf_config import resolve_model
 from kvoffload.engine.model_presets import PRESETS, ModelPreset
 from kvoffload.engine.simulation import auto_block_size
+from kvoffload.errors import ConfigError
 
 EPILOG = textwrap.dedent("""\
     examples:
       kvoffload presets
       kvoffload presets --verbose          # sources and assumptions of every figure
       kvoffload presets --json
+      kvoffload presets --tp 2             # per rank, KV and Mamba heads over 2 ranks
+      kvoffload presets --model ~/models/Qwen3-8B   # a local model's own config.json
 
-    Bytes are real bf16 KV bytes for one rank holding every KV head (no tensor
-    parallelism). "per token" sums the attention layers (full and windowed); a sliding
+    Bytes are real KV bytes (the model's dtype, bf16 for most) of one rank: every KV head
+    without --tp. "per token" sums the attention layers (full and windowed); a sliding
     window group never holds more than its window per request. "per state" is one Mamba
-    snapshot over every Mamba layer. "block" is the engine block size the simulator picks.
+    (or gated delta-net) snapshot over every such layer. "block" is the engine block size
+    the simulator picks. The presets are data: src/kvoffload/engine/presets.json holds each
+    model's public config.json fields (docs/models.md says how to add one).
     """)
 
 
@@ -29,6 +36,8 @@ def preset_dict(p: ModelPreset) -> dict[str, Any]:
     layout = p.layout(bs)
     return {
         "name": p.name,
+        "family": p.family,
+        "tensor_parallel": p.tensor_parallel,
         "layers": p.num_layers,
         "bytes_per_token": p.bytes_per_token,
         "bytes_per_state": p.bytes_per_state,
@@ -52,28 +61,51 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="also print each preset's sources and assumptions")
+    add_model_options(parser)
     parser.set_defaults(run=run)
 
 
+def selected_presets(args: argparse.Namespace) -> list[ModelPreset]:
+    """``--model``'s model, or every preset, for ``--tp`` ranks. A preset whose heads do
+    not split over that many ranks is left out with a note on stderr."""
+    check_model(args)
+    if args.model is not None:
+        return [resolve_model(args.model, args.tp)]
+    out = []
+    for name in PRESETS:
+        try:
+            out.append(resolve_model(name, args.tp))
+        except ConfigError as exc:
+            if exc.field != "tensor_parallel":
+                raise
+            print(f"note: {exc.problem}", file=sys.stderr)
+    if not out:
+        raise ConfigError("tensor_parallel", f"no preset splits over {args.tp} ranks",
+                          "Give a rank count such as 2, 4 or 8.")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    data = [preset_dict(p) for p in PRESETS.values()]
+    presets = selected_presets(args)
+    data = [preset_dict(p) for p in presets]
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    rows = [["preset", "layers", "per token", "per state", "block", "groups"]]
+    rows = [["preset", "family", "layers", "per token", "per state", "block", "groups"]]
     for d in data:
         groups = ", ".join(
             f"{g['name']} x{g['layers']}" for g in d["groups"])
-        rows.append([d["name"], str(d["layers"]), format_bytes(d["bytes_per_token"]),
+        rows.append([d["name"], d["family"], str(d["layers"]),
+                     format_bytes(d["bytes_per_token"]),
                      format_bytes(d["bytes_per_state"]) if d["bytes_per_state"] else "-",
                      str(d["block_size"]), groups])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        print("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in
-                                                   zip(r[1:5], widths[1:5], strict=True)]
-                        + [r[5]]))
+        print("  ".join([r[0].ljust(widths[0]), r[1].ljust(widths[1])]
+                        + [c.rjust(w) for c, w in zip(r[2:6], widths[2:6], strict=True)]
+                        + [r[6]]))
     if args.verbose:
-        for p in PRESETS.values():
+        for p in presets:
             print()
             print(p.describe())
     return 0

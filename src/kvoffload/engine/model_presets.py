@@ -20,7 +20,11 @@ smallest group's page becomes ``N`` bytes and the others keep their ratio to it 
 to 8 bytes). The returned ``ModelLayout`` keeps the real sizes beside the moved ones, so that
 accounting (capacity, bytes saved, TTFT) can use the real numbers; ``describe()`` says which.
 
-Tensor parallelism is not modelled here: every figure is for one rank holding all KV heads.
+Where the figures come from. The built-in presets are data: ``presets.json`` holds the
+public config.json fields of each model, and ``kvoffload.engine.hf_config`` derives the
+preset from them exactly as it derives one from a local model's own config (``--model``).
+Tensor parallelism is applied there too (``--tp``): a preset derived for N ranks holds one
+rank's share of the KV and Mamba heads, and every figure below is then per rank.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from kvoffload.config import GroupKind, GroupSpec
+from kvoffload.engine import hf_config
 from kvoffload.errors import ConfigError
 
 _PAGE_ALIGN = 8
@@ -47,11 +52,18 @@ class AttentionLayers:
 
     Attributes:
         num_layers: layers of this kind.
-        num_kv_heads: KV heads per layer (all of them, i.e. one rank without TP).
-        head_dim: dimension of one head (K and V have the same size).
+        num_kv_heads: KV heads per layer (of one rank: all of them without TP).
+        head_dim: dimension of one head (K and V have the same size unless ``v_head_dim``
+            says otherwise).
         num_q_heads: query heads per layer (drive the attention FLOPs).
         sliding_window: window in tokens for sliding-window layers, None for full attention.
         dtype_bytes: bytes of one KV element (2 for bf16).
+        kv_latent_dim: multi-head latent attention (DeepSeek MLA): each token keeps one
+            latent vector of this many elements per layer (``kv_lora_rank +
+            qk_rope_head_dim``) instead of K and V per KV head; None for ordinary attention.
+        v_head_dim: dimension of one value head where it differs from ``head_dim`` (MLA
+            prefill attends with ``head_dim``-wide queries and keys and ``v_head_dim``-wide
+            values); only the FLOPs use it.
     """
 
     num_layers: int
@@ -60,6 +72,8 @@ class AttentionLayers:
     num_q_heads: int
     sliding_window: int | None = None
     dtype_bytes: int = 2
+    kv_latent_dim: int | None = None
+    v_head_dim: int | None = None
 
     @property
     def kind(self) -> GroupKind:
@@ -69,7 +83,9 @@ class AttentionLayers:
 
     @property
     def bytes_per_token_per_layer(self) -> int:
-        """K and V of one token in one layer."""
+        """K and V of one token in one layer (MLA: its one latent vector)."""
+        if self.kv_latent_dim is not None:
+            return self.kv_latent_dim * self.dtype_bytes
         return self.num_kv_heads * self.head_dim * 2 * self.dtype_bytes
 
     @property
@@ -81,6 +97,13 @@ class AttentionLayers:
         """Bytes of one engine block of one layer."""
         return block_size * self.bytes_per_token_per_layer
 
+    @property
+    def flops_per_attended_token(self) -> int:
+        """FLOPs of QK^T and AV, over every layer of this kind, for one query token and one
+        attended token: ``2 * q_heads * (head_dim + v_head_dim)`` per layer."""
+        v_dim = self.head_dim if self.v_head_dim is None else self.v_head_dim
+        return self.num_layers * 2 * self.num_q_heads * (self.head_dim + v_dim)
+
     def attention_flops(self, context_len: int) -> int:
         """FLOPs of QK^T and AV for one query token attending ``context_len`` tokens.
 
@@ -88,26 +111,42 @@ class AttentionLayers:
         """
         span = context_len if self.sliding_window is None else min(context_len,
                                                                    self.sliding_window)
-        return self.num_layers * 4 * self.num_q_heads * self.head_dim * span
+        return self.flops_per_attended_token * span
+
+
+MAMBA_VARIANTS = {"mamba2": "Mamba2", "mamba1": "Mamba1", "gated_delta_net": "gated delta-net"}
+"""The recurrent layers a ``MambaLayers`` describes, by ``variant``, with their labels."""
 
 
 @dataclass(frozen=True)
 class MambaLayers:
-    """The Mamba2 layers of a model and the shape of their recurrent state.
+    """The recurrent (state-holding) layers of a model and the shape of their state.
 
     One state snapshot of one layer is the conv state, ``(d_conv - 1) x (d_inner + 2 *
     n_groups * d_state)`` elements, plus the SSM state, ``n_heads x head_dim x d_state``
-    elements, with ``d_inner = n_heads * head_dim``.
+    elements, with ``d_inner = n_heads * head_dim``: Mamba2's shapes as vLLM allocates them.
+
+    Two other recurrent layers have states of the same form, and vLLM keeps all three in
+    one Mamba group (``variant`` only changes the labels):
+
+    * Mamba1 (Jamba), ``MambaLayers.mamba1``: conv state ``(d_conv - 1) x d_inner`` and
+      SSM state ``d_inner x d_state``: ``n_heads = d_inner``, ``head_dim = 1``,
+      ``n_groups = 0``.
+    * Gated delta-net linear attention (Qwen3-Next), ``MambaLayers.gated_delta_net``: conv
+      state ``(kernel - 1) x (2 * k_heads * k_dim + v_heads * v_dim)`` and recurrent state
+      ``v_heads x v_dim x k_dim``: ``n_heads = v_heads``, ``head_dim = v_dim``,
+      ``n_groups = k_heads``, ``d_state = k_dim``.
 
     Attributes:
-        num_layers: Mamba2 layers.
-        n_heads: SSM heads.
+        num_layers: recurrent layers.
+        n_heads: SSM heads (of one rank).
         head_dim: SSM head dimension.
-        n_groups: B/C groups.
+        n_groups: B/C groups (of one rank).
         d_state: SSM state dimension.
         d_conv: causal conv kernel width.
         conv_dtype_bytes: bytes of one conv-state element (model dtype).
         ssm_dtype_bytes: bytes of one SSM-state element.
+        variant: ``mamba2``, ``mamba1`` or ``gated_delta_net`` (``MAMBA_VARIANTS``).
     """
 
     num_layers: int
@@ -118,6 +157,35 @@ class MambaLayers:
     d_conv: int
     conv_dtype_bytes: int = 2
     ssm_dtype_bytes: int = 4
+    variant: str = "mamba2"
+
+    def __post_init__(self) -> None:
+        if self.variant not in MAMBA_VARIANTS:
+            raise ConfigError("mamba.variant", f"unknown variant {self.variant!r}",
+                              f"Use one of {', '.join(MAMBA_VARIANTS)}.")
+
+    @classmethod
+    def mamba1(cls, *, num_layers: int, d_inner: int, d_state: int, d_conv: int,
+               conv_dtype_bytes: int = 2, ssm_dtype_bytes: int = 2) -> MambaLayers:
+        """Mamba1 layers: conv state ``(d_conv - 1) x d_inner``, SSM ``d_inner x d_state``."""
+        return cls(num_layers=num_layers, n_heads=d_inner, head_dim=1, n_groups=0,
+                   d_state=d_state, d_conv=d_conv, conv_dtype_bytes=conv_dtype_bytes,
+                   ssm_dtype_bytes=ssm_dtype_bytes, variant="mamba1")
+
+    @classmethod
+    def gated_delta_net(cls, *, num_layers: int, num_k_heads: int, num_v_heads: int,
+                        k_head_dim: int, v_head_dim: int, conv_kernel: int,
+                        conv_dtype_bytes: int = 2, ssm_dtype_bytes: int = 2) -> MambaLayers:
+        """Gated delta-net layers: conv state ``(conv_kernel - 1) x (2 * k_heads * k_dim +
+        v_heads * v_dim)``, recurrent state ``v_heads x v_dim x k_dim``."""
+        return cls(num_layers=num_layers, n_heads=num_v_heads, head_dim=v_head_dim,
+                   n_groups=num_k_heads, d_state=k_head_dim, d_conv=conv_kernel,
+                   conv_dtype_bytes=conv_dtype_bytes, ssm_dtype_bytes=ssm_dtype_bytes,
+                   variant="gated_delta_net")
+
+    @property
+    def label(self) -> str:
+        return MAMBA_VARIANTS[self.variant]
 
     @property
     def d_inner(self) -> int:
@@ -230,15 +298,17 @@ class ModelPreset:
     """Cache-relevant dimensions of one model (see the module docstring).
 
     Attributes:
-        name: registry name, e.g. ``"llama3-8b"``.
+        name: registry name, e.g. ``"llama3-8b"`` (``"...@tp2"`` for one of two ranks).
         source: where the figures come from.
         num_layers: all decoder layers, including layers without cache (e.g. MLP-only).
         attention: attention layers, one entry per distinct kind (at most one full
             attention entry; sliding-window entries with distinct windows).
-        mamba: the Mamba2 layers, or None.
+        mamba: the recurrent (Mamba2, Mamba1 or gated delta-net) layers, or None.
         params_per_token: parameters a token's forward pass multiplies by (active
-            parameters, input embedding table excluded; the LM head included).
+            parameters, input embedding table excluded; the LM head included), of one rank.
         assumptions: what was assumed where the source leaves room.
+        family: the architecture family, e.g. ``"Nemotron-H (Mamba2 hybrid)"``.
+        tensor_parallel: ranks the model is split over; every figure is of one rank.
     """
 
     name: str
@@ -248,17 +318,23 @@ class ModelPreset:
     mamba: MambaLayers | None
     params_per_token: int
     assumptions: str = ""
+    family: str = ""
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         kinds = [(a.kind, a.sliding_window) for a in self.attention]
         if len(set(kinds)) != len(kinds):
             raise ConfigError(f"presets[{self.name}].attention", "repeats a layer kind",
                               "Merge layers of one kind (and one window) into one entry.")
-        cache_layers = sum(a.num_layers for a in self.attention)
-        cache_layers += self.mamba.num_layers if self.mamba is not None else 0
-        if cache_layers == 0 or cache_layers > self.num_layers:
+        # A parallel hybrid (Falcon-H1) holds an attention and a Mamba layer in one decoder
+        # layer, so each kind fits in num_layers on its own.
+        attention_layers = sum(a.num_layers for a in self.attention)
+        mamba_layers = self.mamba.num_layers if self.mamba is not None else 0
+        if attention_layers + mamba_layers == 0 or max(attention_layers,
+                                                       mamba_layers) > self.num_layers:
             raise ConfigError(f"presets[{self.name}].num_layers",
-                              f"{cache_layers} cache layers do not fit in {self.num_layers}",
+                              f"{attention_layers} attention and {mamba_layers} Mamba layers "
+                              f"do not fit in {self.num_layers}",
                               "Count every decoder layer in num_layers.")
 
     def _ordered_attention(self) -> list[AttentionLayers]:
@@ -358,20 +434,24 @@ class ModelPreset:
         flops = n * per_token
         for a in self.attention:
             span = _sum_capped(num_computed_tokens + 1, num_tokens, a.sliding_window)
-            flops += a.num_layers * 4 * a.num_q_heads * a.head_dim * span
+            flops += a.flops_per_attended_token * span
         return flops
 
     def describe(self) -> str:
         """Figures, source and assumptions of the preset."""
+        rank = (f", figures of one of {self.tensor_parallel} tensor-parallel ranks"
+                if self.tensor_parallel > 1 else "")
         parts = [f"{self.name} ({self.source}): {self.num_layers} layers, "
-                 f"{self.params_per_token / 1e9:.2f}e9 params/token"]
+                 f"{self.params_per_token / 1e9:.2f}e9 params/token{rank}"]
         for a in self._ordered_attention():
             kind = "full" if a.sliding_window is None else f"sliding {a.sliding_window}"
-            parts.append(f"  {a.num_layers} x {kind} attention: {a.num_kv_heads} kv heads x "
-                         f"{a.head_dim}, {a.dtype_bytes} B/elem, {a.bytes_per_token} B/token")
+            heads = (f"one latent of {a.kv_latent_dim}" if a.kv_latent_dim is not None
+                     else f"{a.num_kv_heads} kv heads x {a.head_dim}")
+            parts.append(f"  {a.num_layers} x {kind} attention: {heads}, "
+                         f"{a.dtype_bytes} B/elem, {a.bytes_per_token} B/token")
         if self.mamba is not None:
             m = self.mamba
-            parts.append(f"  {m.num_layers} x Mamba2: conv state {m.conv_state_elements} x "
+            parts.append(f"  {m.num_layers} x {m.label}: conv state {m.conv_state_elements} x "
                          f"{m.conv_dtype_bytes} B + ssm state {m.ssm_state_elements} x "
                          f"{m.ssm_dtype_bytes} B = {m.state_bytes_per_layer} B/layer, "
                          f"{m.bytes_per_state} B/state")
@@ -395,72 +475,14 @@ def _sum_capped(lo: int, hi: int, cap: int | None) -> int:
     return total
 
 
-LLAMA3_8B = ModelPreset(
-    name="llama3-8b",
-    source="meta-llama/Meta-Llama-3-8B config: 32 layers, hidden 4096, 32 q / 8 kv heads, "
-           "head_dim 128, vocab 128256",
-    num_layers=32,
-    attention=(AttentionLayers(num_layers=32, num_kv_heads=8, head_dim=128, num_q_heads=32),),
-    mamba=None,
-    params_per_token=7_504_924_672,
-    assumptions="bf16 KV cache; params_per_token = 8,030,261,248 total minus the "
-                "525,336,576 input embedding (the untied LM head is counted).",
-)
+PRESETS: Mapping[str, ModelPreset] = MappingProxyType(hf_config.builtin_presets())
+"""Every built-in preset by name: ``presets.json`` derived by ``hf_config`` (one code path
+with ``--model``)."""
 
-GPT_OSS_20B = ModelPreset(
-    name="gpt-oss-20b",
-    source="openai/gpt-oss-20b config: 24 layers alternating sliding_attention (window 128) "
-           "/ full_attention, hidden 2880, 64 q / 8 kv heads, head_dim 64, MoE 32 experts top-4",
-    num_layers=24,
-    attention=(
-        AttentionLayers(num_layers=12, num_kv_heads=8, head_dim=64, num_q_heads=64),
-        AttentionLayers(num_layers=12, num_kv_heads=8, head_dim=64, num_q_heads=64,
-                        sliding_window=128),
-    ),
-    mamba=None,
-    params_per_token=3_031_000_000,
-    assumptions="bf16 KV cache (weights are MXFP4, the cache is not); attention sinks add no "
-                "cache; params_per_token = 3.61e9 active (model card, embedding and "
-                "unembedding included) minus the 0.579e9 input embedding (201088 x 2880).",
-)
-
-GEMMA3_27B = ModelPreset(
-    name="gemma3-27b",
-    source="google/gemma-3-27b config: 62 layers, sliding_window_pattern 6 (5 local of 1024 "
-           "per global; layers 5, 11, ..., 59 global), hidden 5376, 32 q / 16 kv heads, "
-           "head_dim 128",
-    num_layers=62,
-    attention=(
-        AttentionLayers(num_layers=10, num_kv_heads=16, head_dim=128, num_q_heads=32),
-        AttentionLayers(num_layers=52, num_kv_heads=16, head_dim=128, num_q_heads=32,
-                        sliding_window=1024),
-    ),
-    mamba=None,
-    params_per_token=27_010_000_000,
-    assumptions="bf16 KV cache; text model only (the 0.4B vision encoder is not counted); "
-                "params_per_token = 25.6e9 non-embedding (tech report) + 1.41e9 tied LM head.",
-)
-
-NEMOTRON_H_8B = ModelPreset(
-    name="nemotron-h-8b",
-    source="nvidia/Nemotron-H-8B-Base-8K config: 52 layers, pattern "
-           "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M- (24 Mamba2, 4 attention, "
-           "24 MLP), hidden 4096, 32 q / 8 kv heads, head_dim 128, Mamba2 128 heads x 64, "
-           "8 groups, d_state 128, d_conv 4",
-    num_layers=52,
-    attention=(AttentionLayers(num_layers=4, num_kv_heads=8, head_dim=128, num_q_heads=32),),
-    mamba=MambaLayers(num_layers=24, n_heads=128, head_dim=64, n_groups=8, d_state=128,
-                      d_conv=4, conv_dtype_bytes=2, ssm_dtype_bytes=4),
-    params_per_token=7_563_981_824,
-    assumptions="the 24 MLP layers hold no cache; conv state in bf16 (model dtype); SSM "
-                "state in fp32 (vLLM's NemotronH default mamba_ssm_cache_dtype); "
-                "params_per_token = 8,100,852,736 total minus the 536,870,912 input "
-                "embedding (the untied LM head is counted).",
-)
-
-PRESETS: Mapping[str, ModelPreset] = MappingProxyType(
-    {p.name: p for p in (LLAMA3_8B, GPT_OSS_20B, GEMMA3_27B, NEMOTRON_H_8B)})
-"""Every built-in preset by name."""
+LLAMA3_8B = PRESETS["llama3-8b"]
+GPT_OSS_20B = PRESETS["gpt-oss-20b"]
+GEMMA3_27B = PRESETS["gemma3-27b"]
+NEMOTRON_H_8B = PRESETS["nemotron-h-8b"]
 
 
 def get_preset(name: str) -> ModelPreset:

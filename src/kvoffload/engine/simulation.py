@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 
 from kvoffload.config import OffloadConfig
 from kvoffload.engine.executors import AccountingExecutor, TransferExecutor
-from kvoffload.engine.model_presets import ModelLayout, ModelPreset, get_preset
+from kvoffload.engine.hf_config import resolve_model
+from kvoffload.engine.model_presets import ModelLayout, ModelPreset
 from kvoffload.engine.replay import Arrival, Progress, replay
 from kvoffload.engine.scheduler import EngineConfig, ReferenceEngine
 from kvoffload.engine.summary import RunSummary, summarize
@@ -57,15 +58,16 @@ KERNEL_BLOCK_ALIGNMENT = 16
 """Attention block sizes are multiples of this (the attention kernels' block alignment)."""
 
 
-def auto_block_size(preset: ModelPreset) -> int:
+def auto_block_size(preset: ModelPreset, alignment: int = KERNEL_BLOCK_ALIGNMENT) -> int:
     """The engine block size vLLM would pick: 16, or for a model with Mamba layers the
-    smallest multiple of 16 whose attention page holds a Mamba state page (vLLM unifies
-    page sizes), which is then the Mamba block size too."""
+    smallest multiple of ``alignment`` whose attention page holds a Mamba state page (vLLM
+    unifies page sizes), which is then the Mamba block size too. vLLM aligns to the larger
+    of the attention kernel's block (16) and a block size the user gave."""
     if preset.mamba is None:
         return 16
     per_token = max(a.bytes_per_token_per_layer for a in preset.attention)
-    unit = KERNEL_BLOCK_ALIGNMENT * per_token
-    return KERNEL_BLOCK_ALIGNMENT * math.ceil(preset.mamba.state_bytes_per_layer / unit)
+    unit = alignment * per_token
+    return alignment * math.ceil(preset.mamba.state_bytes_per_layer / unit)
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,8 @@ class SimulationConfig:
     """Every knob of a simulation.
 
     Attributes:
-        preset: model preset name (``kvoffload presets``).
+        preset: model preset name (``kvoffload presets``), or a local model directory or
+            config.json (``--model``; ``kvoffload.engine.hf_config``).
         mode: ``bytes`` or ``accounting``.
         block_size: engine block size in tokens; None picks ``auto_block_size``.
         block_size_factor: engine blocks per offloaded block.
@@ -102,6 +105,8 @@ class SimulationConfig:
         baseline: also run without offloading, for the side-by-side comparison.
         sample_interval_s: modelled seconds between samples for the plots.
         check_integrity: check bookkeeping every step (slow; tests).
+        tensor_parallel: tensor-parallel ranks (``--tp``): the model's figures are one
+            rank's.
     """
 
     preset: str = "gpt-oss-20b"
@@ -127,9 +132,16 @@ class SimulationConfig:
     baseline: bool = True
     sample_interval_s: float = 1.0
     check_integrity: bool = False
+    tensor_parallel: int = 1
 
     def model(self) -> ModelPreset:
-        return get_preset(self.preset)
+        return resolve_model(self.preset, self.tensor_parallel)
+
+    @property
+    def model_id(self) -> str:
+        """The model as the lower tiers key it (each rank count has its own layout)."""
+        return self.preset if self.tensor_parallel == 1 else \
+            f"{self.preset}@tp{self.tensor_parallel}"
 
     def layout(self) -> ModelLayout:
         """The preset laid out: moved pages scaled in bytes mode, real in accounting."""
@@ -280,7 +292,7 @@ def lower_tier_config(config: SimulationConfig, byte_scale: float = 1.0) -> Tier
         disk = (DiskTierConfig("(simulated disk)", config.disk_capacity_bytes)
                 if config.disk_capacity_bytes else None)
         remote = RemoteTierConfig() if config.remote_capacity_bytes else None
-        return TierConfig(model_id=config.preset, disk=disk, remote=remote)
+        return TierConfig(model_id=config.model_id, disk=disk, remote=remote)
     if config.disk_capacity_bytes and not config.disk_path:
         raise ConfigError("disk_path", "is missing: bytes mode writes a real disk tier",
                           "Give --disk-path DIR, or use --mode accounting.")
@@ -296,7 +308,7 @@ def lower_tier_config(config: SimulationConfig, byte_scale: float = 1.0) -> Tier
         budget = max(1, int(config.disk_capacity_bytes * byte_scale))
         disk = DiskTierConfig(config.disk_path, budget, fsync=False)
     remote = RemoteTierConfig(config.remote_url) if config.remote_url else None
-    return TierConfig(model_id=f"{config.preset}:scaled{config.scale_bytes}",
+    return TierConfig(model_id=f"{config.model_id}:scaled{config.scale_bytes}",
                       disk=disk, remote=remote)
 
 
