@@ -13,7 +13,7 @@ from kvoffload.integrations.vllm.options import ConnectorOptions
 
 # 150 chat requests in a small engine: vLLM's own cache cannot hold the conversations, so
 # host memory matters, and each run takes a fraction of a second.
-SMALL = ["--workload", "chat", "--limit", "150", "--engine-tokens", "4000", "--quiet",
+SMALL = ["--workload", "chat", "--limit", "150", "--engine-tokens", "12000", "--quiet",
          "--policy", "lru,value", "--fractions", "0.05,0.2,0.5,1"]
 
 

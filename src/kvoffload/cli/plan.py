@@ -45,7 +45,13 @@ from kvoffload.cli.common import (
 )
 from kvoffload.cli.sweep import UNBOUNDED_BYTES, format_rows, memory_to_reach
 from kvoffload.cli.validate import check_common_args
-from kvoffload.engine.simulation import Mode, SimulationConfig, resolve, run_one
+from kvoffload.engine.simulation import (
+    MAX_HOST_SLOTS,
+    Mode,
+    SimulationConfig,
+    resolve,
+    run_one,
+)
 from kvoffload.engine.summary import RunSummary
 from kvoffload.policies import cache_policy_names
 
@@ -158,14 +164,17 @@ def make_plan(base: SimulationConfig, spec: WorkloadSpec, *, policies: Sequence[
                     update(done)
             return [r for r in results if r is not None]
 
-        unbounded = replace(base, eviction_policy="lru", host_capacity_bytes=UNBOUNDED_BYTES)
+        slot_bytes = resolve(base, base.layout())[0].host_slot_bytes
+        # Unbounded: nothing is ever evicted (1 PiB, or the most slots a simulation keeps
+        # for a model with tiny blocks).
+        unbounded = replace(base, eviction_policy="lru", host_capacity_bytes=min(
+            UNBOUNDED_BYTES, MAX_HOST_SLOTS * slot_bytes))
         reference, baseline = run_all([(unbounded, True), (base, False)],
                                       "working set and no-offload runs")
         charged = base.host_accounting == "bytes"
         working_set = (reference.host_bytes_peak if charged
                        else reference.host_reserved_bytes_peak)
-        floor = resolve(base, base.layout())[0].host_slot_bytes
-        grid = [(policy, max(floor, int(f * working_set)), f, disk)
+        grid = [(policy, max(slot_bytes, int(f * working_set)), f, disk)
                 for disk in ((False, True) if disk_bytes else (False,))
                 for policy in policies for f in fractions]
         configs = [(replace(base, eviction_policy=policy, host_capacity_bytes=capacity,
