@@ -66,6 +66,7 @@ from kvoffload.engine.workloads.mooncake import (
     _show,
     _too_deep,
     open_trace_file,
+    read_lines,
 )
 from kvoffload.errors import ConfigError, TraceError
 from kvoffload.keys import BlockHash, BlockHasher, hash_block
@@ -314,33 +315,11 @@ class _Row:
 
 
 def _log_lines(path: str, f: IO[bytes]) -> Iterator[tuple[int, str]]:
-    """Yield ``(line number, text)`` of every non-blank line, length-checked before
-    decoding (at most ``MAX_LOG_LINE_BYTES + 1`` bytes read for one line)."""
-    lineno = 0
-    while True:
-        try:
-            raw = f.readline(MAX_LOG_LINE_BYTES + 1)
-        except OSError as exc:
-            raise TraceError(path, lineno + 1, "<file>",
-                             f"cannot be read ({exc.strerror or exc})") from None
-        if not raw:
-            return
-        lineno += 1
-        body = raw[:-1] if raw.endswith(b"\n") else raw
-        if len(body) > MAX_LOG_LINE_BYTES:
-            raise TraceError(path, lineno, "<line>",
-                             f"longer than {MAX_LOG_LINE_BYTES:,} bytes; one request a line "
-                             "(a longer prompt is beyond the trace's token bound)")
-        if lineno == 1 and body.startswith(b"\xef\xbb\xbf"):
-            body = body[3:]  # a UTF-8 byte order mark
-        try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise TraceError(path, lineno, "<line>",
-                             f"not valid UTF-8 (byte {exc.start + 1}); save the log as "
-                             "UTF-8") from None
-        if text.strip():
-            yield lineno, text
+    """The log's non-blank lines (``read_lines`` with the log's bounds; a byte order mark
+    on the first line is dropped)."""
+    return read_lines(path, f, max_bytes=MAX_LOG_LINE_BYTES,
+                      too_long="one request a line (a longer prompt is beyond the trace's "
+                               "token bound)", what="log", strip_bom=True)
 
 
 def _parse_object(path: str, lineno: int, text: str) -> dict[str, Any]:

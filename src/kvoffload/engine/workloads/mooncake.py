@@ -191,14 +191,24 @@ def open_trace_file(path: str | Path) -> IO[bytes]:
 
 
 def _lines(path: str, f: IO[bytes]) -> Iterator[tuple[int, str]]:
-    """Yield ``(line number, text)`` of every non-blank line, decoded and length-checked.
+    """The trace's request lines (``read_lines`` with the trace's bounds)."""
+    return read_lines(path, f, max_bytes=MAX_LINE_BYTES,
+                      too_long="a request line is a few KB (split the file into one JSON "
+                               "object per line)", what="trace")
 
-    At most ``MAX_LINE_BYTES + 1`` bytes are read for a line before it is judged.
+
+def read_lines(path: str, f: IO[bytes], *, max_bytes: int, too_long: str, what: str,
+               strip_bom: bool = False) -> Iterator[tuple[int, str]]:
+    """Yield ``(line number, text)`` of every non-blank line of ``f``, decoded and
+    length-checked; ``TraceError`` (naming ``path`` and the line) for a line over
+    ``max_bytes`` (``too_long`` says what to do), one that is not UTF-8 (save the
+    ``what`` as UTF-8) or a read error. At most ``max_bytes + 1`` bytes are read for a
+    line before it is judged; ``strip_bom`` drops a UTF-8 byte order mark on line 1.
     """
     lineno = 0
     while True:
         try:
-            raw = f.readline(MAX_LINE_BYTES + 1)
+            raw = f.readline(max_bytes + 1)
         except OSError as exc:
             raise TraceError(path, lineno + 1, "<file>",
                              f"cannot be read ({exc.strerror or exc})") from None
@@ -206,15 +216,16 @@ def _lines(path: str, f: IO[bytes]) -> Iterator[tuple[int, str]]:
             return
         lineno += 1
         body = raw[:-1] if raw.endswith(b"\n") else raw
-        if len(body) > MAX_LINE_BYTES:
-            raise TraceError(path, lineno, "<line>",
-                             f"longer than {MAX_LINE_BYTES:,} bytes; a request line is a few "
-                             "KB (split the file into one JSON object per line)")
+        if len(body) > max_bytes:
+            raise TraceError(path, lineno, "<line>", f"longer than {max_bytes:,} bytes; "
+                             + too_long)
+        if strip_bom and lineno == 1 and body.startswith(b"\xef\xbb\xbf"):
+            body = body[3:]
         try:
             text = body.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise TraceError(path, lineno, "<line>",
-                             f"not valid UTF-8 (byte {exc.start + 1}); save the trace as "
+                             f"not valid UTF-8 (byte {exc.start + 1}); save the {what} as "
                              "UTF-8") from None
         if _has_content(text):
             yield lineno, text
