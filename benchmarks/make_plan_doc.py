@@ -55,7 +55,10 @@ def main() -> int:
              "trace, three models, `value` and `lru`, accounting mode (no tensors move), "
              "figures per rank. Regenerate with "
              f"`python benchmarks/make_plan_doc.py --limit {args.limit}` "
-             f"({args.jobs} jobs).", ""]
+             f"({args.jobs} jobs). A short prefix of the trace holds little reuse yet (reuse "
+             "grows with the length of the replay; docs/policy.md replays the whole trace), "
+             "so the hit rates here are small: plan on as much of your own traffic as you "
+             "have.", ""]
     start = time.perf_counter()
     for preset, kind in MODELS:
         base = SimulationConfig(preset=preset, mode=Mode.ACCOUNTING, engine_tokens=1 << 20,
