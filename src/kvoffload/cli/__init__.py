@@ -19,6 +19,7 @@ EPILOG = textwrap.dedent("""\
       kvoffload simulate                 # the built-in chat workload on gpt-oss-20b
       kvoffload simulate --help          # presets, workloads, traces, capacities
       kvoffload sweep --preset all --host-capacity 4GiB,16GiB,64GiB --plot sweep.png
+      kvoffload plan --model DIR --trace trace.jsonl   # host memory for your model and traffic
       kvoffload presets
       kvoffload trace convert chat.jsonl --model DIR -o trace.jsonl   # traces from real traffic
     """)
