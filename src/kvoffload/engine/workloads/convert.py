@@ -64,8 +64,8 @@ from kvoffload.engine.workloads.mooncake import (
     MAX_OUTPUT_TOKENS,
     MOONCAKE_BLOCK_TOKENS,
     _show,
-    _too_deep,
     open_trace_file,
+    parse_json_object,
     read_lines,
 )
 from kvoffload.errors import ConfigError, TraceError
@@ -323,20 +323,7 @@ def _log_lines(path: str, f: IO[bytes]) -> Iterator[tuple[int, str]]:
 
 
 def _parse_object(path: str, lineno: int, text: str) -> dict[str, Any]:
-    if _too_deep(text, MAX_LOG_NESTING):
-        raise TraceError(path, lineno, "<json>",
-                         f"brackets nest deeper than {MAX_LOG_NESTING}")
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TraceError(path, lineno, "<json>", f"invalid JSON: {exc.msg} at column "
-                         f"{exc.colno}") from None
-    except (ValueError, RecursionError) as exc:  # e.g. an integer beyond 4300 digits
-        raise TraceError(path, lineno, "<json>", f"invalid JSON: {exc}") from None
-    if not isinstance(record, dict):
-        raise TraceError(path, lineno, "<json>",
-                         f"expected a JSON object, got {type(record).__name__}")
-    return record
+    return parse_json_object(path, lineno, text, max_nesting=MAX_LOG_NESTING)
 
 
 def _is_int(value: object) -> bool:

@@ -44,6 +44,7 @@ import stat
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -121,6 +122,33 @@ def read_mooncake_trace(path: str | Path, *, limit: int | None = None,
             opened or read, or holds no request. Nothing else escapes for any file content.
         ValueError: ``limit`` < 0 or ``block_tokens`` < 1 (a caller's bug, not the file's).
     """
+    expand = _BlockTokens(block_tokens)
+    for rec in iter_trace_records(path, block_tokens=block_tokens, limit=limit):
+        prompt: array[int] = array(TOKEN_TYPECODE)
+        for hash_id in rec.hash_ids:
+            prompt.extend(expand(hash_id))
+        del prompt[rec.input_length:]
+        yield WorkloadRequest(request_id=f"{id_prefix}-{rec.line}",
+                              arrival_s=rec.timestamp_ms / 1000.0, prompt=prompt,
+                              output_length=rec.output_length, cache_salt=cache_salt)
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    """One validated trace line (its prompt is not built)."""
+
+    line: int
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+    session_id: str | int | None
+
+
+def iter_trace_records(path: str | Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+                       limit: int | None = None) -> Iterator[TraceRecord]:
+    """The lines of a Mooncake trace, validated (the errors ``read_mooncake_trace``
+    documents), without expanding hash ids into tokens."""
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     if block_tokens <= 0:
@@ -128,7 +156,6 @@ def read_mooncake_trace(path: str | Path, *, limit: int | None = None,
     if limit == 0:
         return
     name = str(path)
-    expand = _BlockTokens(block_tokens)
     count = 0
     last_ts = 0.0
     with open_trace_file(name) as f:
@@ -145,13 +172,10 @@ def read_mooncake_trace(path: str | Path, *, limit: int | None = None,
                 raise TraceError(name, lineno, "input_length",
                                  f"{input_length} tokens need {need} blocks of "
                                  f"{block_tokens}, but hash_ids has {len(hash_ids)}")
-            prompt: array[int] = array(TOKEN_TYPECODE)
-            for hash_id in hash_ids:
-                prompt.extend(expand(hash_id))
-            del prompt[input_length:]
-            yield WorkloadRequest(request_id=f"{id_prefix}-{lineno}", arrival_s=ts / 1000.0,
-                                  prompt=prompt, output_length=output_length,
-                                  cache_salt=cache_salt)
+            session = record.get("session_id")
+            if isinstance(session, bool) or not isinstance(session, (str, int)):
+                session = None  # an unknown field to the reader: ignored unless usable
+            yield TraceRecord(lineno, ts, input_length, output_length, hash_ids, session)
             last_ts = ts
             count += 1
             if limit is not None and count >= limit:
@@ -285,10 +309,18 @@ def _too_deep(text: str, limit: int) -> bool:
 
 
 def _parse(path: str, lineno: int, line: str) -> dict[str, Any]:
-    if _too_deep(line, MAX_NESTING):
+    return parse_json_object(path, lineno, line, max_nesting=MAX_NESTING,
+                             nesting_hint="; a request is a flat object with one list")
+
+
+def parse_json_object(path: str, lineno: int, line: str, *, max_nesting: int,
+                      nesting_hint: str = "") -> dict[str, Any]:
+    """Line ``lineno`` of ``path`` as a JSON object; ``TraceError`` (field ``<json>``) for
+    brackets nested deeper than ``max_nesting`` (checked before parsing), invalid JSON or
+    another JSON type."""
+    if _too_deep(line, max_nesting):
         raise TraceError(path, lineno, "<json>",
-                         f"brackets nest deeper than {MAX_NESTING}; a request is a flat "
-                         "object with one list")
+                         f"brackets nest deeper than {max_nesting}{nesting_hint}")
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:

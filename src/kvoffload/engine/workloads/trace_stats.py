@@ -26,75 +26,15 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from kvoffload.engine.workloads.mooncake import (
-    MAX_INPUT_TOKENS,
-    MAX_OUTPUT_TOKENS,
     MOONCAKE_BLOCK_TOKENS,
-    _bounded_int,
-    _hash_ids,
-    _lines,
-    _parse,
-    _timestamp,
-    open_trace_file,
+    iter_trace_records,
 )
-from kvoffload.errors import TraceError
-
-
-@dataclass(frozen=True)
-class TraceRecord:
-    """One validated trace line (its prompt is not built)."""
-
-    line: int
-    timestamp_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: list[int]
-    session_id: str | int | None
-
-
-def iter_trace_records(path: str | Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-                       limit: int | None = None) -> Iterator[TraceRecord]:
-    """The lines of a Mooncake trace, validated as ``read_mooncake_trace`` validates
-    them (same errors), without expanding hash ids into tokens."""
-    if block_tokens <= 0:
-        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
-    if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0, got {limit}")
-    if limit == 0:
-        return
-    name = str(path)
-    count = 0
-    last_ts = 0.0
-    with open_trace_file(name) as f:
-        for lineno, text in _lines(name, f):
-            record = _parse(name, lineno, text)
-            ts = _timestamp(name, lineno, record, last_ts)
-            input_length = _bounded_int(name, lineno, record, "input_length",
-                                        MAX_INPUT_TOKENS)
-            output_length = _bounded_int(name, lineno, record, "output_length",
-                                         MAX_OUTPUT_TOKENS)
-            hash_ids = _hash_ids(name, lineno, record)
-            need = math.ceil(input_length / block_tokens)
-            if len(hash_ids) != need:
-                raise TraceError(name, lineno, "input_length",
-                                 f"{input_length} tokens need {need} blocks of "
-                                 f"{block_tokens}, but hash_ids has {len(hash_ids)}")
-            session = record.get("session_id")
-            if isinstance(session, bool) or not isinstance(session, (str, int)):
-                session = None  # an unknown field to the reader: ignored unless usable
-            yield TraceRecord(lineno, ts, input_length, output_length, hash_ids, session)
-            last_ts = ts
-            count += 1
-            if limit is not None and count >= limit:
-                return
-    if count == 0:
-        raise TraceError(name, 0, "<file>", "holds no request (the file is empty or blank); "
-                         "give a trace with at least one JSON line")
 
 
 @dataclass(frozen=True)
