@@ -1,13 +1,17 @@
 """Build of kvoffload's optional native copy loop (everything else is in pyproject.toml).
 
-``kvoffload.worker._copy`` is a plain C library (a pool of copy threads) that the CPU
-transfer backend loads with ctypes. It is optional: without a C compiler the install still
-succeeds and the backend copies page by page with ``ctypes.memmove`` from Python threads
-(slower once more than one thread copies).
+``kvoffload.worker._copy`` is a plain C library (a pool of copy threads, and the planner
+that checks a job's pages and turns them into copies) that the CPU transfer backend loads
+with ctypes. It is optional: without a C compiler the install still succeeds and the
+backend copies page by page with ``ctypes.memmove`` from Python threads (slower once more
+than one thread copies).
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("kvoffload.worker._copy", ["src/kvoffload/worker/_copy.c"],
+setup(ext_modules=[Extension("kvoffload.worker._copy",
+                             ["src/kvoffload/worker/_copy.c",
+                              "src/kvoffload/worker/_copy_plan.c"],
+                             depends=["src/kvoffload/worker/_copy.h"],
                              extra_compile_args=["-O2", "-pthread"],
                              extra_link_args=["-pthread"], optional=True)])

@@ -121,15 +121,10 @@ def _pieces(worker: TransferWorker, job: TransferJob) -> list[tuple[int, int, in
 def _native_pieces(worker: TransferWorker, job: TransferJob, *,
                    sort_bytes: int = 1 << 62) -> list[tuple[int, int, int]]:
     """The pieces the native queue builds for ``job`` (unsorted unless ``sort_bytes``
-    says so), from the very arguments the backend pushes."""
+    says so), from the very job the backend pushes, by the C planner."""
     backend = worker.backend
-    assert isinstance(backend, NativeCpuBackend) and backend._native is not None
-    store = job.direction is Direction.STORE
-    out: list[tuple[int, int, int]] = []
-    for transfer in job.groups:
-        out += backend._native.plan_pages(**backend._native_pages(transfer, store),
-                                          sort_bytes=sort_bytes)
-    return out
+    assert isinstance(backend, NativeCpuBackend)
+    return backend.plan(job, sort_bytes=sort_bytes)
 
 
 def test_contiguous_pages_become_one_copy_and_long_copies_are_cut() -> None:
@@ -422,6 +417,54 @@ def test_an_error_in_a_helper_fails_the_pass(monkeypatch: pytest.MonkeyPatch) ->
     with ThreadPoolExecutor(1) as pool, pytest.raises(OSError, match="helper failed"):
         cpu_memmove._SharedPass(pieces).run(pool, helpers=1)
     del src, dst  # alive until every thread stopped
+
+
+BAD_PARTS = {
+    "block out of range": GroupTransfer(1, (999,), 0, (1,)),
+    "slot out of range": GroupTransfer(1, (4,), 0, (10**6,)),
+    "unregistered group": GroupTransfer(7, (4,), 0, (1,)),
+    "slot count": GroupTransfer(1, (4,), 0, (1, 2)),
+    "negative block": GroupTransfer(1, (-1,), 0, (1,)),
+}
+
+
+@pytest.mark.parametrize("backend", ["one-thread", "memmove-one-thread"])
+@pytest.mark.parametrize("bad", sorted(BAD_PARTS))
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+def test_a_job_with_one_bad_part_is_refused_whole(direction: Direction, bad: str,
+                                                  backend: str) -> None:
+    """A job with a valid part for group 0 and a bad part for group 1, submitted straight
+    to the backend (the worker would reject it up front): reported failed at once, even
+    while its direction is held, and nothing of it is copied, not even its valid part;
+    its slots and blocks are reusable by the next job at once."""
+    a = kv_separate(16, torch.Generator().manual_seed(6), layers=1)
+    b = kv_separate(16, torch.Generator().manual_seed(7), layers=1)
+    worker = make_worker([a, b], num_slots=4,
+                         backend=cpu_backend(**BACKENDS[backend]))  # type: ignore[arg-type]
+    cpu = worker.backend
+    assert isinstance(cpu, CpuBackend)
+    pool = worker.host_pool
+    if direction is Direction.LOAD:  # slot 0 holds engine block 5's bytes
+        assert run_all(worker, [store(0, [5], [0])]).finished
+    pool.arena[1:].fill_(SENTINEL)
+    arena, engine = pool.arena.clone(), a.block(3).clone()
+    cpu.hold(direction)
+    job = TransferJob(next_job_id(), direction, "r",
+                      (GroupTransfer(0, (3,), 0, (0,) if direction is Direction.LOAD
+                                     else (1,)), BAD_PARTS[bad]))
+    cpu.submit(job)
+    assert cpu.poll() == ([], [job.job_id])  # failed at once: nothing of it is queued
+    cpu.hold(direction, False)
+    cpu.wait([job.job_id])
+    time.sleep(0.02)
+    assert torch.equal(a.block(3), engine) and torch.equal(pool.arena, arena)
+    retry = store(0, [3], [1]) if direction is Direction.STORE else load(0, [3], [0])
+    assert run_all(worker, [retry]).finished == (retry.job_id,)
+    if direction is Direction.STORE:
+        assert torch.equal(pool.slot_view(1, 0), a.block(3))
+    else:
+        assert torch.equal(a.block(3), a.block(5))
+    worker.shutdown()
 
 
 def test_bad_arguments() -> None:

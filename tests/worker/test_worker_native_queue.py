@@ -20,12 +20,11 @@ from worker_kit import (
     make_worker,
     mamba_raw_padded,
     needs_native,
-    next_job_id,
     run_all,
     store,
 )
 
-from kvoffload.jobs import Direction, GroupTransfer, StepPlan, TransferJob
+from kvoffload.jobs import Direction, StepPlan
 from kvoffload.worker import CpuBackend, NativeCpuBackend, cpu_backend
 from kvoffload.worker.native_copy import DISABLE_ENV, NativeCopy, load_native_copy, pack
 
@@ -146,33 +145,6 @@ def test_stores_and_loads_in_flight_together_round_trip_on_padded_mamba_pages() 
     assert set(report.finished) == {second.job_id, back.job_id} and not report.failed
     for b, expected in zip(range(20, 28), want, strict=True):
         assert torch.equal(cache.block(b), expected), b
-    worker.shutdown()
-
-
-@needs_native
-def test_a_job_whose_later_part_cannot_be_queued_fails_only_after_its_queued_parts() -> None:
-    """A load with a valid part for group 0 and an out-of-range part for group 1: the job
-    is reported failed, but not while its first part may still write engine block 3 (the
-    engine reuses a failed load's blocks at once)."""
-    a = kv_separate(16, torch.Generator().manual_seed(6), layers=1)
-    b = kv_separate(16, torch.Generator().manual_seed(7), layers=1)
-    worker = make_worker([a, b])
-    backend = worker.backend
-    assert isinstance(backend, CpuBackend)
-    backend.hold(Direction.LOAD)
-    job = TransferJob(next_job_id(), Direction.LOAD, "r",
-                      (GroupTransfer(0, (3,), 0, (0,)), GroupTransfer(1, (999,), 0, (0,))))
-    backend.submit(job)  # straight to the backend: the worker would reject it up front
-    assert backend.poll() == ([], [])  # not failed yet: its first part is queued
-    backend.hold(Direction.LOAD, False)
-    backend.wait([job.job_id])
-    assert backend.poll() == ([], [job.job_id])
-    for _, kv in a.layers:  # the engine reuses the failed load's block for recompute
-        for tensor in kv:
-            tensor[3].fill_(7)
-    fresh = a.block(3).clone()
-    time.sleep(0.05)
-    assert torch.equal(a.block(3), fresh)  # nothing of the failed job writes it any more
     worker.shutdown()
 
 

@@ -10,9 +10,12 @@
  * is the sequence number of the last job whose pieces, and those of every job before it,
  * are all copied.
  *
- * The caller has checked every piece against the bounds of the registered memory, keeps
- * each job's pieces and its ``seconds`` cell alive until the job has completed, and never
- * pushes pieces that write memory another unfinished job of the queue writes.
+ * A job comes as ready-made pieces (``kvoffload_queue_push``: the caller has checked them
+ * against the bounds of the registered memory) or as pages, which the planner of
+ * ``_copy_plan.c`` checks against the layout table and turns into pieces
+ * (``kvoffload_queue_push_job``, formats in ``_copy.h``). The caller keeps each job's
+ * pieces and its ``held_ns`` cell alive until the job has completed, and never pushes
+ * pieces that write memory another unfinished job of the queue writes.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -22,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "_copy.h"
 #if defined(__x86_64__) || defined(__SSE2__)
 #include <emmintrin.h>
 #define HAVE_STREAMING_STORES 1
@@ -39,8 +44,8 @@ typedef struct kvo_job {
     uint64_t next;           /* first piece no thread has taken */
     uint64_t left;           /* pieces taken or not that are not yet copied */
     uint64_t seq;
-    double start;            /* when a thread first took a piece; 0 before */
-    double *seconds;         /* written once the job completes (may be NULL) */
+    int64_t start;           /* when a thread first took a piece (ns); 0 before */
+    int64_t *held_ns;        /* written once the job completes (may be NULL) */
     struct kvo_job *after;
 } kvo_job;
 
@@ -54,7 +59,7 @@ typedef struct kvoffload_queue {
     uint64_t pushed;
     uint64_t completed;
     uint64_t grab_bytes;
-    double last_done;
+    int64_t last_done;
     int stop;
     int held;                /* threads take no new pieces (kvoffload_queue_hold) */
     int waiting;             /* threads asleep on ``work`` */
@@ -67,15 +72,16 @@ typedef struct kvoffload_queue {
 /* How long a thread that ran out of work keeps looking before it sleeps. Waking a sleeping
  * thread costs the pusher a system call (tens of microseconds on a VM); a planner pushing
  * a job every few tens of microseconds then finds a thread still looking. */
-#define SPIN_SECONDS 100e-6
+#define SPIN_NS 100000
 /* Nice value of the copy threads (Linux). */
 #define COPY_THREAD_NICE 5
 
-static double now(void)
+/* Monotonic time in nanoseconds (never 0). */
+static int64_t now(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec + 1;
 }
 
 /*
@@ -128,10 +134,10 @@ static void skip_claimed(kvoffload_queue *q)
     __atomic_store_n(&q->claim, claim, __ATOMIC_RELEASE); /* read unlocked while spinning */
 }
 
-/* Spin (yielding the CPU) until there is work, stop, or SPIN_SECONDS pass. Unlocked. */
+/* Spin (yielding the CPU) until there is work, stop, or SPIN_NS pass. Unlocked. */
 static void spin_for_work(kvoffload_queue *q)
 {
-    double until = now() + SPIN_SECONDS;
+    int64_t until = now() + SPIN_NS;
     while (__atomic_load_n(&q->claim, __ATOMIC_ACQUIRE) == NULL
            && !__atomic_load_n(&q->stop, __ATOMIC_ACQUIRE) && now() < until)
         sched_yield();
@@ -143,12 +149,12 @@ static void complete_finished(kvoffload_queue *q)
     int advanced = 0;
     while (q->head != NULL && q->head->left == 0 && q->head->next >= q->head->count) {
         kvo_job *job = q->head;
-        double t = now();
-        if (job->seconds != NULL) {
+        int64_t t = now();
+        if (job->held_ns != NULL) {
             /* Time this job alone held the queue: from its start, or from the previous
              * completion if later, to now. Summed over jobs, the queue's busy time. */
-            double from = job->start > q->last_done ? job->start : q->last_done;
-            *job->seconds = job->start > 0 && t > from ? t - from : 0.0;
+            int64_t from = job->start > q->last_done ? job->start : q->last_done;
+            *job->held_ns = job->start > 0 && t > from ? t - from : 0;
         }
         q->last_done = t;
         q->completed = job->seq;
@@ -256,7 +262,7 @@ kvoffload_queue *kvoffload_queue_new(int nthreads, uint64_t grab_bytes)
     return q;
 }
 
-/* Append ``job`` (pieces, count, left and seconds set) and return its sequence number. */
+/* Append ``job`` (pieces, count, left and held_ns set) and return its sequence number. */
 static uint64_t push_job(kvoffload_queue *q, kvo_job *job)
 {
     pthread_mutex_lock(&q->mutex);
@@ -281,10 +287,10 @@ static uint64_t push_job(kvoffload_queue *q, kvo_job *job)
 }
 
 /* Queue ``count`` pieces as one job; returns its sequence number (1, 2, ...), or 0 if no
- * memory was left (nothing queued). ``seconds`` (may be NULL) receives, at completion,
- * the time the job alone held the queue. */
+ * memory was left (nothing queued). ``held_ns`` (may be NULL) receives, at completion,
+ * the nanoseconds the job alone held the queue. */
 uint64_t kvoffload_queue_push(kvoffload_queue *q, const uint64_t *pieces, uint64_t count,
-                              double *seconds)
+                              int64_t *held_ns)
 {
     kvo_job *job = calloc(1, sizeof *job);
     if (job == NULL)
@@ -292,191 +298,35 @@ uint64_t kvoffload_queue_push(kvoffload_queue *q, const uint64_t *pieces, uint64
     job->pieces = pieces;
     job->count = count;
     job->left = count;
-    job->seconds = seconds;
+    job->held_ns = held_ns;
     return push_job(q, job);
 }
 
-typedef struct {
-    uint64_t *at;
-    uint64_t count;
-    uint64_t capacity;
-} piece_list;
-
-static int append_piece(piece_list *list, uint64_t dst, uint64_t src, uint64_t n)
+/* Queue ``job`` (``len`` values, see ``_copy.h``) planned against ``layout``; the queue
+ * builds and owns its pieces and writes the job's ``bytes`` now and ``held_ns`` at
+ * completion (``job`` must stay alive until then). Returns the sequence number; 0 if no
+ * memory was left, UINT64_MAX if the job is refused: malformed, or a page outside the
+ * layout (nothing queued either way). */
+uint64_t kvoffload_queue_push_job(kvoffload_queue *q, const kvoffload_layout *layout,
+                                  int64_t *job, uint64_t len)
 {
-    if (list->count == list->capacity) {
-        uint64_t capacity = list->capacity ? 2 * list->capacity : 64;
-        uint64_t *at = realloc(list->at, 3 * capacity * sizeof *at);
-        if (at == NULL)
-            return -1;
-        list->at = at;
-        list->capacity = capacity;
-    }
-    uint64_t *piece = list->at + 3 * list->count++;
-    piece[0] = dst;
-    piece[1] = src;
-    piece[2] = n;
-    return 0;
-}
-
-/* Append ``dst <- src`` (n bytes), cut into pieces of at most ``chunk`` bytes. */
-static int append_run(piece_list *list, uint64_t dst, uint64_t src, uint64_t n,
-                      uint64_t chunk)
-{
-    for (uint64_t off = 0; off < n; off += chunk)
-        if (append_piece(list, dst + off, src + off, n - off < chunk ? n - off : chunk))
-            return -1;
-    return 0;
-}
-
-static int by_source(const void *a, const void *b)
-{
-    uint64_t x = ((const uint64_t *)a)[1], y = ((const uint64_t *)b)[1];
-    return (x > y) - (x < y);
-}
-
-/*
- * One job given as pages. Every field is 64 bits wide, so Python fills it as an array of
- * uint64 (one ctypes argument instead of thirteen: converting each costs ~0.2 us).
- *
- * ``segments`` holds ``nsegments`` quadruples (engine address of block 0, bytes between
- * engine blocks, page bytes, arena address of the segment's sub-block 0 in slot 0). Page
- * i is engine block ``block_ids[i]``, and sub-block ``p % factor`` of slot
- * ``slots[p / factor]`` with ``p = skip + i`` (a job may start in the middle of an
- * offloaded block). Of segment s it is ``page`` bytes at ``engine + block_ids[i] * stride``
- * and at ``host + slot * slot_bytes + sub * page``. Every block id must lie in
- * ``[0, num_blocks)`` and every slot in ``[0, num_slots)``, or nothing is queued; the
- * segments must describe memory that holds that many blocks and slots. ``store`` copies
- * engine to arena, else arena to engine. Pages that continue the
- * previous one of their segment on both sides merge; runs longer than ``chunk`` are cut;
- * pieces that average at least ``sort_bytes`` are put in ascending source address order
- * (reading memory front to back). ``fail_midway`` copies only the first half of the
- * pieces (fault injection). ``seconds`` (may be NULL) receives, at completion, the time
- * the job alone held the queue.
- */
-typedef struct kvoffload_pages {
-    const uint64_t *segments;
-    uint64_t nsegments;
-    const int64_t *block_ids;
-    const int64_t *slots;
-    uint64_t npages;
-    uint64_t num_blocks;
-    uint64_t num_slots;
-    uint64_t slot_bytes;
-    uint64_t factor;
-    uint64_t skip;
-    uint64_t store;
-    uint64_t chunk;
-    uint64_t sort_bytes;
-    uint64_t fail_midway;
-    double *seconds;
-} kvoffload_pages;
-
-_Static_assert(sizeof(kvoffload_pages) == 15 * sizeof(uint64_t),
-               "kvoffload_pages must be fifteen 64-bit fields (64-bit pointers)");
-
-#define OUT_OF_BOUNDS 1
-#define NO_MEMORY 2
-
-/* OUT_OF_BOUNDS unless every block id and slot of ``pages`` is in range; 0 otherwise. The
- * slots must be as many as the pages need (the caller checks). */
-static int check_bounds(const kvoffload_pages *pages)
-{
-    uint64_t factor = pages->factor > 0 ? pages->factor : 1;
-    if (pages->skip >= factor)
-        return OUT_OF_BOUNDS;
-    for (uint64_t i = 0; i < pages->npages; i++)
-        if (pages->block_ids[i] < 0 || (uint64_t)pages->block_ids[i] >= pages->num_blocks)
-            return OUT_OF_BOUNDS;
-    uint64_t nslots = pages->npages ? (pages->skip + pages->npages + factor - 1) / factor : 0;
-    for (uint64_t k = 0; k < nslots; k++)
-        if (pages->slots[k] < 0 || (uint64_t)pages->slots[k] >= pages->num_slots)
-            return OUT_OF_BOUNDS;
-    return 0;
-}
-
-/* The pieces of ``pages`` into ``list``; 0, NO_MEMORY, or OUT_OF_BOUNDS (nothing built). */
-static int build_pieces(piece_list *list, const kvoffload_pages *pages)
-{
-    const uint64_t *segments = pages->segments;
-    const int64_t *block_ids = pages->block_ids, *slots = pages->slots;
-    uint64_t npages = pages->npages, chunk = pages->chunk, slot_bytes = pages->slot_bytes;
-    uint64_t factor = pages->factor > 0 ? pages->factor : 1, skip = pages->skip;
-    int store = pages->store != 0;
-    uint64_t total = 0;
-    if (check_bounds(pages))
-        return OUT_OF_BOUNDS;
-    if (chunk == 0)
-        chunk = UINT64_MAX;
-    for (uint64_t s = 0; s < pages->nsegments; s++) {
-        uint64_t engine = segments[4 * s], stride = segments[4 * s + 1];
-        uint64_t page = segments[4 * s + 2], host = segments[4 * s + 3];
-        uint64_t run_dst = 0, run_src = 0, run = 0;
-        for (uint64_t i = 0; i < npages; i++) {
-            uint64_t e = engine + (uint64_t)block_ids[i] * stride;
-            uint64_t p = skip + i;
-            uint64_t h = host + (uint64_t)slots[p / factor] * slot_bytes + (p % factor) * page;
-            uint64_t dst = store ? h : e, src = store ? e : h;
-            if (run > 0 && dst == run_dst + run && src == run_src + run) {
-                run += page;
-                continue;
-            }
-            if (run > 0 && append_run(list, run_dst, run_src, run, chunk))
-                return NO_MEMORY;
-            run_dst = dst;
-            run_src = src;
-            run = page;
-        }
-        if (run > 0 && append_run(list, run_dst, run_src, run, chunk))
-            return NO_MEMORY;
-        total += npages * page;
-    }
-    if (list->count > 0 && total / list->count >= pages->sort_bytes) /* average piece */
-        qsort(list->at, list->count, 3 * sizeof *list->at, by_source);
-    return 0;
-}
-
-/* Queue one job given as pages (see kvoffload_pages); the queue builds and owns its
- * pieces. Returns the sequence number; 0 if no memory was left, UINT64_MAX if a page lies
- * outside the registered memory (nothing queued either way). */
-uint64_t kvoffload_queue_push_pages(kvoffload_queue *q, const kvoffload_pages *pages)
-{
-    piece_list list = {0};
-    int error = build_pieces(&list, pages);
-    if (error) {
+    kvo_pieces list = {0};
+    int status = kvo_plan_job(layout, job, len, &list);
+    if (status != KVO_OK) {
         free(list.at);
-        return error == OUT_OF_BOUNDS ? UINT64_MAX : 0;
+        return status == KVO_BAD_JOB ? UINT64_MAX : 0;
     }
-    kvo_job *job = calloc(1, sizeof *job);
-    if (job == NULL) {
+    kvo_job *queued = calloc(1, sizeof *queued);
+    if (queued == NULL) {
         free(list.at);
         return 0;
     }
-    job->owned = list.at;
-    job->pieces = list.at;
-    job->count = pages->fail_midway ? list.count / 2 : list.count;
-    job->left = job->count;
-    job->seconds = pages->seconds;
-    return push_job(q, job);
-}
-
-/* The pieces kvoffload_queue_push_pages would queue for ``pages`` (all of them, whatever
- * ``fail_midway``), written to ``out`` (room for ``capacity`` triples); returns their
- * number (more than ``capacity``: nothing written), UINT64_MAX - 1 if no memory was left,
- * UINT64_MAX if a page lies outside the registered memory. */
-uint64_t kvoffload_plan_pages(const kvoffload_pages *pages, uint64_t *out, uint64_t capacity)
-{
-    piece_list list = {0};
-    int error = build_pieces(&list, pages);
-    if (error) {
-        free(list.at);
-        return error == OUT_OF_BOUNDS ? UINT64_MAX : UINT64_MAX - 1;
-    }
-    uint64_t count = list.count;
-    if (count <= capacity && count > 0)
-        memcpy(out, list.at, 3 * count * sizeof *out);
-    free(list.at);
-    return count;
+    queued->owned = list.at;
+    queued->pieces = list.at;
+    queued->count = job[KVO_JOB_FLAGS] & KVO_FAIL_MIDWAY ? list.count / 2 : list.count;
+    queued->left = queued->count;
+    queued->held_ns = &job[KVO_JOB_HELD_NS];
+    return push_job(q, queued);
 }
 
 /* Hold (``held`` 1) or release (0) the queue: while held, its threads take no new pieces

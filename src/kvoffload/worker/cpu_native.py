@@ -28,10 +28,10 @@ import logging
 import weakref
 from array import array
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
-from kvoffload.jobs import Direction, GroupTransfer, JobId, TransferJob
+from kvoffload.jobs import Direction, JobId, TransferJob
 from kvoffload.worker.backend import FaultHook, InjectedFaultError
 from kvoffload.worker.cpu_common import (
     CHUNK_BYTES,
@@ -42,18 +42,27 @@ from kvoffload.worker.cpu_common import (
     log_uncopyable,
 )
 from kvoffload.worker.host_pool import HostPool
-from kvoffload.worker.native_copy import NativeCopy, NativeQueue, PushedJob, load_native_copy
+from kvoffload.worker.native_copy import (
+    FAIL_MIDWAY_FLAG,
+    STORE_FLAG,
+    BadJobError,
+    NativeCopy,
+    NativeLayout,
+    NativeQueue,
+    Piece,
+    PushedJob,
+    encode_job,
+    encode_layout,
+    load_native_copy,
+)
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class _NativeEntry(CopyEntry):
-    pushed: list[PushedJob] = field(default_factory=list)
-    """The job's parts in the native queue (one per group transfer) until it completes."""
-    broken: bool = False
-    """A part could not be queued after others were: the job fails, but only once the
-    parts already queued are copied (its blocks stay the job's until then)."""
+    pushed: PushedJob | None = None
+    """The job in the native queue until it completes."""
 
 
 def require_native_copy() -> NativeCopy:
@@ -89,8 +98,8 @@ class NativeCpuBackend(CpuBackend[_NativeEntry]):
                          chunk_bytes=chunk_bytes, fault_hook=fault_hook)
         self._native: NativeCopy = library if library is not None else require_native_copy()
         self._queues: dict[Direction, NativeQueue] = {}
-        self._segments: dict[int, array[int]] = {}
-        """``(engine, stride, page, host)`` of every segment of a group, as C reads them."""
+        self._native_layout: NativeLayout | None = None
+        """The layout table the library plans every job against (from ``bind``)."""
         self._closer: Callable[[], object] = lambda: None
         self._storage_checked = False
         """The tensors' storage was checked since the last ``poll`` (once per engine step:
@@ -110,78 +119,107 @@ class NativeCpuBackend(CpuBackend[_NativeEntry]):
         with self._lock:
             for job_id in job_ids:
                 entry = self._in_flight.get(job_id)
-                if entry is not None and entry.pushed:
+                if entry is not None and entry.pushed is not None:
                     direction = entry.job.direction
-                    last[direction] = max(last.get(direction, 0), entry.pushed[-1].seq)
+                    last[direction] = max(last.get(direction, 0), entry.pushed.seq)
         for direction, seq in last.items():  # blocks without the GIL or the lock
             self._queues[direction].wait(seq)
         with self._lock:
             self._collect()
 
+    def plan(self, job: TransferJob, *, sort_bytes: int = SORTED_PIECE_BYTES) -> list[Piece]:
+        """The pieces the native queue copies for ``job`` (pieces averaging ``sort_bytes``
+        or more in source address order), planned by the C planner without copying; for
+        tests and diagnostics. ``BadJobError`` where ``submit`` would report it failed."""
+        if self._native_layout is None:
+            raise RuntimeError("NativeCpuBackend.plan before bind")
+        layout = self._native_layout if sort_bytes == SORTED_PIECE_BYTES \
+            else self._native.layout(self._layout_table(sort_bytes))
+        try:
+            return self._native.plan_job(layout, self._encode(job, inject=False))
+        finally:
+            if layout is not self._native_layout:
+                layout.close()
+
     # -- the copy path's part of the contract ----------------------------------------------
 
     def _start(self, pool: HostPool) -> None:
-        """Open one queue per direction (holding those already held). The queues, and the
-        tensors their threads read and write, stay alive until ``shutdown`` closes them,
-        or until this backend is collected."""
-        self._segments = {group: array("Q", [v for seg in g.segments
-                                             for v in (seg.engine, seg.stride, seg.page,
-                                                       seg.host)])
-                          for group, g in self._groups.items()}
+        """Hand the layout table to the library and open one queue per direction (holding
+        those already held). The queues, the table and the tensors their threads read and
+        write stay alive until ``shutdown`` closes them, or until this backend is
+        collected."""
+        self._native_layout = self._native.layout(self._layout_table(SORTED_PIECE_BYTES))
         self._queues = {d: self._native.queue(self.copy_threads, self.parallel_bytes // 2)
                         for d in Direction}
         # Closing copies what is queued: it must happen before the tensors the C threads
         # read and write can be freed, also when the backend is dropped without
         # ``shutdown`` (the finalizer holds the tensors until it has run).
         self._closer = weakref.finalize(
-            self, _close_queues, list(self._queues.values()),
+            self, _close_queues, list(self._queues.values()), self._native_layout,
             (pool.arena, [seg.pages for g in self._groups.values() for seg in g.segments]))
         for direction, released in self._released.items():
             if not released.is_set():
                 self._queues[direction].hold(True)
 
+    def _layout_table(self, sort_bytes: int) -> array[int]:
+        """The bound groups, arena and copy settings as the native planner reads them."""
+        groups = [(group, g.factor, g.num_blocks,
+                   [(seg.engine, seg.stride, seg.page, seg.host) for seg in g.segments])
+                  for group, g in self._groups.items()]
+        return encode_layout(num_slots=self._num_slots, slot_bytes=self._slot_bytes,
+                             chunk=self.chunk_bytes, sort_bytes=sort_bytes, groups=groups)
+
     def _prepare(self, job: TransferJob) -> _NativeEntry:
-        # Nothing to plan here: the queue checks the pages and builds the pieces in C.
-        return _NativeEntry(job=job, nbytes=self._job_bytes(job))
+        # Nothing to plan here: the queue checks the pages and builds the pieces in C
+        # (and counts the job's bytes).
+        return _NativeEntry(job, 0)
 
     def _enqueue(self, entry: _NativeEntry) -> None:
-        """Queue ``entry`` in the native queue of its direction, one part per group
-        transfer. The entry completes with its last part: the queue completes parts in
-        order."""
+        """Queue ``entry`` in the native queue of its direction, as one job: the C planner
+        checks every part before it queues any, so a job with a bad part is refused whole
+        (reported failed, nothing copied)."""
         job = entry.job
-        native = self._queues[job.direction]
-        store = job.direction is Direction.STORE
         try:
             if not self._storage_checked:
                 self._check_storage(self._groups)
                 self._storage_checked = True
             # An injected fault fails midway, like a real one: half the pages are written.
             entry.inject = self.fault_hook is not None and self.fault_hook(job)
-            for transfer in job.groups:
-                if not transfer.block_ids:
-                    continue
-                entry.pushed.append(native.push_pages(
-                    **self._native_pages(transfer, store), sort_bytes=SORTED_PIECE_BYTES,
-                    fail_midway=entry.inject))
+            assert self._native_layout is not None
+            pushed = self._queues[job.direction].push_job(self._native_layout,
+                                                          self._encode(job, entry.inject))
+        except BadJobError:
+            logger.warning("%s job %s cannot be copied (%s); reporting it failed",
+                           job.direction.value, job.job_id, self._why_refused(job))
+            entry.done = True
+            return
         except Exception:
             log_uncopyable(job)
-            if entry.pushed:  # fails when the parts already queued are done with its blocks
-                entry.broken = True
-            else:
-                entry.done = True
-        if not entry.pushed and not entry.done:  # nothing to copy
-            entry.done, entry.ok = True, not entry.inject
+            entry.done = True
+            return
+        entry.pushed = pushed
+        entry.nbytes = pushed.nbytes
 
-    def _native_pages(self, transfer: GroupTransfer, store: bool) -> dict[str, Any]:
-        """The pages of ``transfer`` as the native queue takes them (``push_pages`` and
-        ``plan_pages`` arguments, less the sort threshold)."""
-        group = self._groups[transfer.group]
-        return {"segments": self._segments[transfer.group],
-                "block_ids": array("q", transfer.block_ids),
-                "slots": array("q", transfer.slots), "num_blocks": group.num_blocks,
-                "num_slots": self._num_slots, "slot_bytes": self._slot_bytes,
-                "factor": group.factor, "skip": transfer.first_block_index % group.factor,
-                "store": store, "chunk": self.chunk_bytes}
+    def _encode(self, job: TransferJob, inject: bool) -> array[int]:
+        """``job`` as the native planner reads it."""
+        flags = (STORE_FLAG if job.direction is Direction.STORE else 0) | \
+            (FAIL_MIDWAY_FLAG if inject else 0)
+        return encode_job(flags, [(t.group, t.first_block_index, t.block_ids, t.slots)
+                                  for t in job.groups])
+
+    def _why_refused(self, job: TransferJob) -> str:
+        """What the C planner found wrong with ``job``, in words (the Python checks,
+        run only for a refused job, name the problem)."""
+        for transfer in job.groups:
+            group = self._groups.get(transfer.group)
+            if group is None:
+                return f"group {transfer.group} is not registered"
+            if transfer.block_ids:
+                try:
+                    self._check_bounds(transfer, group)
+                except (ValueError, IndexError) as problem:
+                    return str(problem)
+        return "the native planner refused it"
 
     def _collect(self) -> None:
         """Mark done the entries the native queues completed (under the lock)."""
@@ -189,13 +227,13 @@ class NativeCpuBackend(CpuBackend[_NativeEntry]):
             completed = native.completed()
             for entry in self._fifo[direction]:
                 pushed = entry.pushed
-                if entry.done or not pushed:
+                if pushed is None:  # refused, or already collected
                     continue
-                if pushed[-1].seq > completed:
+                if pushed.seq > completed:
                     break
-                entry.done, entry.ok = True, not (entry.inject or entry.broken)
-                entry.seconds = sum(part.seconds for part in pushed)
-                entry.pushed = []
+                entry.done, entry.ok = True, not entry.inject
+                entry.seconds = pushed.seconds
+                entry.pushed = None
                 if entry.inject:
                     fault = InjectedFaultError(f"injected fault in {direction.value} job "
                                                f"{entry.job.job_id}")
@@ -209,8 +247,9 @@ class NativeCpuBackend(CpuBackend[_NativeEntry]):
             self._collect()
 
 
-def _close_queues(queues: list[NativeQueue], keep_alive: object) -> None:
-    """Close ``queues`` (copying what they hold); ``keep_alive`` (the tensors their threads
-    use) is only referenced, so that it outlives them."""
+def _close_queues(queues: list[NativeQueue], layout: NativeLayout, keep_alive: object) -> None:
+    """Close ``queues`` (copying what they hold), then ``layout``; ``keep_alive`` (the
+    tensors their threads use) is only referenced, so that it outlives them."""
     for native in queues:
         native.close()
+    layout.close()

@@ -15,10 +15,11 @@ import ctypes
 import importlib.machinery
 import logging
 import os
+import struct
 import threading
 from array import array
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,11 @@ class _Library:
         self.wait = _declare(blocking.kvoffload_queue_wait, [ptr, u64], None)
         self.free = _declare(blocking.kvoffload_queue_free, [ptr], None)
         self.push = _declare(quick.kvoffload_queue_push, [ptr, ptr, u64, ptr], u64)
-        self.push_pages = _declare(quick.kvoffload_queue_push_pages, [ptr, ptr], u64)
-        self.plan_pages = _declare(quick.kvoffload_plan_pages, [ptr, ptr, u64], u64)
+        self.push_job = _declare(quick.kvoffload_queue_push_job, [ptr, ptr, ptr, u64], u64)
+        self.plan_job = _declare(quick.kvoffload_plan_job, [ptr, ptr, u64, ptr, u64], u64)
+        self.layout_new = _declare(quick.kvoffload_layout_new,
+                                   [ptr, u64, ctypes.POINTER(ptr)], ctypes.c_int)
+        self.layout_free = _declare(quick.kvoffload_layout_free, [ptr], None)
         self.hold = _declare(quick.kvoffload_queue_hold, [ptr, ctypes.c_int], None)
         self.completed = _declare(quick.kvoffload_queue_completed, [ptr], u64)
 
@@ -63,21 +67,115 @@ def _declare(function: Any, argtypes: list[Any], restype: Any) -> Any:
     return function
 
 
+# -- the formats of ``_copy.h`` ----------------------------------------------------------
+
+STORE_FLAG = 1
+"""A job's flag: engine to arena (else arena to engine)."""
+FAIL_MIDWAY_FLAG = 2
+"""A job's flag: copy only the first half of its pieces (fault injection)."""
+
+Part = tuple[int, int, Sequence[int], Sequence[int]]
+"""``(group id, first_block_index, engine block ids, slots)``: one group transfer."""
+
+Segment = tuple[int, int, int, int]
+"""``(engine address of block 0, bytes between engine blocks, page bytes, arena address of
+the segment's sub-block 0 in slot 0)``."""
+
+
+_ZEROS = array("q", bytes(8 * 1024))
+_FORMATS: dict[int, struct.Struct] = {}
+
+
+def _format(count: int) -> struct.Struct:
+    """The ``struct`` packing ``count`` native ``int64`` values."""
+    fmt = _FORMATS.get(count)
+    if fmt is None:
+        fmt = _FORMATS[count] = struct.Struct(f"={count}q")
+    return fmt
+
+
+def encode_job(flags: int, parts: Sequence[Part]) -> array[int]:
+    """A job as the native planner reads it (``_copy.h``): an ``int64`` array whose first
+    two values the library writes (``held_ns``, ``bytes``). ``struct.error`` or
+    ``OverflowError`` if a value does not fit 64 bits."""
+    if len(parts) == 1:  # the common case, in one packing call
+        group, first, block_ids, slots = parts[0]
+        count = 8 + len(block_ids) + len(slots)
+        job = _ZEROS[:count] if count <= len(_ZEROS) else array("q", bytes(8 * count))
+        _format(count).pack_into(job, 0, 0, 0, flags, 1, group, first, len(block_ids),
+                                 len(slots), *block_ids, *slots)
+        return job
+    values = [0, 0, flags, len(parts)]
+    for group, first, block_ids, slots in parts:
+        values += (group, first, len(block_ids), len(slots), *block_ids, *slots)
+    job = array("q", bytes(8 * len(values)))
+    _format(len(values)).pack_into(job, 0, *values)
+    return job
+
+
+def encode_layout(*, num_slots: int, slot_bytes: int, chunk: int, sort_bytes: int,
+                  groups: Sequence[tuple[int, int, int, Sequence[Segment]]]) -> array[int]:
+    """The layout table (``_copy.h``) of ``groups``: ``(group id, factor, num_blocks,
+    segments)`` each, a segment being ``(engine, stride, page, host)``."""
+    values = [num_slots, slot_bytes, chunk, sort_bytes, len(groups)]
+    for group, factor, num_blocks, segments in groups:
+        values += (group, factor, num_blocks, len(segments))
+        for segment in segments:
+            values += segment
+    return array("Q", values)
+
+
 class PushedJob:
     """A job in a :class:`NativeQueue`: its sequence number, and the memory the C threads
     read and write until it completes (kept alive here)."""
 
-    __slots__ = ("_packed", "_seconds", "seq")
+    __slots__ = ("_cells", "_packed", "seq")
 
-    def __init__(self, packed: array[int] | None, seq: int) -> None:
+    def __init__(self, cells: array[int], packed: array[int] | None, seq: int) -> None:
+        self._cells = cells  # [0]: held_ns, [1]: bytes (jobs given as pages)
         self._packed = packed
-        self._seconds = array("d", [0.0])
         self.seq = seq
 
     @property
     def seconds(self) -> float:
         """Time the job alone held the queue (valid once it completed)."""
-        return float(self._seconds[0])
+        return self._cells[0] / 1e9
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the job moves (jobs given as pages; 0 for ready-made pieces)."""
+        return self._cells[1] if len(self._cells) > 1 else 0
+
+
+class BadJobError(ValueError):
+    """The native planner refused a job: malformed, or a page outside the layout."""
+
+
+class NativeLayout:
+    """The layout table held by the library (``_copy.h``), against which jobs given as pages
+    are checked and planned. Must outlive every queue it is pushed to."""
+
+    def __init__(self, library: _Library, table: array[int]) -> None:
+        self._lib = library
+        handle = ctypes.c_void_p()
+        status = library.layout_new(table.buffer_info()[0], len(table), ctypes.byref(handle))
+        if status == 1:
+            raise ValueError("malformed layout table (see _copy.h)")
+        if status != 0 or not handle.value:
+            raise MemoryError("kvoffload_layout_new failed: no memory left")
+        self._handle: int | None = handle.value
+
+    @property
+    def handle(self) -> int:
+        if self._handle is None:
+            raise RuntimeError("the native layout is closed")
+        return self._handle
+
+    def close(self) -> None:
+        """Free the table (idempotent); only once no queue can still plan against it."""
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            self._lib.layout_free(handle)
 
 
 class NativeQueue:
@@ -91,46 +189,29 @@ class NativeQueue:
         self._handle: int | None = handle
         self._unfinished_lock = threading.Lock()
         self._unfinished: deque[PushedJob] = deque()
-        self._last_seq = 0  # the last job pushed
         """Pushed jobs not yet seen completed: the C threads write their memory (the
-        pieces, the seconds cell), so it stays alive here whatever the caller keeps."""
+        pieces, the cells), so it stays alive here whatever the caller keeps."""
+        self._last_seq = 0  # the last job pushed
 
     def push(self, packed: array[int]) -> PushedJob:
         """Queue the pieces of ``packed`` (see :func:`pack`) as one job; returns at once."""
         handle = self._live()
-        job = PushedJob(packed, 0)
+        job = PushedJob(array("q", [0]), packed, 0)
         seq = self._lib.push(handle, packed.buffer_info()[0] if packed else None,
-                             len(packed) // 3, job._seconds.buffer_info()[0])
+                             len(packed) // 3, job._cells.buffer_info()[0])
         return self._track(job, int(seq), "kvoffload_queue_push")
 
-    def push_pages(self, segments: array[int], block_ids: array[int], slots: array[int], *,
-                   num_blocks: int, num_slots: int, slot_bytes: int, factor: int, skip: int,
-                   store: bool, chunk: int, sort_bytes: int,
-                   fail_midway: bool = False) -> PushedJob:
-        """Queue one job given as pages; the queue builds (and owns) its pieces.
-
-        ``segments`` holds four ``uint64`` per page segment: engine address of block 0,
-        bytes between engine blocks, page bytes, arena address of the segment's sub-block 0
-        in slot 0. Page ``i`` is engine block ``block_ids[i]`` and sub-block ``p % factor``
-        of slot ``slots[p // factor]``, ``p = skip + i``, for ``int64`` arrays
-        ``block_ids`` and ``slots``. The C side checks every block id against
-        ``[0, num_blocks)`` and every slot against ``[0, num_slots)`` (``IndexError``,
-        nothing queued, otherwise); the segments must describe memory holding that many
-        blocks and slots. Pages contiguous on both sides merge, runs are cut at ``chunk``
-        bytes, pieces averaging ``sort_bytes`` or more are copied in source address order;
-        ``fail_midway`` copies only the first half of the pieces (fault injection).
-        """
+    def push_job(self, layout: NativeLayout, job: array[int]) -> PushedJob:
+        """Queue ``job`` (see :func:`encode_job`), checked and planned in C against
+        ``layout``; returns at once. ``BadJobError`` (nothing queued) if the planner
+        refuses it: every part is checked before any is queued, so a job is queued whole
+        or not at all."""
         handle = self._live()
-        job = PushedJob(None, 0)
-        pages = _pages(segments, block_ids, slots, num_blocks=num_blocks, num_slots=num_slots,
-                       slot_bytes=slot_bytes, factor=factor, skip=skip, store=store,
-                       chunk=chunk, sort_bytes=sort_bytes, fail_midway=fail_midway,
-                       seconds=job._seconds.buffer_info()[0])
-        seq = int(self._lib.push_pages(handle, pages.buffer_info()[0]))
-        if seq == _OUT_OF_BOUNDS:
-            raise IndexError(f"a page lies outside the registered memory (block ids in "
-                             f"[0, {num_blocks}), slots in [0, {num_slots}))")
-        return self._track(job, seq, "kvoffload_queue_push_pages")
+        seq = int(self._lib.push_job(handle, layout.handle, job.buffer_info()[0], len(job)))
+        if seq == _REFUSED:
+            raise BadJobError("the native planner refused the job: malformed, or a page "
+                              "outside the registered memory")
+        return self._track(PushedJob(job, None, seq), seq, "kvoffload_queue_push_job")
 
     def _track(self, job: PushedJob, seq: int, call: str) -> PushedJob:
         """``job`` as queued under ``seq`` (0: ``call`` found no memory, nothing queued),
@@ -138,9 +219,8 @@ class NativeQueue:
         if not seq:
             raise MemoryError(f"{call} failed: no memory left")
         job.seq = seq
-        with self._unfinished_lock:
-            self._unfinished.append(job)
-            self._last_seq = seq
+        self._unfinished.append(job)  # atomic; ``completed`` pops under the lock
+        self._last_seq = seq
         return job
 
     def completed(self) -> int:
@@ -184,52 +264,34 @@ class NativeQueue:
         return self._handle
 
 
-_OUT_OF_BOUNDS = 2**64 - 1
-"""What the C side returns for a page outside the registered memory."""
-
-
-def _pages(segments: array[int], block_ids: array[int], slots: array[int], *,
-           num_blocks: int, num_slots: int, slot_bytes: int, factor: int, skip: int,
-           store: bool, chunk: int, sort_bytes: int, fail_midway: bool,
-           seconds: int) -> array[int]:
-    """A ``kvoffload_pages`` struct (fifteen ``uint64``, see ``_copy.c``) for these pages;
-    the arrays it points into must outlive the call that reads it. Raises ``ValueError``
-    unless ``slots`` has exactly the slots the pages need."""
-    if factor < 1 or not 0 <= skip < factor or \
-            len(slots) != -(-(skip + len(block_ids)) // factor):
-        raise ValueError(f"{len(block_ids)} pages from sub-block {skip} with factor "
-                         f"{factor} need {-(-(skip + len(block_ids)) // factor)} slots, got "
-                         f"{len(slots)}")
-    return array("Q", (segments.buffer_info()[0], len(segments) // 4,
-                       block_ids.buffer_info()[0], slots.buffer_info()[0], len(block_ids),
-                       num_blocks, num_slots, slot_bytes, factor, skip, int(store), chunk,
-                       sort_bytes, int(fail_midway), seconds))
+_REFUSED = 2**64 - 1
+"""What the C side returns for a job its planner refuses."""
 
 
 class NativeCopy:
-    """Factory of native queues; :func:`load_native_copy` gives one where the library is
-    built."""
+    """Factory of native queues and layouts; :func:`load_native_copy` gives one where the
+    library is built."""
 
     def __init__(self, path: Path) -> None:
         self._lib = _Library(path)
 
-    def plan_pages(self, segments: array[int], block_ids: array[int], slots: array[int], *,
-                   num_blocks: int, num_slots: int, slot_bytes: int, factor: int, skip: int,
-                   store: bool, chunk: int, sort_bytes: int) -> list[Piece]:
-        """The pieces :meth:`NativeQueue.push_pages` would queue for these pages (same
-        arguments), without copying anything."""
-        pages = _pages(segments, block_ids, slots, num_blocks=num_blocks, num_slots=num_slots,
-                       slot_bytes=slot_bytes, factor=factor, skip=skip, store=store,
-                       chunk=chunk, sort_bytes=sort_bytes, fail_midway=False, seconds=0)
-        address = pages.buffer_info()[0]
-        count = self._lib.plan_pages(address, None, 0)
-        if count == _OUT_OF_BOUNDS:
-            raise IndexError("a page lies outside the registered memory")
-        if count == _OUT_OF_BOUNDS - 1:
-            raise MemoryError("kvoffload_plan_pages failed: no memory left")
+    def layout(self, table: array[int]) -> NativeLayout:
+        """The library's copy of layout table ``table`` (see :func:`encode_layout`)."""
+        return NativeLayout(self._lib, table)
+
+    def plan_job(self, layout: NativeLayout, job: array[int]) -> list[Piece]:
+        """The pieces :meth:`NativeQueue.push_job` would queue for ``job`` (all of them,
+        whatever its fail-midway flag), without copying anything; ``BadJobError`` if the
+        planner refuses it."""
+        address = job.buffer_info()[0]
+        count = self._lib.plan_job(layout.handle, address, len(job), None, 0)
+        if count == _REFUSED:
+            raise BadJobError("the native planner refused the job")
+        if count == _REFUSED - 1:
+            raise MemoryError("kvoffload_plan_job failed: no memory left")
         out = array("Q", bytes(24 * count))
         if count:
-            self._lib.plan_pages(address, out.buffer_info()[0], count)
+            self._lib.plan_job(layout.handle, address, len(job), out.buffer_info()[0], count)
         return [(out[3 * i], out[3 * i + 1], out[3 * i + 2]) for i in range(count)]
 
     def queue(self, threads: int, grab_bytes: int) -> NativeQueue:
