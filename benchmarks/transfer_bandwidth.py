@@ -55,7 +55,8 @@ import torch
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.jobs import Direction, GroupTransfer, JobId, StepPlan, TransferJob
-from kvoffload.worker import GroupTensors, TransferWorker, cpu_backend
+from kvoffload.worker import GroupTensors, NativeCpuBackend, TransferWorker, cpu_backend
+from kvoffload.worker.native_copy import NativeCopy, load_native_copy, pack
 
 KIB = 1024
 SIZES = [16 * KIB, 64 * KIB, 256 * KIB, 1024 * KIB, 4096 * KIB]
@@ -80,6 +81,19 @@ def _llc_bytes() -> int:
         elif text.isdigit():
             sizes.append(int(text))
     return max(sizes, default=32 * KIB * KIB)
+
+
+def _huge_page_mib() -> int:
+    """MiB of this process's anonymous memory backed by transparent huge pages (Linux;
+    0 where it cannot be read). torch allocates on huge pages with THP_MEM_ALLOC_ENABLE=1."""
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) // KIB
+    return 0
 
 
 def _timed(fn: Callable[[], None], device: torch.device) -> float:
@@ -107,9 +121,45 @@ class Row:
     load_ratio_q: tuple[float, float]
     arena_pinned: bool
     """Whether the host arena (both copies' host side) is page-locked."""
+    raw_store_gbps: float | None = None
+    """The worker's store pieces pushed to a native queue as one job (no per-job cost):
+    what scattered copies of this page size reach on this machine. None without the
+    native queue."""
+    raw_load_gbps: float | None = None
+    raw_store_ratio: float | None = None
+    """Median over repetitions of (raw scattered copy / the contiguous copy next to it)."""
+    raw_load_ratio: float | None = None
 
     def as_json(self) -> dict[str, object]:
         return asdict(self)
+
+
+class _OneJob:
+    """Every piece of a step's jobs, pushed to a native queue of its own as one job: the
+    worker's copies (same pieces, same order, same copy threads, same run length per
+    thread) without the per-job cost of submitting, checking and completing jobs. Calling
+    it copies them once."""
+
+    def __init__(self, library: NativeCopy, backend: NativeCpuBackend,
+                 step: StepPlan) -> None:
+        pieces = [p for job in (*step.stores, *step.loads) for p in backend.plan(job)]
+        self._packed = pack(pieces)
+        self._queue = library.queue(backend.copy_threads, backend.parallel_bytes // 2)
+
+    def __call__(self) -> None:
+        self._queue.wait(self._queue.push(self._packed).seq)
+
+    def close(self) -> None:
+        self._queue.close()
+
+
+def _one_job(worker: TransferWorker, step: StepPlan) -> _OneJob | None:
+    """The one-job reference of ``step`` where the worker copies with the native queue."""
+    backend = worker.backend
+    library = load_native_copy()
+    if not isinstance(backend, NativeCpuBackend) or library is None:
+        return None
+    return _OneJob(library, backend, step)
 
 
 def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device,
@@ -177,15 +227,28 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device,
         for host, engine in pairs:
             engine.copy_(host, non_blocking=True)
 
+    def check_loaded() -> None:
+        for t in cache:
+            assert torch.equal(t[torch.tensor(src_ids, device=device)],
+                               t[torch.tensor(dst_ids, device=device)]), "loaded bytes differ"
+
     # Warm up (thread pools, pinned staging, page faults on both sides) and check bytes.
     through_worker(plan(Direction.STORE, src_ids))()
     through_worker(plan(Direction.LOAD, dst_ids))()
-    for t in cache:
-        assert torch.equal(t[torch.tensor(src_ids, device=device)],
-                           t[torch.tensor(dst_ids, device=device)]), "loaded bytes differ"
+    check_loaded()
+    raw_store = _one_job(worker, plan(Direction.STORE, src_ids))
+    raw_load = _one_job(worker, plan(Direction.LOAD, dst_ids))
+    if raw_store is not None and raw_load is not None:  # it copies the same bytes, too
+        for t in cache:
+            t[torch.tensor(dst_ids, device=device)] = 0
+        raw_store()
+        raw_load()
+        check_loaded()
     contiguous_store()
     contiguous_load()
     store_t, load_t, base_store_t, base_load_t = [], [], [], []
+    raw_store_t: list[float] = []
+    raw_load_t: list[float] = []
 
     def timed(fn: Callable[[], None]) -> float:
         if scrub is not None:
@@ -196,17 +259,19 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device,
     for rep in range(args.reps):
         stores = through_worker(plan(Direction.STORE, src_ids))
         loads = through_worker(plan(Direction.LOAD, dst_ids))
-        if rep % 2 == 0:
-            base_store_t.append(timed(contiguous_store))
-            store_t.append(timed(stores))
-            base_load_t.append(timed(contiguous_load))
-            load_t.append(timed(loads))
-        else:
-            store_t.append(timed(stores))
-            base_store_t.append(timed(contiguous_store))
-            load_t.append(timed(loads))
-            base_load_t.append(timed(contiguous_load))
+        # Each direction's runs in an order that rotates from one repetition to the next.
+        for candidates in ([(base_store_t, contiguous_store), (store_t, stores),
+                            (raw_store_t, raw_store)],
+                           [(base_load_t, contiguous_load), (load_t, loads),
+                            (raw_load_t, raw_load)]):
+            runs = [(times, fn) for times, fn in candidates if fn is not None]
+            shift = rep % len(runs)
+            for times, fn in runs[shift:] + runs[:shift]:
+                times.append(timed(fn))
     worker.shutdown()
+    for raw in (raw_store, raw_load):
+        if raw is not None:
+            raw.close()
 
     def gbps(times: list[float]) -> float:
         return total / float(min(times) if args.best else statistics.median(times)) / 1e9
@@ -232,7 +297,11 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device,
                load_gbps=gbps(load_t), load_ref_gbps=gbps(base_load_t),
                store_ratio=ratio(store_t, base_store_t), load_ratio=ratio(load_t, base_load_t),
                store_ratio_q=quartiles(store_t, base_store_t),
-               load_ratio_q=quartiles(load_t, base_load_t), arena_pinned=pinned)
+               load_ratio_q=quartiles(load_t, base_load_t), arena_pinned=pinned,
+               raw_store_gbps=gbps(raw_store_t) if raw_store_t else None,
+               raw_load_gbps=gbps(raw_load_t) if raw_load_t else None,
+               raw_store_ratio=ratio(raw_store_t, base_store_t) if raw_store_t else None,
+               raw_load_ratio=ratio(raw_load_t, base_load_t) if raw_load_t else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,31 +351,48 @@ def main(argv: list[str] | None = None) -> int:
                           "gap_ms": args.gap_ms, "scrub_mib": scrub_mib,
                           "copy_threads": copy_threads if args.device == "cpu" else None,
                           "copy_path": copy_path if args.device == "cpu" else None,
+                          "huge_page_mib": _huge_page_mib(),
                           "rows": [r.as_json() for r in rows]}, indent=1))
         return 0
     copies = f" copy threads={copy_threads} ({copy_path})" if args.device == "cpu" else ""
     arena = "pinned host arena" if rows and rows[0].arena_pinned else "host arena"
     print(f"ratio = worker throughput / one contiguous copy_ of the same bytes between the "
           f"{args.device} engine cache and the {arena}")
+    one_job = any(r.raw_store_gbps is not None for r in rows)
+    if one_job:
+        print("1-job = the worker's pieces pushed to a native queue as one job (same pieces, "
+              "threads and order, no per-job cost): what scattered copies of these pages "
+              "reach here; its ratio is against the same contiguous copy_")
     print(f"device={args.device} segments/block={args.segments} factor={args.factor} "
           f"torch threads={torch.get_num_threads()}{copies} "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} gap={args.gap_ms:g}ms "
-          f"scrub={scrub_mib}MiB "
+          f"scrub={scrub_mib}MiB huge pages={_huge_page_mib()}MiB "
+          f"(THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}) "
           f"({'best' if args.best else 'median'} of {args.reps}, paired-ratio quartiles in "
           f"brackets; GB/s)")
-    head = (f"{'block':>8} {'page':>9} {'store':>7} {'contig':>7} {'ratio':>17}   "
-            f"{'load':>7} {'contig':>7} {'ratio':>17}")
+    raw_head = f" {'1-job':>6} {'ratio':>5}" if one_job else ""
+    head = (f"{'block':>8} {'page':>9} {'store':>7} {'contig':>7} {'ratio':>17}{raw_head}   "
+            f"{'load':>7} {'contig':>7} {'ratio':>17}{raw_head}")
     print(head)
 
     def cell(ratio: float, q: tuple[float, float]) -> str:
         return f"{ratio:.2f} [{q[0]:.2f}-{q[1]:.2f}]"
 
+    def raw(gbps: float | None, ratio: float | None) -> str:
+        if not one_job:
+            return ""
+        if gbps is None or ratio is None:
+            return f" {'-':>6} {'-':>5}"
+        return f" {gbps:>6.2f} {ratio:>5.2f}"
+
     for r in rows:
         print(f"{r.block_kib:>6}Ki {r.page_kib:>7.1f}Ki "
               f"{r.store_gbps:>7.2f} {r.store_ref_gbps:>7.2f} "
-              f"{cell(r.store_ratio, r.store_ratio_q):>17}   "
+              f"{cell(r.store_ratio, r.store_ratio_q):>17}"
+              f"{raw(r.raw_store_gbps, r.raw_store_ratio)}   "
               f"{r.load_gbps:>7.2f} {r.load_ref_gbps:>7.2f} "
-              f"{cell(r.load_ratio, r.load_ratio_q):>17}")
+              f"{cell(r.load_ratio, r.load_ratio_q):>17}"
+              f"{raw(r.raw_load_gbps, r.raw_load_ratio)}")
     return 0
 
 

@@ -52,6 +52,7 @@ from kvoffload.worker.native_copy import (
     Piece,
     PushedJob,
     encode_job,
+    encode_one_part,
     encode_layout,
     load_native_copy,
 )
@@ -204,8 +205,12 @@ class NativeCpuBackend(CpuBackend[_NativeEntry]):
         """``job`` as the native planner reads it."""
         flags = (STORE_FLAG if job.direction is Direction.STORE else 0) | \
             (FAIL_MIDWAY_FLAG if inject else 0)
+        groups = job.groups
+        if len(groups) == 1:
+            t = groups[0]
+            return encode_one_part(flags, t.group, t.first_block_index, t.block_ids, t.slots)
         return encode_job(flags, [(t.group, t.first_block_index, t.block_ids, t.slots)
-                                  for t in job.groups])
+                                  for t in groups])
 
     def _why_refused(self, job: TransferJob) -> str:
         """What the C planner found wrong with ``job``, in words (the Python checks,

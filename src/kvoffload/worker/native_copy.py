@@ -96,20 +96,25 @@ def _format(count: int) -> struct.Struct:
 
 def encode_job(flags: int, parts: Sequence[Part]) -> array[int]:
     """A job as the native planner reads it (``_copy.h``): an ``int64`` array whose first
-    two values the library writes (``held_ns``, ``bytes``). ``struct.error`` or
-    ``OverflowError`` if a value does not fit 64 bits."""
-    if len(parts) == 1:  # the common case, in one packing call
-        group, first, block_ids, slots = parts[0]
-        count = 8 + len(block_ids) + len(slots)
-        job = _ZEROS[:count] if count <= len(_ZEROS) else array("q", bytes(8 * count))
-        _format(count).pack_into(job, 0, 0, 0, flags, 1, group, first, len(block_ids),
-                                 len(slots), *block_ids, *slots)
-        return job
+    two values the library writes (``held_ns``, ``bytes``). ``struct.error`` if a value
+    does not fit 64 bits."""
+    if len(parts) == 1:
+        return encode_one_part(flags, *parts[0])
     values = [0, 0, flags, len(parts)]
     for group, first, block_ids, slots in parts:
         values += (group, first, len(block_ids), len(slots), *block_ids, *slots)
     job = array("q", bytes(8 * len(values)))
     _format(len(values)).pack_into(job, 0, *values)
+    return job
+
+
+def encode_one_part(flags: int, group: int, first: int, block_ids: Sequence[int],
+                    slots: Sequence[int]) -> array[int]:
+    """:func:`encode_job` of a job of one part (the common case), in one packing call."""
+    count = 8 + len(block_ids) + len(slots)
+    job = _ZEROS[:count] if count <= len(_ZEROS) else array("q", bytes(8 * count))
+    _format(count).pack_into(job, 0, 0, 0, flags, 1, group, first, len(block_ids),
+                             len(slots), *block_ids, *slots)
     return job
 
 
