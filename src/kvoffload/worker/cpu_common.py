@@ -11,15 +11,18 @@ contract of ``TransferBackend``: jobs of one direction complete in submission or
 Planning. At ``bind`` every page segment is reduced to four integers: the address of its
 engine block 0, its row stride, its page size, and the arena address of its sub-block 0 in
 slot 0. A job's pages are checked against the bounds of the registered tensors and of the
-arena (block ids, slots); a job failing the check is reported failed without touching
-memory. The job then becomes ``(destination, source, bytes)`` pieces, one per segment per
-page: pages that continue the previous one on both sides (consecutive engine blocks in
-dense rows going to consecutive sub-blocks of a slot, or to consecutive slots when one
-segment fills the slot) merge into one piece, pieces longer than ``chunk_bytes`` are cut so
+arena (block ids, slots), every part of the job before any of it is copied: a job failing
+the check is reported failed without touching memory. The job then becomes
+``(destination, source, bytes)`` pieces, one per segment per page: pages that continue the
+previous one on both sides (consecutive engine blocks in dense rows going to consecutive
+sub-blocks of a slot, or to consecutive slots when one segment fills the slot) merge into
+one piece, pieces longer than ``chunk_bytes`` are cut so
 that copy threads can share them, and a job whose pieces average ``SORTED_PIECE_BYTES``
 (32 KiB) or more is copied in ascending source address order (reading memory front to back
-rather than in the scattered order of block ids). The ``memmove`` path plans in Python
-(``CpuBackend._pieces``, here); the native queue plans the same pieces in C.
+rather than in the scattered order of block ids). The ``memmove`` path checks and plans
+in Python (``CpuBackend._pieces``, here); the native queue checks and plans the same
+pieces in C (``_copy_plan.c``, against a table of these integers handed over at ``bind``),
+and the tests compare the two planners.
 
 Bookkeeping, shared here: one FIFO of entries per direction (an entry is a submitted job
 until ``poll`` reports it), the in-flight index, the hold switches of tests, the stats.

@@ -1,22 +1,25 @@
 """The CPU backend's default copy path: the native C copy queue (``native_copy.py``,
-``_copy.c``), where the install built it.
+``_copy.c``, ``_copy_plan.c``), where the install built it.
 
-``submit`` hands the job's block ids and slots to a C queue per direction, which does the
-bounds checks and the planning of ``cpu_common`` in C and returns at once;
-``copy_threads`` C threads copy them with no Python involved, so copies overlap the
-planning of the next jobs and the threads never wait for the GIL. Each thread takes about
-``parallel_bytes / 2`` at a time, so a small job keeps one thread and a large one spreads
-over all; pages of 4 KiB and more are written with streaming stores (x86-64), which skip
-reading the destination into the cache. The copy threads run at a lower priority (nice 5)
-than the engine's own threads. Jobs of one direction in flight together never write the
-same destination (slots and engine blocks stay owned by a job until it completes), so they
-may be copied concurrently; they complete in order.
+At ``bind`` the backend hands the library a layout table once: per group, per page segment,
+the engine base address, block stride and page bytes, the arena address, and the bounds
+(blocks, slots). ``submit`` then makes one C call per job with the job's block ids and
+slots: C checks every page of every part against the table before it queues anything (a
+job with one bad part is refused whole: reported failed, nothing copied, its slots
+reusable at once), plans the pieces as ``cpu_common``'s Python planner would, queues them
+and returns. ``copy_threads`` C threads copy them with no Python involved, so copies
+overlap the planning of the next jobs and the threads never wait for the GIL. Each thread
+takes about ``parallel_bytes / 2`` at a time, so a small job keeps one thread and a large
+one spreads over all; pages of 4 KiB and more are written with streaming stores (x86-64),
+which skip reading the destination into the cache, while the start of the next piece is
+prefetched. The copy threads run at a lower priority (nice 5) than the engine's own
+threads. Jobs of one direction in flight together never write the same destination (slots
+and engine blocks stay owned by a job until it completes), so they may be copied
+concurrently; they complete in order.
 
-Measured on a 2-core VM (``benchmarks/transfer_bandwidth.py``, 64 MiB in jobs of 16
-scattered 64 KiB blocks, against torch's two-thread contiguous ``copy_``, both starting from
-clean caches): about 0.87 of the contiguous copy. What it still loses is the Python side,
-about 13 us per job on the caller's thread, which shares the two cores with the copies.
-See docs/transfer.md.
+What is left on the caller's thread is about 4 us of Python per job (building the job's
+array, the bookkeeping of ``CpuBackend``), plus the worker's own validation. See
+docs/transfer.md for throughput.
 
 The tensors' storage is checked to be where it was at ``bind`` once per ``poll`` (once per
 engine step) rather than per job: the check costs about a microsecond per cache tensor.
@@ -52,8 +55,8 @@ from kvoffload.worker.native_copy import (
     Piece,
     PushedJob,
     encode_job,
-    encode_one_part,
     encode_layout,
+    encode_one_part,
     load_native_copy,
 )
 

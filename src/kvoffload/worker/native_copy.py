@@ -1,12 +1,16 @@
-"""The CPU backend's native copy queue (``_copy.c``), when the install built it.
+"""The CPU backend's native copy queue (``_copy.c``, ``_copy_plan.c``), when the install
+built it.
 
-Python pushes a job, as pages (block ids and slots, which C checks and turns into pieces)
-or as ready-made pieces ``(destination, source, bytes)``, and returns at once; C threads
-copy them with no Python involved, so copies overlap the planning of the next jobs and
-several threads copy in parallel without handing the GIL back and forth between pages.
-Jobs complete in push order. Without the library (no C compiler at install, or
-``KVOFFLOAD_NATIVE_COPY=0``) the CPU backend copies piece by piece with ``ctypes.memmove``
-from Python threads (``MemmoveCpuBackend``): the same bytes, slower.
+Python hands the library a layout table once (``encode_layout``, ``NativeCopy.layout``),
+then pushes each job as pages (``encode_job``: block ids and slots per group, which C checks
+against the table and turns into pieces, refusing the job whole if any page is out of
+bounds) or as ready-made pieces ``(destination, source, bytes)``, and returns at once; C
+threads copy them with no Python involved, so copies overlap the planning of the next jobs
+and several threads copy in parallel without handing the GIL back and forth between pages.
+Jobs complete in push order. The formats are in ``_copy.h``. Without the library (no C
+compiler at install, or ``KVOFFLOAD_NATIVE_COPY=0``) the CPU backend copies piece by piece
+with ``ctypes.memmove`` from Python threads (``MemmoveCpuBackend``): the same bytes,
+slower.
 """
 
 from __future__ import annotations

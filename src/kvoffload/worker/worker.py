@@ -40,6 +40,7 @@ from kvoffload.errors import InvariantError
 from kvoffload.jobs import (
     NULL_BLOCK_ID,
     Direction,
+    GroupTransfer,
     JobId,
     StepPlan,
     TierJobId,
@@ -126,6 +127,10 @@ class TransferWorker:
         self._tiers = tiers
         self._tier_io: TierIO | None = None
         self._tier_rejected: list[TierJobId] = []
+        self._num_blocks: dict[int, int] = {}
+        """Engine blocks of every registered group (``_plainly_valid``'s bounds)."""
+        self._factor = 1
+        self._num_slots = 0
         self.backend_errors = 0
         """Reports the backend made for jobs not in flight (dropped; see module docstring)."""
 
@@ -144,6 +149,8 @@ class TransferWorker:
         backend = self._backend or default_backend(layout.device)
         backend.bind(layout, pool)
         self._layout, self._pool, self._backend = layout, pool, backend
+        self._num_blocks = {group: g.num_blocks for group, g in layout.groups.items()}
+        self._factor, self._num_slots = layout.factor, pool.num_slots
         if self._tiers is not None and self._tiers.enabled:
             self._tier_io = TierIO(self._tiers, self.config, layout, pool, self.rank)
 
@@ -312,11 +319,13 @@ class TransferWorker:
         a group once). Jobs that repeat a slot legitimately (sub-blocks of one slot split
         across transfers) are left to the exact check.
         """
+        store = job.direction is Direction.STORE
+        if len(job.groups) == 1:
+            return self._plainly_valid_alone(job.groups[0], store)
         layout = self.layout
         groups = layout.groups
         factor = layout.factor
         num_slots = self.host_pool.num_slots
-        store = job.direction is Direction.STORE
         slots_named = 0
         distinct_slots: set[int] = set()
         blocks_of_group: dict[int, set[int]] = {}
@@ -342,6 +351,23 @@ class TransferWorker:
                 if len(seen) != before + len(block_ids):
                     return False
         return not store or len(distinct_slots) == slots_named
+
+    def _plainly_valid_alone(self, transfer: GroupTransfer, store: bool) -> bool:
+        """``_plainly_valid`` of a job of this one transfer (most jobs): the same tests
+        with less bookkeeping, on the bounds noted at registration."""
+        num_blocks = self._num_blocks.get(transfer.group)
+        block_ids, slots = transfer.block_ids, transfer.slots
+        if num_blocks is None or not block_ids:
+            return False
+        if min(block_ids) <= NULL_BLOCK_ID or max(block_ids) >= num_blocks:
+            return False
+        factor = self._factor
+        if len(slots) != -(-(transfer.first_block_index % factor + len(block_ids)) // factor):
+            return False
+        if min(slots) < 0 or max(slots) >= self._num_slots:
+            return False
+        named = slots if store else block_ids  # every destination once
+        return len(set(named)) == len(named)
 
     def _find_problem(self, job: TransferJob) -> str | None:
         """The first thing wrong with ``job`` (checked page by page), or ``None``."""
