@@ -55,7 +55,13 @@ import torch
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.jobs import Direction, GroupTransfer, JobId, StepPlan, TransferJob
-from kvoffload.worker import GroupTensors, NativeCpuBackend, TransferWorker, cpu_backend
+from kvoffload.worker import (
+    CpuBackend,
+    GroupTensors,
+    NativeCpuBackend,
+    TransferWorker,
+    cpu_backend,
+)
 from kvoffload.worker.native_copy import NativeCopy, load_native_copy, pack
 
 KIB = 1024
@@ -129,6 +135,10 @@ class Row:
     raw_store_ratio: float | None = None
     """Median over repetitions of (raw scattered copy / the contiguous copy next to it)."""
     raw_load_ratio: float | None = None
+    submit_us: float | None = None
+    """Python time of ``TransferWorker.execute`` per store job, its direction held so that
+    nothing copies meanwhile (best of the repetitions); None where the backend cannot
+    hold (CUDA)."""
 
     def as_json(self) -> dict[str, object]:
         return asdict(self)
@@ -256,7 +266,24 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device,
         time.sleep(args.gap_ms / 1000)
         return _timed(fn, device)
 
+    submit_t: list[float] = []
+
+    def time_submit() -> None:
+        """``execute`` alone, its jobs held back from the copy threads."""
+        backend = worker.backend
+        if not isinstance(backend, CpuBackend):
+            return
+        step = plan(Direction.STORE, src_ids)
+        backend.hold(Direction.STORE)
+        start = time.perf_counter()
+        worker.execute(step)
+        submit_t.append((time.perf_counter() - start) / len(step.stores))
+        backend.hold(Direction.STORE, False)
+        worker.wait(j.job_id for j in step.stores)
+        assert len(worker.poll().finished) == len(step.stores)
+
     for rep in range(args.reps):
+        time_submit()
         stores = through_worker(plan(Direction.STORE, src_ids))
         loads = through_worker(plan(Direction.LOAD, dst_ids))
         # Each direction's runs in an order that rotates from one repetition to the next.
@@ -301,7 +328,8 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device,
                raw_store_gbps=gbps(raw_store_t) if raw_store_t else None,
                raw_load_gbps=gbps(raw_load_t) if raw_load_t else None,
                raw_store_ratio=ratio(raw_store_t, base_store_t) if raw_store_t else None,
-               raw_load_ratio=ratio(raw_load_t, base_load_t) if raw_load_t else None)
+               raw_load_ratio=ratio(raw_load_t, base_load_t) if raw_load_t else None,
+               submit_us=1e6 * min(submit_t) if submit_t else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -371,8 +399,13 @@ def main(argv: list[str] | None = None) -> int:
           f"({'best' if args.best else 'median'} of {args.reps}, paired-ratio quartiles in "
           f"brackets; GB/s)")
     raw_head = f" {'1-job':>6} {'ratio':>5}" if one_job else ""
+    submit = any(r.submit_us is not None for r in rows)
+    if submit:
+        print("submit = Python time of TransferWorker.execute per store job, the copies held "
+              "back (best run; us)")
     head = (f"{'block':>8} {'page':>9} {'store':>7} {'contig':>7} {'ratio':>17}{raw_head}   "
-            f"{'load':>7} {'contig':>7} {'ratio':>17}{raw_head}")
+            f"{'load':>7} {'contig':>7} {'ratio':>17}{raw_head}"
+            + (f" {'submit':>7}" if submit else ""))
     print(head)
 
     def cell(ratio: float, q: tuple[float, float]) -> str:
@@ -392,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{raw(r.raw_store_gbps, r.raw_store_ratio)}   "
               f"{r.load_gbps:>7.2f} {r.load_ref_gbps:>7.2f} "
               f"{cell(r.load_ratio, r.load_ratio_q):>17}"
-              f"{raw(r.raw_load_gbps, r.raw_load_ratio)}")
+              f"{raw(r.raw_load_gbps, r.raw_load_ratio)}"
+              + (f" {r.submit_us:>7.1f}" if r.submit_us is not None else ""))
     return 0
 
 
