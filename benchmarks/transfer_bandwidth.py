@@ -30,6 +30,14 @@ are medians. With ``--best`` the GB/s columns and the ratio come from the fastes
 each kind instead: on a machine busy with other work, those are the runs nothing
 interrupted. The worker's loaded bytes are checked against the stored ones once per size.
 
+Two more figures come from the same run. "1-job" (native queue only): the worker's own
+pieces of the whole run, pushed to a native queue of their own as a single job with the
+same copy threads, timed among the other runs: scattered copies of this page size with no
+per-job cost at all (no Python, no completion of jobs). Its ratio to the contiguous copy is
+what the memory system gives scattered pages of this size on the machine, so the worker's
+ratio is read against it. "submit": the Python time of ``execute`` per store job, with the
+store direction held so that no copy competes for the cores (best of the repetitions).
+
     python benchmarks/transfer_bandwidth.py                 # CPU backend (native queue)
     python benchmarks/transfer_bandwidth.py --memmove       # CPU backend, memmove path
     python benchmarks/transfer_bandwidth.py --device cuda   # CUDA backend, pinned arena
