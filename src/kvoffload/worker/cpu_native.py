@@ -17,8 +17,9 @@ threads. Jobs of one direction in flight together never write the same destinati
 and engine blocks stay owned by a job until it completes), so they may be copied
 concurrently; they complete in order.
 
-What is left on the caller's thread is about 4 us of Python per job (building the job's
-array, the bookkeeping of ``CpuBackend``), plus the worker's own validation. See
+What is left on the caller's thread is a few microseconds of Python per job (building the
+job's array, the bookkeeping of ``CpuBackend``), plus the worker's own validation:
+``benchmarks/transfer_bandwidth.py`` prints the total per job (``submit``). See
 docs/transfer.md for throughput.
 
 The tensors' storage is checked to be where it was at ``bind`` once per ``poll`` (once per
