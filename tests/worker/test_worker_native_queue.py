@@ -11,6 +11,7 @@ import gc
 import os
 import random
 import time
+from array import array
 
 import pytest
 import torch
@@ -20,13 +21,22 @@ from worker_kit import (
     make_worker,
     mamba_raw_padded,
     needs_native,
+    next_job_id,
     run_all,
     store,
 )
 
-from kvoffload.jobs import Direction, StepPlan
+from kvoffload.jobs import Direction, GroupTransfer, StepPlan, TransferJob
 from kvoffload.worker import CpuBackend, NativeCpuBackend, cpu_backend
-from kvoffload.worker.native_copy import DISABLE_ENV, NativeCopy, load_native_copy, pack
+from kvoffload.worker.native_copy import (
+    DISABLE_ENV,
+    STORE_FLAG,
+    BadJobError,
+    NativeCopy,
+    encode_job,
+    load_native_copy,
+    pack,
+)
 
 NATIVE = load_native_copy()
 
@@ -177,3 +187,69 @@ def test_a_backend_dropped_with_jobs_queued_copies_them_before_its_memory_goes()
     del worker, backend
     gc.collect()  # the finalizer closes the queue: the held store is copied first
     assert torch.equal(pool.slot_view(3, 0), want)
+
+
+# -- the native planner's formats --------------------------------------------------------
+
+
+@needs_native
+def test_the_native_planner_refuses_malformed_jobs_and_layouts() -> None:
+    """A job whose lengths do not add up, or a layout table that is not one, is refused at
+    the library's boundary (nothing planned), not read past its end."""
+    cache = kv_separate(16, torch.Generator().manual_seed(4), layers=1)
+    worker = make_worker([cache], factor=2, num_slots=4)
+    backend = worker.backend
+    assert isinstance(backend, NativeCpuBackend) and backend._native_layout is not None
+    native, layout = _native(), backend._native_layout
+    good = encode_job(STORE_FLAG, [(0, 1, (3, 4, 5), (1, 2))])
+    pieces = native.plan_job(layout, good)
+    assert pieces == backend._pieces(store(0, [3, 4, 5], [1, 2], first_block_index=1))
+    assert good[1] == 3 * cache.page_bytes  # the bytes field, written by the planner
+    broken = {
+        "truncated": good[:-1],
+        "one value too many": good + array("q", [0]),
+        "more parts than given": encode_job(STORE_FLAG, [(0, 1, (3,), (1,))])[:4]
+        + array("q", [2]) + encode_job(STORE_FLAG, [(0, 1, (3,), (1,))])[4:],
+        "negative block count": encode_job(STORE_FLAG, [(0, 0, (), ())])[:6]
+        + array("q", [-1, 0]),
+        "header only": array("q", [0, 0, STORE_FLAG]),
+    }
+    for name, job in broken.items():
+        with pytest.raises(BadJobError):
+            native.plan_job(layout, job)
+        queue = native.queue(1, 1 << 16)
+        with pytest.raises(BadJobError):
+            queue.push_job(layout, job)
+        assert queue.completed() == 0, name  # nothing was queued
+        queue.close()
+    segment = (cache.layers[0][1][0].data_ptr(), 64, 64, 0)
+    tables = {
+        "too short": [1, 2, 3],
+        "fewer values than groups say": [4, 64, 0, 0, 1, 0, 1, 16, 1],
+        "factor 0": [4, 64, 0, 0, 1, 0, 0, 16, 1, *segment],
+        "a group id twice": [4, 64, 0, 0, 2, 0, 1, 16, 1, *segment, 0, 1, 16, 1, *segment],
+        "a value left over": [4, 64, 0, 0, 1, 0, 1, 16, 1, *segment, 9],
+    }
+    for table in tables.values():
+        with pytest.raises(ValueError, match="malformed layout table"):
+            native.layout(array("Q", table))
+    worker.shutdown()
+
+
+@needs_native
+def test_a_job_over_two_groups_is_one_native_job_counting_both_groups_bytes() -> None:
+    a = kv_separate(16, torch.Generator().manual_seed(10), layers=1)
+    b = mamba_raw_padded(16, torch.Generator().manual_seed(11), layers=2)
+    worker = make_worker([a, b], num_slots=6)
+    job = TransferJob(next_job_id(), Direction.STORE, "r",
+                      (GroupTransfer(0, (3, 4), 0, (0, 1)), GroupTransfer(1, (7,), 0, (2,))))
+    report = run_all(worker, [job])
+    assert report.finished == (job.job_id,)
+    layout = worker.layout
+    assert report.stats.stored_bytes == 2 * layout.groups[0].page_bytes + \
+        layout.groups[1].page_bytes
+    pool = worker.host_pool
+    assert torch.equal(pool.slot_view(0, 0), a.block(3))
+    assert torch.equal(pool.slot_view(1, 0), a.block(4))
+    assert torch.equal(pool.slot_view(2, 1), b.block(7))
+    worker.shutdown()
