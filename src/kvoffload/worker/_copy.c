@@ -6,9 +6,9 @@
  * with no Python involved: no GIL to hand back and forth between pages, no Python thread to
  * wake. Threads take pieces in runs of about ``grab_bytes`` under one mutex, jobs in push
  * order; a thread that takes a run while more is left wakes another, so a small job keeps
- * one thread and a large one spreads over all. A push wakes a thread only when all sleep. Jobs finish in push order: ``completed``
- * is the sequence number of the last job whose pieces, and those of every job before it,
- * are all copied.
+ * one thread and a large one spreads over all. A push wakes a thread only when all sleep.
+ * Jobs finish in push order: ``completed`` is the sequence number of the last job whose
+ * pieces, and those of every job before it, are all copied.
  *
  * A job comes as ready-made pieces (``kvoffload_queue_push``: the caller has checked them
  * against the bounds of the registered memory) or as pages, which the planner of
