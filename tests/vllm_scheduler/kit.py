@@ -21,6 +21,12 @@ vLLM's batch queue of two (``EngineCore.step_with_batch_queue``): step N+1 is sc
 (and executed by the workers, in order) before step N's output reaches the scheduler. The
 runner then knows tokens vLLM has not been told yet (it sampled them), as vLLM's model
 runner does, and feeds them to the next step.
+
+The Mamba layouts (``"mamba1"``, ``"mamba2"``) add a Mamba group in vLLM's ``align``
+cache mode beside the sliding-window and full-attention groups; ``mamba_runner`` does
+with its state blocks what vLLM's model runner does (which column holds the running
+state, the copy before a step, Mamba2's in-chunk checkpoints) and checks every state a
+step starts from.
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ from typing import Any
 
 import torch
 
+from vllm_scheduler.mamba_runner import (
+    MambaGroup,
+    MambaRunner,
+    mamba_spec,
+    mamba_tensors,
+)
+
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,6 +57,7 @@ BLOCK = 16
 HEAD = 8  # K|V per token: 2 * HEAD floats
 WINDOW = 48
 CONNECTOR_MODULE = "kvoffload.integrations.vllm"
+LAYOUTS = ("full", "hybrid", "mamba1", "mamba2")
 
 
 def model_dir(root: Path) -> Path:
@@ -58,10 +72,20 @@ def model_dir(root: Path) -> Path:
 
 @dataclass(frozen=True)
 class Layout:
-    """KV-cache groups by name: ``"full"`` (2 full-attention layers) or ``"hybrid"``
-    (2 sliding-window layers of ``WINDOW`` tokens and 2 full-attention layers)."""
+    """KV-cache groups by name: ``"full"`` (2 full-attention layers), ``"hybrid"``
+    (2 sliding-window layers of ``WINDOW`` tokens and 2 full-attention layers), or
+    ``"mamba1"``/``"mamba2"`` (a group of 2 Mamba layers in vLLM's ``align`` mode, without
+    or with in-chunk checkpoints, before the hybrid's groups)."""
 
     name: str
+
+    def __post_init__(self) -> None:
+        if self.name not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.name!r}; use one of {LAYOUTS}")
+
+    @property
+    def has_mamba(self) -> bool:
+        return self.name.startswith("mamba")
 
     def kv_cache_config(self, num_blocks: int) -> Any:
         from vllm.v1.kv_cache_interface import (
@@ -74,7 +98,10 @@ class Layout:
         attn = {"block_size": BLOCK, "num_kv_heads": 1, "head_size": HEAD,
                 "dtype": torch.float32}
         groups = []
-        if self.name == "hybrid":
+        if self.has_mamba:
+            groups.append(KVCacheGroupSpec(["layers.4.mixer", "layers.5.mixer"],
+                                           mamba_spec(BLOCK, self.name)))
+        if self.name != "full":
             groups.append(KVCacheGroupSpec(["layers.1.attn", "layers.3.attn"],
                                            SlidingWindowSpec(**attn, sliding_window=WINDOW)))
         groups.append(KVCacheGroupSpec(["layers.0.attn", "layers.2.attn"],
@@ -104,9 +131,12 @@ class Engine:
 
     scheduler: Any
     worker: Any
-    caches: dict[str, torch.Tensor]
+    caches: dict[str, Any]
     groups: list[tuple[list[str], int | None]]
-    """Per group: its layer names and its window (None: full attention)."""
+    """Per attention group (Mamba groups have empty layers here): its layer names and its
+    window (None: full attention)."""
+    mamba: MambaRunner | None = None
+    """The model runner's Mamba handling, for layouts with a Mamba group."""
     steps: int = 0
     checked_positions: int = 0
     outputs: dict[str, list[int]] = field(default_factory=dict)
@@ -219,6 +249,8 @@ class Engine:
             self.undelivered.pop(new.req_id, None)
         for rid in so.scheduled_cached_reqs.resumed_req_ids:
             self.undelivered.pop(rid, None)
+        if self.mamba is not None:
+            self.mamba.begin_step(so)
         for rid in req_ids:
             request = self.scheduler.requests[rid]
             start, count = computed[rid], so.num_scheduled_tokens[rid]
@@ -228,6 +260,8 @@ class Engine:
             tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
             self._check(rid, tokens, tables, start)
             self._write(tokens, tables, start, start + count)
+            if self.mamba is not None:
+                self.mamba.run(rid, tokens, tables, start, start + count)
             done_prefill = start + count == len(tokens)
             sampled.append([next_token(tokens)] if done_prefill else [])
             if done_prefill and self.async_scheduling:
@@ -250,6 +284,8 @@ class Engine:
 
     def _check(self, rid: str, tokens: list[int], tables: Any, start: int) -> None:
         for (layers, window), table in zip(self.groups, tables, strict=True):
+            if not layers:
+                continue  # a Mamba group (``mamba_runner``)
             for p in self._positions_read(window, start):
                 block = table[p // BLOCK]
                 for layer_index, name in enumerate(layers):
@@ -263,6 +299,8 @@ class Engine:
 
     def _write(self, tokens: list[int], tables: Any, start: int, end: int) -> None:
         for (layers, _), table in zip(self.groups, tables, strict=True):
+            if not layers:
+                continue
             for p in range(start, end):
                 block = table[p // BLOCK]
                 for layer_index, name in enumerate(layers):
@@ -301,6 +339,7 @@ def build(root: Path, layout: Layout, *, num_blocks: int = 256,
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import MambaSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
     from kvoffload.integrations.vllm.connector import KVOffloadConnector
@@ -316,21 +355,33 @@ def build(root: Path, layout: Layout, *, num_blocks: int = 256,
                       enforce_eager=True, kv_transfer_config=transfer)
     vllm_config = args.create_engine_config()
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    if layout.has_mamba:  # what vLLM sets for a Mamba hybrid with prefix caching
+        vllm_config.cache_config.mamba_cache_mode = "align"
+        vllm_config.cache_config.mamba_block_size = BLOCK
     kv_config = layout.kv_cache_config(num_blocks)
     scheduler_class = AsyncScheduler if async_scheduling else Scheduler
     scheduler = scheduler_class(vllm_config=vllm_config, kv_cache_config=kv_config,
                                 structured_output_manager=StructuredOutputManager(vllm_config),
                                 block_size=BLOCK, hash_block_size=BLOCK)
     worker = KVOffloadConnector(vllm_config, KVConnectorRole.WORKER, kv_config)
-    caches: dict[str, torch.Tensor] = {}
+    caches: dict[str, Any] = {}
     groups: list[tuple[list[str], int | None]] = []
-    for group in kv_config.kv_cache_groups:
-        window = getattr(group.kv_cache_spec, "sliding_window", None)
-        groups.append((list(group.layer_names), window))
+    mamba_groups: list[MambaGroup] = []
+    for index, group in enumerate(kv_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            mamba_groups.append(MambaGroup(index, list(group.layer_names), spec))
+            groups.append(([], None))
+            for name in group.layer_names:
+                caches[name] = mamba_tensors(num_blocks)
+            continue
+        groups.append((list(group.layer_names), getattr(spec, "sliding_window", None)))
         for name in group.layer_names:
             caches[name] = torch.full((num_blocks, 1, BLOCK, 2 * HEAD), -1.0)
     worker.register_kv_caches(caches)
-    return Engine(scheduler, worker, caches, groups, async_scheduling=async_scheduling)
+    mamba = MambaRunner(mamba_groups, caches, BLOCK) if mamba_groups else None
+    return Engine(scheduler, worker, caches, groups, mamba=mamba,
+                  async_scheduling=async_scheduling)
 
 
 @contextmanager
