@@ -64,3 +64,28 @@ def test_a_prompt_prefilled_in_one_step_comes_back_from_its_last_boundary(
         assert loaded == {MAMBA: len(lengths),
                           FULL: sum(last_boundary(n) // kit.BLOCK for n in lengths)}
         assert eng.mamba is not None and eng.mamba.checked_states > 0
+
+
+def test_a_named_state_counts_only_where_every_mamba_table_holds_the_named_block() -> None:
+    """vLLM's hand-off names (group, block, tokens); a boundary reaches the planner only
+    when each Mamba group's table holds that very block at the boundary's position, and
+    only for whole Mamba blocks (a sub-block state is not a block boundary)."""
+    from types import SimpleNamespace
+
+    from kvoffload.integrations.vllm.mamba_states import checkpointed_state_ends
+
+    def table(*ids: int) -> list[SimpleNamespace]:
+        return [SimpleNamespace(block_id=i) for i in ids]
+
+    tables = {0: {"a": table(0, 0, 7, 8), "b": table(0, 5, 6), "c": table(0, 3)},
+              3: {"a": table(0, 0, 9, 4), "b": table(0, 5, 6), "c": table(0, 3)}}
+    offloads = {
+        "a": [(0, 7, 48), (3, 9, 48), (0, 8, 64), (3, 11, 64)],  # 64: group 3 differs
+        "b": [(0, 5, 32), (3, 5, 32), (0, 6, 40), (3, 6, 40)],  # 40: inside a block
+        "c": [(0, 3, 32)],  # group 3 named nothing
+    }
+    so = SimpleNamespace(kv_connector_block_state=SimpleNamespace(
+        boundary_state_offloads=offloads))
+    assert checkpointed_state_ends(so, [(0, 16), (3, 16)], tables) == {"a": (48,), "b": (32,)}
+    assert checkpointed_state_ends(SimpleNamespace(kv_connector_block_state=None),
+                                   [(0, 16)], tables) == {}
