@@ -14,7 +14,8 @@ token and its position (``kv_value``), and, before that, checks every cached pos
 step's attention reads (all earlier tokens for full attention, the window for sliding
 window) against the same function. Any load of wrong or stale bytes, or a late copy
 landing on blocks a forward pass already wrote, fails the check with the request, the
-group and the position.
+group and the position. Every store is checked too, when a worker reports it finished:
+its host slots must hold what the forward pass wrote there (``stored_bytes``).
 
 With ``async_scheduling`` the scheduler is vLLM's ``AsyncScheduler`` and the engine loop is
 vLLM's batch queue of two (``EngineCore.step_with_batch_queue``): step N+1 is scheduled
@@ -47,7 +48,10 @@ from vllm_scheduler.mamba_runner import (
     MambaRunner,
     mamba_spec,
     mamba_tensors,
+    prefix_digests,
+    state_tensors,
 )
+from vllm_scheduler.stored_bytes import StoreCheck
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -111,12 +115,15 @@ class Layout:
                              cache_hit_alignment_tokens=BLOCK)
 
 
-def kv_value(token: int, position: int, layer: int) -> torch.Tensor:
-    """What the forward pass writes for ``token`` at ``position`` in ``layer`` (exact in
-    float32: every field stays below 2**24)."""
-    out = torch.empty(2 * HEAD, dtype=torch.float32)
-    out[0], out[1], out[2] = float(token), float(position), float(layer)
-    out[3:] = float((token * 31 + position * 7 + layer) % 997)
+def kv_values(tokens: list[int], positions: range, layer: int) -> torch.Tensor:
+    """What the forward pass writes at ``positions`` of a request of ``tokens`` in
+    ``layer``, one row per position: the token, the position, the layer, then a mix of
+    the three (exact in float32: every field stays below 2**24)."""
+    token = torch.tensor(tokens[positions.start:positions.stop], dtype=torch.int64)
+    position = torch.arange(positions.start, positions.stop, dtype=torch.int64)
+    out = torch.empty((len(positions), 2 * HEAD), dtype=torch.float32)
+    out[:, 0], out[:, 1], out[:, 2] = token, position, float(layer)
+    out[:, 3:] = ((token * 31 + position * 7 + layer) % 997).unsqueeze(1)
     return out
 
 
@@ -137,6 +144,8 @@ class Engine:
     window (None: full attention)."""
     mamba: MambaRunner | None = None
     """The model runner's Mamba handling, for layouts with a Mamba group."""
+    stores: StoreCheck | None = None
+    """Checks every finished store's slots (set by ``build``)."""
     steps: int = 0
     checked_positions: int = 0
     outputs: dict[str, list[int]] = field(default_factory=dict)
@@ -243,6 +252,7 @@ class Engine:
         worker.handle_preemptions(meta)
         worker.bind_connector_metadata(meta)
         sampled = []
+        step_tokens: dict[str, list[int]] = {}
         req_ids = list(so.num_scheduled_tokens)
         computed = _computed_before(so)
         for new in so.scheduled_new_reqs:  # new or back from preemption: vLLM's tokens only
@@ -257,6 +267,7 @@ class Engine:
             pending = self.undelivered.setdefault(rid, [])
             tokens = list(request.all_token_ids) + [t for _, t in pending]
             assert start + count <= len(tokens), (rid, start, count, len(tokens))
+            step_tokens[rid] = tokens
             tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
             self._check(rid, tokens, tables, start)
             self._write(tokens, tables, start, start + count)
@@ -266,17 +277,39 @@ class Engine:
             sampled.append([next_token(tokens)] if done_prefill else [])
             if done_prefill and self.async_scheduling:
                 pending.append((id(so), sampled[-1][0]))
+        if self.stores is not None:
+            for job in meta.plan.stores:
+                if job.request_id not in step_tokens:
+                    request = self.scheduler.requests[job.request_id]
+                    step_tokens[job.request_id] = list(request.all_token_ids)
+            self.stores.planned(meta.plan.stores, step_tokens)
         worker.start_load_kv(None)
         worker.wait_for_save()
         results = worker.get_transfer_results(so.finished_req_ids)
+        worker_meta = worker.build_connector_worker_meta()
+        if self.stores is not None and worker_meta is not None:
+            self.stores.reported(worker_meta.reports)
         kv_out = KVConnectorOutput(
             finished_recving=results.finished_recving or None,
             failed_recving=results.failed_recving or set(),
-            kv_connector_worker_meta=worker.build_connector_worker_meta())
+            kv_connector_worker_meta=worker_meta)
         worker.clear_connector_metadata()
         return ModelRunnerOutput(req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled, kv_connector_output=kv_out)
+
+    def expected_pages(self, group: int, position: int, tokens: list[int]) -> list[torch.Tensor]:
+        """What the forward pass wrote in engine block ``position`` of ``group`` for a
+        request of ``tokens``: one tensor per page segment (``stored_bytes``)."""
+        layers, _ = self.groups[group]
+        if layers:
+            span = range(position * BLOCK, (position + 1) * BLOCK)
+            return [kv_values(tokens, span, li).unsqueeze(0) for li in range(len(layers))]
+        assert self.mamba is not None
+        mamba_layers = next(g.layers for g in self.mamba.groups if g.index == group)
+        n = (position + 1) * BLOCK
+        digest = prefix_digests(tokens[:n])[n]
+        return [t for li in range(len(mamba_layers)) for t in state_tensors(digest, n, li)]
 
     def _positions_read(self, window: int | None, start: int) -> range:
         """Cached positions the step's first token attends to in a group."""
@@ -286,26 +319,36 @@ class Engine:
         for (layers, window), table in zip(self.groups, tables, strict=True):
             if not layers:
                 continue  # a Mamba group (``mamba_runner``)
-            for p in self._positions_read(window, start):
-                block = table[p // BLOCK]
-                for layer_index, name in enumerate(layers):
-                    got = self.caches[name][block, 0, p % BLOCK]
-                    want = kv_value(tokens[p], p, layer_index)
-                    if not torch.equal(got, want):
-                        raise AssertionError(
-                            f"request {rid}: layer {name} position {p} (block {block}) "
-                            f"holds {got[:3].tolist()}, expected {want[:3].tolist()}")
-                self.checked_positions += 1
+            read = self._positions_read(window, start)
+            if not read:
+                continue
+            blocks, offsets = _slots(table, read)
+            for layer_index, name in enumerate(layers):
+                got = self.caches[name][blocks, 0, offsets]
+                want = kv_values(tokens, read, layer_index)
+                if not torch.equal(got, want):
+                    i = int((got != want).any(dim=1).nonzero()[0])
+                    p = read[i]
+                    raise AssertionError(
+                        f"request {rid}: layer {name} position {p} (block {int(blocks[i])}) "
+                        f"holds {got[i, :3].tolist()}, expected {want[i, :3].tolist()}")
+            self.checked_positions += len(read)
 
     def _write(self, tokens: list[int], tables: Any, start: int, end: int) -> None:
         for (layers, _), table in zip(self.groups, tables, strict=True):
             if not layers:
                 continue
-            for p in range(start, end):
-                block = table[p // BLOCK]
-                for layer_index, name in enumerate(layers):
-                    self.caches[name][block, 0, p % BLOCK] = kv_value(tokens[p], p,
-                                                                       layer_index)
+            span = range(start, end)
+            blocks, offsets = _slots(table, span)
+            for layer_index, name in enumerate(layers):
+                self.caches[name][blocks, 0, offsets] = kv_values(tokens, span, layer_index)
+
+
+def _slots(table: Any, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """(engine block, offset in it) of every position of a request's block table."""
+    blocks = torch.tensor([table[p // BLOCK] for p in positions], dtype=torch.int64)
+    offsets = torch.tensor([p % BLOCK for p in positions], dtype=torch.int64)
+    return blocks, offsets
 
 
 def _computed_before(so: Any) -> dict[str, int]:
@@ -380,17 +423,27 @@ def build(root: Path, layout: Layout, *, num_blocks: int = 256,
             caches[name] = torch.full((num_blocks, 1, BLOCK, 2 * HEAD), -1.0)
     worker.register_kv_caches(caches)
     mamba = MambaRunner(mamba_groups, caches, BLOCK) if mamba_groups else None
-    return Engine(scheduler, worker, caches, groups, mamba=mamba,
-                  async_scheduling=async_scheduling)
+    eng = Engine(scheduler, worker, caches, groups, mamba=mamba,
+                 async_scheduling=async_scheduling)
+    eng.stores = StoreCheck(eng.expected_pages, lambda: eng.worker_side.worker.host_pool,
+                            worker.offload_config.block_size_factor)
+    return eng
 
 
 @contextmanager
 def engine(root: Path, layout: Layout, **kwargs: Any) -> Iterator[Engine]:
+    """``build``'s engine, shut down at the end. Torch runs one intra-op thread meanwhile:
+    the scripted forward pass moves a few KiB per step, and on a small, busy machine
+    waking a pool of threads for each of its tensor operations costs it several times
+    over."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     eng = build(root, layout, **kwargs)
     try:
         yield eng
     finally:
         eng.shutdown()
+        torch.set_num_threads(threads)
 
 
 def prompts(num: int, *, seed: int = 0, prefixes: int = 3, prefix_len: int = 160,

@@ -64,9 +64,13 @@ def prefix_digests(tokens: Sequence[int]) -> list[int]:
     out = [0]
     d = 0
     for t in tokens:
-        d = (d * 1_000_003 + t + 1) % _DIGEST_MOD
+        d = _next_digest(d, t)
         out.append(d)
     return out
+
+
+def _next_digest(digest: int, token: int) -> int:
+    return (digest * 1_000_003 + token + 1) % _DIGEST_MOD
 
 
 def state_tensors(digest: int, n: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,6 +105,21 @@ class MambaRunner:
     checked_states: int = 0
     checkpoints_written: int = 0
     """In-chunk checkpoint states written into a real (non-null) block."""
+    _digests: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    """Per request, tokens seen and their prefix digests (extended, never recomputed)."""
+
+    def digests(self, rid: str, tokens: Sequence[int], end: int) -> list[int]:
+        """``prefix_digests(tokens[:end])``, extending what was computed for ``rid``."""
+        seen, digests = self._digests.get(rid, ([], [0]))
+        if len(seen) > end or list(tokens[:len(seen)]) != seen:
+            seen, digests = [], [0]
+        d = digests[-1]
+        for t in tokens[len(seen):end]:
+            d = _next_digest(d, t)
+            digests.append(d)
+        seen.extend(tokens[len(seen):end])
+        self._digests[rid] = (seen, digests)
+        return digests
 
     def begin_step(self, so: Any) -> None:
         """Forget the running columns of requests finished, preempted, new or resumed
@@ -113,7 +132,7 @@ class MambaRunner:
     def run(self, rid: str, tokens: Sequence[int], tables: Sequence[Sequence[int]],
             start: int, end: int) -> None:
         """One request's step over every Mamba group: copy, check, write, checkpoint."""
-        digests = prefix_digests(tokens[:end])
+        digests = self.digests(rid, tokens, end)
         for group in self.groups:
             table = tables[group.index]
             bs = group.spec.block_size
