@@ -9,12 +9,12 @@ forward pass, ``start_load_kv``, ``wait_for_save``, ``get_transfer_results``,
 ``build_connector_worker_meta``. The worker half is the real connector (WORKER role) over
 real tensors shaped like vLLM's CPU caches, so loads and stores move real bytes.
 
-The "forward pass" writes, for every token it computes, a value that depends only on the
-token and its position (``kv_value``), and, before that, checks every cached position the
-step's attention reads (all earlier tokens for full attention, the window for sliding
-window) against the same function. Any load of wrong or stale bytes, or a late copy
-landing on blocks a forward pass already wrote, fails the check with the request, the
-group and the position. Every store is checked too, when a worker reports it finished:
+The "forward pass" (``attention_runner``) writes, for every token it computes, a value that
+depends only on the token, its position and the layer, and, before that, checks every
+cached position the step's attention reads (all earlier tokens for full attention, the
+window for sliding window) against the same function. Any load of wrong or stale bytes,
+or a late copy landing on blocks a forward pass already wrote, fails the check with the
+request, the layer and the position. Every store is checked too, when a worker reports it finished:
 its host slots must hold what the forward pass wrote there (``stored_bytes``).
 
 With ``async_scheduling`` the scheduler is vLLM's ``AsyncScheduler`` and the engine loop is
@@ -43,23 +43,15 @@ from typing import Any
 
 import torch
 
-from vllm_scheduler.mamba_runner import (
-    MambaGroup,
-    MambaRunner,
-    mamba_spec,
-    mamba_tensors,
-    prefix_digests,
-    state_tensors,
-)
+from vllm_scheduler import attention_runner as attention
+from vllm_scheduler.attention_runner import BLOCK, HEAD, WINDOW
+from vllm_scheduler.mamba_runner import MambaGroup, MambaRunner, mamba_spec, mamba_tensors
 from vllm_scheduler.stored_bytes import StoreCheck
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-BLOCK = 16
-HEAD = 8  # K|V per token: 2 * HEAD floats
-WINDOW = 48
 CONNECTOR_MODULE = "kvoffload.integrations.vllm"
 LAYOUTS = ("full", "hybrid", "mamba1", "mamba2")
 
@@ -113,18 +105,6 @@ class Layout:
         return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                              kv_cache_groups=groups, hash_block_size=BLOCK,
                              cache_hit_alignment_tokens=BLOCK)
-
-
-def kv_values(tokens: list[int], positions: range, layer: int) -> torch.Tensor:
-    """What the forward pass writes at ``positions`` of a request of ``tokens`` in
-    ``layer``, one row per position: the token, the position, the layer, then a mix of
-    the three (exact in float32: every field stays below 2**24)."""
-    token = torch.tensor(tokens[positions.start:positions.stop], dtype=torch.int64)
-    position = torch.arange(positions.start, positions.stop, dtype=torch.int64)
-    out = torch.empty((len(positions), 2 * HEAD), dtype=torch.float32)
-    out[:, 0], out[:, 1], out[:, 2] = token, position, float(layer)
-    out[:, 3:] = ((token * 31 + position * 7 + layer) % 997).unsqueeze(1)
-    return out
 
 
 def next_token(tokens: list[int]) -> int:
@@ -303,53 +283,16 @@ class Engine:
         request of ``tokens``: one tensor per page segment (``stored_bytes``)."""
         layers, _ = self.groups[group]
         if layers:
-            span = range(position * BLOCK, (position + 1) * BLOCK)
-            return [kv_values(tokens, span, li).unsqueeze(0) for li in range(len(layers))]
+            return attention.expected_pages(layers, position, tokens)
         assert self.mamba is not None
-        mamba_layers = next(g.layers for g in self.mamba.groups if g.index == group)
-        n = (position + 1) * BLOCK
-        digest = prefix_digests(tokens[:n])[n]
-        return [t for li in range(len(mamba_layers)) for t in state_tensors(digest, n, li)]
-
-    def _positions_read(self, window: int | None, start: int) -> range:
-        """Cached positions the step's first token attends to in a group."""
-        return range(0 if window is None else max(0, start - window + 1), start)
+        return self.mamba.expected_pages(group, position, tokens)
 
     def _check(self, rid: str, tokens: list[int], tables: Any, start: int) -> None:
-        for (layers, window), table in zip(self.groups, tables, strict=True):
-            if not layers:
-                continue  # a Mamba group (``mamba_runner``)
-            read = self._positions_read(window, start)
-            if not read:
-                continue
-            blocks, offsets = _slots(table, read)
-            for layer_index, name in enumerate(layers):
-                got = self.caches[name][blocks, 0, offsets]
-                want = kv_values(tokens, read, layer_index)
-                if not torch.equal(got, want):
-                    i = int((got != want).any(dim=1).nonzero()[0])
-                    p = read[i]
-                    raise AssertionError(
-                        f"request {rid}: layer {name} position {p} (block {int(blocks[i])}) "
-                        f"holds {got[i, :3].tolist()}, expected {want[i, :3].tolist()}")
-            self.checked_positions += len(read)
+        self.checked_positions += attention.check(self.caches, self.groups, rid, tokens,
+                                                  tables, start=start)
 
     def _write(self, tokens: list[int], tables: Any, start: int, end: int) -> None:
-        for (layers, _), table in zip(self.groups, tables, strict=True):
-            if not layers:
-                continue
-            span = range(start, end)
-            blocks, offsets = _slots(table, span)
-            for layer_index, name in enumerate(layers):
-                self.caches[name][blocks, 0, offsets] = kv_values(tokens, span, layer_index)
-
-
-def _slots(table: Any, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
-    """(engine block, offset in it) of every position of a request's block table."""
-    blocks = torch.tensor([table[p // BLOCK] for p in positions], dtype=torch.int64)
-    offsets = torch.tensor([p % BLOCK for p in positions], dtype=torch.int64)
-    return blocks, offsets
-
+        attention.write(self.caches, self.groups, tokens, tables, start=start, end=end)
 
 def _computed_before(so: Any) -> dict[str, int]:
     """Tokens each scheduled request had computed before this step."""

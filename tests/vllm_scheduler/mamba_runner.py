@@ -151,6 +151,15 @@ class MambaRunner:
                     self.checkpoints_written += 1
         self.state_column[rid] = -(-end // self.groups[0].spec.block_size) - 1
 
+    def expected_pages(self, group: int, position: int, tokens: Sequence[int],
+                       ) -> list[torch.Tensor]:
+        """The state pages block ``position`` of Mamba group ``group`` holds once it holds
+        its boundary state, per layer (conv, SSM): what a store of it must copy."""
+        mamba = next(g for g in self.groups if g.index == group)
+        n = (position + 1) * mamba.spec.block_size
+        digest = prefix_digests(tokens[:n])[n]
+        return [t for li in range(len(mamba.layers)) for t in state_tensors(digest, n, li)]
+
     def _checkpoint(self, group: MambaGroup, start: int, end: int) -> tuple[int, int] | None:
         """(tokens, column) of the in-chunk checkpoint vLLM's Mamba2 writes, if any."""
         from vllm.model_executor.layers.mamba.checkpoint import (

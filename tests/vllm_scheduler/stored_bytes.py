@@ -8,10 +8,11 @@ or the store read the wrong block (a Mamba state from a column that does not hol
 boundary state), the slot holds other bytes. ``StoreCheck`` remembers each store job of a
 plan with the request's tokens of that step, and, when a worker report names the job
 finished, compares every page of every slot against the values the scripted forward pass
-writes (``kit.kv_values`` for attention, ``mamba_runner.state_tensors`` for Mamba states):
-rule 4 ("no engine block is overwritten while a store still reads it") and rule 6 ("loaded
-bytes equal stored bytes", its store half) of ``docs/architecture.md``, checked directly
-instead of only through the loads that happen to follow.
+writes (``attention_runner.kv_values`` for attention, ``mamba_runner.state_tensors`` for
+Mamba states): rule 4 ("no engine block is overwritten while a store still reads it")
+and rule 6 ("loaded bytes equal stored bytes", its store half) of
+``docs/architecture.md``, checked directly instead of only through the loads that happen
+to follow.
 """
 
 from __future__ import annotations
