@@ -145,7 +145,7 @@ def test_a_cache_reset_while_steps_are_in_flight(root: Path, layout: str) -> Non
 
 
 @pytest.mark.parametrize("layout", HYBRIDS)
-@settings(max_examples=10, deadline=None, derandomize=True,
+@settings(max_examples=20, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow])
 @given(events=st.lists(st.sampled_from(["add", "add", "add", "step", "step", "abort",
