@@ -1,5 +1,6 @@
 """One tensor-parallel vLLM engine (two ranks, each bound to its own core) for
-``test_vllm_tensor_parallel.py``; run as ``python -m integration.tp_run MODEL_DIR``.
+``test_vllm_tensor_parallel.py``; run as ``python -m integration.tp_run MODEL_DIR
+[MAX_NUM_BATCHED_TOKENS]``.
 
 Three rounds of the same prompts: the first computes and stores them, the second (after
 vLLM's own prefix cache is dropped) must get them from kvoffload, the third does the same
@@ -57,13 +58,14 @@ def corrupt_rank_one(worker: Any) -> None:
     side.corrupt = side.worker.rank == 1
 
 
-def main(model: str) -> None:
+def main(model: str, max_num_batched_tokens: int | None = None) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512,
               enable_prefix_caching=True, kv_cache_memory_bytes=16 << 20, max_num_seqs=4,
               block_size=32, tensor_parallel_size=2, disable_log_stats=False, seed=0,
+              max_num_batched_tokens=max_num_batched_tokens,
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KVOffloadConnector",
                   kv_connector_module_path="kvoffload.integrations.vllm", kv_role="kv_both",
@@ -92,4 +94,4 @@ def main(model: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)

@@ -9,18 +9,25 @@ forward pass, ``start_load_kv``, ``wait_for_save``, ``get_transfer_results``,
 ``build_connector_worker_meta``. The worker half is the real connector (WORKER role) over
 real tensors shaped like vLLM's CPU caches, so loads and stores move real bytes.
 
-The "forward pass" writes, for every token it computes, a value that depends only on the
-token and its position (``kv_value``), and, before that, checks every cached position the
-step's attention reads (all earlier tokens for full attention, the window for sliding
-window) against the same function. Any load of wrong or stale bytes, or a late copy
-landing on blocks a forward pass already wrote, fails the check with the request, the
-group and the position.
+The "forward pass" (``attention_runner``) writes, for every token it computes, a value that
+depends only on the token, its position and the layer, and, before that, checks every
+cached position the step's attention reads (all earlier tokens for full attention, the
+window for sliding window) against the same function. Any load of wrong or stale bytes,
+or a late copy landing on blocks a forward pass already wrote, fails the check with the
+request, the layer and the position. Every store is checked too, when a worker reports it finished:
+its host slots must hold what the forward pass wrote there (``stored_bytes``).
 
 With ``async_scheduling`` the scheduler is vLLM's ``AsyncScheduler`` and the engine loop is
 vLLM's batch queue of two (``EngineCore.step_with_batch_queue``): step N+1 is scheduled
 (and executed by the workers, in order) before step N's output reaches the scheduler. The
 runner then knows tokens vLLM has not been told yet (it sampled them), as vLLM's model
 runner does, and feeds them to the next step.
+
+The Mamba layouts (``"mamba1"``, ``"mamba2"``) add a Mamba group in vLLM's ``align``
+cache mode beside the sliding-window and full-attention groups; ``mamba_runner`` does
+with its state blocks what vLLM's model runner does (which column holds the running
+state, the copy before a step, Mamba2's in-chunk checkpoints) and checks every state a
+step starts from.
 """
 
 from __future__ import annotations
@@ -36,14 +43,17 @@ from typing import Any
 
 import torch
 
+from vllm_scheduler import attention_runner as attention
+from vllm_scheduler.attention_runner import BLOCK, HEAD, WINDOW
+from vllm_scheduler.mamba_runner import MambaGroup, MambaRunner, mamba_spec, mamba_tensors
+from vllm_scheduler.stored_bytes import StoreCheck
+
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-BLOCK = 16
-HEAD = 8  # K|V per token: 2 * HEAD floats
-WINDOW = 48
 CONNECTOR_MODULE = "kvoffload.integrations.vllm"
+LAYOUTS = ("full", "hybrid", "mamba1", "mamba2")
 
 
 def model_dir(root: Path) -> Path:
@@ -58,10 +68,20 @@ def model_dir(root: Path) -> Path:
 
 @dataclass(frozen=True)
 class Layout:
-    """KV-cache groups by name: ``"full"`` (2 full-attention layers) or ``"hybrid"``
-    (2 sliding-window layers of ``WINDOW`` tokens and 2 full-attention layers)."""
+    """KV-cache groups by name: ``"full"`` (2 full-attention layers), ``"hybrid"``
+    (2 sliding-window layers of ``WINDOW`` tokens and 2 full-attention layers), or
+    ``"mamba1"``/``"mamba2"`` (a group of 2 Mamba layers in vLLM's ``align`` mode, without
+    or with in-chunk checkpoints, before the hybrid's groups)."""
 
     name: str
+
+    def __post_init__(self) -> None:
+        if self.name not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.name!r}; use one of {LAYOUTS}")
+
+    @property
+    def has_mamba(self) -> bool:
+        return self.name.startswith("mamba")
 
     def kv_cache_config(self, num_blocks: int) -> Any:
         from vllm.v1.kv_cache_interface import (
@@ -74,7 +94,10 @@ class Layout:
         attn = {"block_size": BLOCK, "num_kv_heads": 1, "head_size": HEAD,
                 "dtype": torch.float32}
         groups = []
-        if self.name == "hybrid":
+        if self.has_mamba:
+            groups.append(KVCacheGroupSpec(["layers.4.mixer", "layers.5.mixer"],
+                                           mamba_spec(BLOCK, self.name)))
+        if self.name != "full":
             groups.append(KVCacheGroupSpec(["layers.1.attn", "layers.3.attn"],
                                            SlidingWindowSpec(**attn, sliding_window=WINDOW)))
         groups.append(KVCacheGroupSpec(["layers.0.attn", "layers.2.attn"],
@@ -82,15 +105,6 @@ class Layout:
         return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                              kv_cache_groups=groups, hash_block_size=BLOCK,
                              cache_hit_alignment_tokens=BLOCK)
-
-
-def kv_value(token: int, position: int, layer: int) -> torch.Tensor:
-    """What the forward pass writes for ``token`` at ``position`` in ``layer`` (exact in
-    float32: every field stays below 2**24)."""
-    out = torch.empty(2 * HEAD, dtype=torch.float32)
-    out[0], out[1], out[2] = float(token), float(position), float(layer)
-    out[3:] = float((token * 31 + position * 7 + layer) % 997)
-    return out
 
 
 def next_token(tokens: list[int]) -> int:
@@ -104,9 +118,14 @@ class Engine:
 
     scheduler: Any
     worker: Any
-    caches: dict[str, torch.Tensor]
+    caches: dict[str, Any]
     groups: list[tuple[list[str], int | None]]
-    """Per group: its layer names and its window (None: full attention)."""
+    """Per attention group (Mamba groups have empty layers here): its layer names and its
+    window (None: full attention)."""
+    mamba: MambaRunner | None = None
+    """The model runner's Mamba handling, for layouts with a Mamba group."""
+    stores: StoreCheck | None = None
+    """Checks every finished store's slots (set by ``build``)."""
     steps: int = 0
     checked_positions: int = 0
     outputs: dict[str, list[int]] = field(default_factory=dict)
@@ -213,62 +232,67 @@ class Engine:
         worker.handle_preemptions(meta)
         worker.bind_connector_metadata(meta)
         sampled = []
+        step_tokens: dict[str, list[int]] = {}
         req_ids = list(so.num_scheduled_tokens)
         computed = _computed_before(so)
         for new in so.scheduled_new_reqs:  # new or back from preemption: vLLM's tokens only
             self.undelivered.pop(new.req_id, None)
         for rid in so.scheduled_cached_reqs.resumed_req_ids:
             self.undelivered.pop(rid, None)
+        if self.mamba is not None:
+            self.mamba.begin_step(so)
         for rid in req_ids:
             request = self.scheduler.requests[rid]
             start, count = computed[rid], so.num_scheduled_tokens[rid]
             pending = self.undelivered.setdefault(rid, [])
             tokens = list(request.all_token_ids) + [t for _, t in pending]
             assert start + count <= len(tokens), (rid, start, count, len(tokens))
+            step_tokens[rid] = tokens
             tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
             self._check(rid, tokens, tables, start)
             self._write(tokens, tables, start, start + count)
+            if self.mamba is not None:
+                self.mamba.run(rid, tokens, tables, start, start + count)
             done_prefill = start + count == len(tokens)
             sampled.append([next_token(tokens)] if done_prefill else [])
             if done_prefill and self.async_scheduling:
                 pending.append((id(so), sampled[-1][0]))
+        if self.stores is not None:
+            for job in meta.plan.stores:
+                if job.request_id not in step_tokens:
+                    request = self.scheduler.requests[job.request_id]
+                    step_tokens[job.request_id] = list(request.all_token_ids)
+            self.stores.planned(meta.plan.stores, step_tokens)
         worker.start_load_kv(None)
         worker.wait_for_save()
         results = worker.get_transfer_results(so.finished_req_ids)
+        worker_meta = worker.build_connector_worker_meta()
+        if self.stores is not None and worker_meta is not None:
+            self.stores.reported(worker_meta.reports)
         kv_out = KVConnectorOutput(
             finished_recving=results.finished_recving or None,
             failed_recving=results.failed_recving or set(),
-            kv_connector_worker_meta=worker.build_connector_worker_meta())
+            kv_connector_worker_meta=worker_meta)
         worker.clear_connector_metadata()
         return ModelRunnerOutput(req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled, kv_connector_output=kv_out)
 
-    def _positions_read(self, window: int | None, start: int) -> range:
-        """Cached positions the step's first token attends to in a group."""
-        return range(0 if window is None else max(0, start - window + 1), start)
+    def expected_pages(self, group: int, position: int, tokens: list[int]) -> list[torch.Tensor]:
+        """What the forward pass wrote in engine block ``position`` of ``group`` for a
+        request of ``tokens``: one tensor per page segment (``stored_bytes``)."""
+        layers, _ = self.groups[group]
+        if layers:
+            return attention.expected_pages(layers, position, tokens)
+        assert self.mamba is not None
+        return self.mamba.expected_pages(group, position, tokens)
 
     def _check(self, rid: str, tokens: list[int], tables: Any, start: int) -> None:
-        for (layers, window), table in zip(self.groups, tables, strict=True):
-            for p in self._positions_read(window, start):
-                block = table[p // BLOCK]
-                for layer_index, name in enumerate(layers):
-                    got = self.caches[name][block, 0, p % BLOCK]
-                    want = kv_value(tokens[p], p, layer_index)
-                    if not torch.equal(got, want):
-                        raise AssertionError(
-                            f"request {rid}: layer {name} position {p} (block {block}) "
-                            f"holds {got[:3].tolist()}, expected {want[:3].tolist()}")
-                self.checked_positions += 1
+        self.checked_positions += attention.check(self.caches, self.groups, rid, tokens,
+                                                  tables, start=start)
 
     def _write(self, tokens: list[int], tables: Any, start: int, end: int) -> None:
-        for (layers, _), table in zip(self.groups, tables, strict=True):
-            for p in range(start, end):
-                block = table[p // BLOCK]
-                for layer_index, name in enumerate(layers):
-                    self.caches[name][block, 0, p % BLOCK] = kv_value(tokens[p], p,
-                                                                       layer_index)
-
+        attention.write(self.caches, self.groups, tokens, tables, start=start, end=end)
 
 def _computed_before(so: Any) -> dict[str, int]:
     """Tokens each scheduled request had computed before this step."""
@@ -301,6 +325,7 @@ def build(root: Path, layout: Layout, *, num_blocks: int = 256,
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import MambaSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
     from kvoffload.integrations.vllm.connector import KVOffloadConnector
@@ -316,30 +341,52 @@ def build(root: Path, layout: Layout, *, num_blocks: int = 256,
                       enforce_eager=True, kv_transfer_config=transfer)
     vllm_config = args.create_engine_config()
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    if layout.has_mamba:  # what vLLM sets for a Mamba hybrid with prefix caching
+        vllm_config.cache_config.mamba_cache_mode = "align"
+        vllm_config.cache_config.mamba_block_size = BLOCK
     kv_config = layout.kv_cache_config(num_blocks)
     scheduler_class = AsyncScheduler if async_scheduling else Scheduler
     scheduler = scheduler_class(vllm_config=vllm_config, kv_cache_config=kv_config,
                                 structured_output_manager=StructuredOutputManager(vllm_config),
                                 block_size=BLOCK, hash_block_size=BLOCK)
     worker = KVOffloadConnector(vllm_config, KVConnectorRole.WORKER, kv_config)
-    caches: dict[str, torch.Tensor] = {}
+    caches: dict[str, Any] = {}
     groups: list[tuple[list[str], int | None]] = []
-    for group in kv_config.kv_cache_groups:
-        window = getattr(group.kv_cache_spec, "sliding_window", None)
-        groups.append((list(group.layer_names), window))
+    mamba_groups: list[MambaGroup] = []
+    for index, group in enumerate(kv_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            mamba_groups.append(MambaGroup(index, list(group.layer_names), spec))
+            groups.append(([], None))
+            for name in group.layer_names:
+                caches[name] = mamba_tensors(num_blocks)
+            continue
+        groups.append((list(group.layer_names), getattr(spec, "sliding_window", None)))
         for name in group.layer_names:
             caches[name] = torch.full((num_blocks, 1, BLOCK, 2 * HEAD), -1.0)
     worker.register_kv_caches(caches)
-    return Engine(scheduler, worker, caches, groups, async_scheduling=async_scheduling)
+    mamba = MambaRunner(mamba_groups, caches, BLOCK) if mamba_groups else None
+    eng = Engine(scheduler, worker, caches, groups, mamba=mamba,
+                 async_scheduling=async_scheduling)
+    eng.stores = StoreCheck(eng.expected_pages, lambda: eng.worker_side.worker.host_pool,
+                            worker.offload_config.block_size_factor)
+    return eng
 
 
 @contextmanager
 def engine(root: Path, layout: Layout, **kwargs: Any) -> Iterator[Engine]:
+    """``build``'s engine, shut down at the end. Torch runs one intra-op thread meanwhile:
+    the scripted forward pass moves a few KiB per step, and on a small, busy machine
+    waking a pool of threads for each of its tensor operations costs it several times
+    over."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     eng = build(root, layout, **kwargs)
     try:
         yield eng
     finally:
         eng.shutdown()
+        torch.set_num_threads(threads)
 
 
 def prompts(num: int, *, seed: int = 0, prefixes: int = 3, prefix_len: int = 160,

@@ -4,10 +4,13 @@ On CUDA vLLM schedules step N+1 before step N's output is processed; its CPU pla
 that off, so only this harness (``kit``, ``async_scheduling=True``) runs it here: vLLM's
 real ``AsyncScheduler``, the batch queue of two, the connector's real worker side over CPU
 tensors, every cached position a step reads checked. Stories: long runs with preemptions
-over a hybrid layout, aborts while loads and stores are in flight, requests that finish
-while their last step is still out, cache resets mid-run, and Hypothesis choosing the
-order of all of it. At the end nothing is pinned, fenced or in flight, and every job was
-completed exactly once (the planner's ledger refuses a second completion).
+over the hybrid layouts (sliding window + full attention, and the same with a Mamba group
+in vLLM's ``align`` mode, Mamba1-like and Mamba2 with in-chunk checkpoints, whose every
+state a step starts from is checked too: ``mamba_runner``), aborts while loads and stores
+are in flight, requests that finish while their last step is still out, cache resets
+mid-run, and Hypothesis choosing the order of all of it. At the end nothing is pinned,
+fenced or in flight, and every job was completed exactly once (the planner's ledger
+refuses a second completion).
 """
 
 from __future__ import annotations
@@ -52,7 +55,17 @@ def reference_outputs(root: Path, layout: str, batch: list[list[int]],
         return eng.outputs
 
 
-@pytest.mark.parametrize("layout", ["full", "hybrid"])
+HYBRIDS = ["hybrid", "mamba1", "mamba2"]
+"""Layouts with groups that free or overwrite blocks while a request runs."""
+
+
+def loaded_every_group(eng: kit.Engine) -> bool:
+    """Whether the connector loaded blocks of every group (Mamba states included)."""
+    loaded = eng.side.planner.stats.blocks_loaded
+    return all(loaded.get(g, 0) > 0 for g in range(len(eng.groups)))
+
+
+@pytest.mark.parametrize("layout", ["full", *HYBRIDS])
 def test_two_passes_under_async_scheduling_match_synchronous_outputs(
         root: Path, layout: str) -> None:
     batch = kit.prompts(20)
@@ -64,14 +77,15 @@ def test_two_passes_under_async_scheduling_match_synchronous_outputs(
         eng.outputs.clear()
         kit.feed(eng, [(f"r{i}", p) for i, p in enumerate(batch)], max_tokens=8)
         assert eng.outputs == expected
-        assert sum(eng.side.planner.stats.blocks_loaded.values()) > 0
+        assert loaded_every_group(eng)
         assert_drained(eng)
 
 
-def test_preemptions_under_async_scheduling(root: Path) -> None:
+@pytest.mark.parametrize("layout", HYBRIDS)
+def test_preemptions_under_async_scheduling(root: Path, layout: str) -> None:
     batch = kit.prompts(30, prefix_len=128, tail=(40, 160))
-    expected = reference_outputs(root, "hybrid", batch, 24)
-    with kit.engine(root, kit.Layout("hybrid"), num_blocks=80, max_num_seqs=8,
+    expected = reference_outputs(root, layout, batch, 24)
+    with kit.engine(root, kit.Layout(layout), num_blocks=80, max_num_seqs=8,
                     max_num_batched_tokens=128, async_scheduling=True) as eng:
         kit.feed(eng, [(f"r{i}", p) for i, p in enumerate(batch)], max_tokens=24)
         assert eng.scheduler.reset_prefix_cache()
@@ -80,14 +94,16 @@ def test_preemptions_under_async_scheduling(root: Path) -> None:
         kit.feed(eng, [(f"r{i}", p) for i, p in enumerate(batch)], max_tokens=24)
         assert eng.side.num_preempted > 0
         assert first == expected and eng.outputs == expected
+        assert loaded_every_group(eng)
         assert_drained(eng)
 
 
-def test_aborts_with_loads_and_stores_in_flight(root: Path) -> None:
+@pytest.mark.parametrize("layout", ["hybrid", "mamba2"])
+def test_aborts_with_loads_and_stores_in_flight(root: Path, layout: str) -> None:
     from kvoffload.jobs import Direction
 
     batch = kit.prompts(12)
-    with kit.engine(root, kit.Layout("hybrid"), async_scheduling=True) as eng:
+    with kit.engine(root, kit.Layout(layout), async_scheduling=True) as eng:
         kit.feed(eng, [(f"a{i}", p) for i, p in enumerate(batch)], max_tokens=4)
         assert eng.scheduler.reset_prefix_cache()
         backend = eng.worker_side.worker.backend
@@ -112,9 +128,10 @@ def test_aborts_with_loads_and_stores_in_flight(root: Path) -> None:
         assert_drained(eng)
 
 
-def test_a_cache_reset_while_steps_are_in_flight(root: Path) -> None:
+@pytest.mark.parametrize("layout", ["hybrid", "mamba2"])
+def test_a_cache_reset_while_steps_are_in_flight(root: Path, layout: str) -> None:
     batch = kit.prompts(16)
-    with kit.engine(root, kit.Layout("hybrid"), async_scheduling=True) as eng:
+    with kit.engine(root, kit.Layout(layout), async_scheduling=True) as eng:
         kit.feed(eng, [(f"a{i}", p) for i, p in enumerate(batch)], max_tokens=4)
         for i, prompt in enumerate(batch):
             eng.add(f"b{i}", prompt, max_tokens=8)
@@ -127,22 +144,27 @@ def test_a_cache_reset_while_steps_are_in_flight(root: Path) -> None:
         assert_drained(eng, after_reset=True)
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
+@pytest.mark.parametrize("layout", HYBRIDS)
+@settings(max_examples=20, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow])
 @given(events=st.lists(st.sampled_from(["add", "add", "add", "step", "step", "abort",
                                         "reset_prefix", "follow_up"]),
                        min_size=10, max_size=60),
-       seed=st.integers(0, 1000))
-def test_random_event_orders_under_async_scheduling(root: Path, events: list[str],
-                                                    seed: int) -> None:
+       seed=st.integers(0, 1000), factor=st.sampled_from([1, 1, 2]))
+def test_random_event_orders_under_async_scheduling(root: Path, layout: str,
+                                                    events: list[str], seed: int,
+                                                    factor: int) -> None:
     """Hypothesis picks when requests arrive, when the engine steps (so when outputs
-    land), which request is aborted, when vLLM's own cache is dropped and which earlier
-    request a follow-up extends; the pool is small enough for preemptions."""
+    land), which request is aborted, when vLLM's own cache is dropped, which earlier
+    request a follow-up extends, and whether an offloaded block is one engine block or
+    two (so prefill chunks and checkpoints need not end on an offloaded block); the pool
+    is small enough for preemptions."""
     rng = random.Random(seed)
     prefixes = kit.prompts(3, seed=seed, prefix_len=64, tail=(1, 2))
-    with kit.engine(root, kit.Layout("hybrid"), num_blocks=64, max_num_seqs=6,
-                    max_num_batched_tokens=96, async_scheduling=True) as eng:
+    with kit.engine(root, kit.Layout(layout), num_blocks=64, max_num_seqs=6,
+                    max_num_batched_tokens=96, async_scheduling=True,
+                    extra={"block_size_factor": factor}) as eng:
         prompts: dict[str, list[int]] = {}
         for n, event in enumerate(events):
             live = sorted(eng.scheduler.requests)

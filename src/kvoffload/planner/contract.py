@@ -89,6 +89,9 @@ class ScheduledRequest:
             freed (turned null) by now because they left the window; ``None`` when the
             engine frees nothing early. The planner never stores from a freed position,
             even if it saw a real id there before.
+        state_ends: token counts below the step's end at which this step also leaves a
+            Mamba state in every Mamba group's block ending there (an engine that
+            checkpoints inside a prefill chunk); the step's own end needs no mention.
     """
 
     request: RequestInfo
@@ -97,6 +100,7 @@ class ScheduledRequest:
     num_scheduled_tokens: int
     resumed: bool = False
     num_freed_blocks: tuple[int, ...] | None = None
+    state_ends: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -282,9 +282,12 @@ class Planner:
                 gs.num_freed = max(gs.num_freed, n)
         offloadable = min(sched.num_computed_tokens + sched.num_scheduled_tokens,
                           request.num_tokens)
-        if self._stores.step_end_states and offloadable % self._alignment == 0 and offloadable:
-            # A Mamba state exists only where a step ends (module docstring of state.py).
-            st.state_ends.add(offloadable)
+        if self._stores.step_end_states:
+            # A Mamba state exists only where a step ends or the engine checkpoints
+            # (module docstring of state.py).
+            alignment = self._alignment
+            st.state_ends.update(end for end in (offloadable, *sched.state_ends)
+                                 if 0 < end <= offloadable and end % alignment == 0)
         planned = self._stores.plan(st, st.controls.store_end(offloadable))
         if planned is None:
             return None

@@ -48,8 +48,9 @@ class RequestState:
     Invariant: ``jobs`` holds either exactly one load job or any number of store jobs.
 
     ``state_ends``: token counts, multiples of the hit alignment, at which one of the
-    request's steps ended since its block table last restarted. A Mamba block holds the
-    state after its last token only if a step ended exactly there; a step ending mid-block
+    request's steps ended (or, ``ScheduledRequest.state_ends``, checkpointed a state)
+    since its block table last restarted. A Mamba block holds the state after its last
+    token only if a step ended (or checkpointed) exactly there; a step ending mid-block
     leaves the block with the step's input (or a partial) state, which must never be
     stored as the boundary state.
     """

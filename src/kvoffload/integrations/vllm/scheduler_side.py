@@ -10,6 +10,9 @@ planner's outcomes back onto vLLM's expectations:
 * for sliding-window and Mamba groups, ``num_freed_blocks`` is read from vLLM's block
   table: the position of the last null block + 1 (vLLM replaces blocks it frees with the
   null block), so the planner never stores from a position whose id may be reused;
+* for Mamba groups, the states vLLM leaves at block boundaries inside a step (Mamba2's
+  in-chunk prefill checkpoint) are passed on as ``state_ends``, from vLLM's own
+  boundary-state hand-off (``mamba_states``), so they are stored like step ends;
 * a load is announced to vLLM (``finished_recving``) by the worker that ran it; a load
   that ends without ever reaching a worker (blocks evicted between lookup and
   allocation, or dropped by a cache reset) is announced through ``resolved_loads`` in the
@@ -37,6 +40,7 @@ from typing import Any
 
 from kvoffload.config import OffloadConfig
 from kvoffload.integrations.vllm.events import to_vllm_events
+from kvoffload.integrations.vllm.mamba_states import checkpointed_state_ends
 from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
 from kvoffload.integrations.vllm.request_params import request_controls
 from kvoffload.integrations.vllm.stats import KVOffloadStats, StatsCollector
@@ -69,6 +73,8 @@ class SchedulerSide:
         self._requests: dict[str, Any] = {}
         self._num_groups = len(config.resolved)
         self._windowed = tuple(g.index for g in config.resolved if g.is_windowed)
+        self._mamba_groups = tuple((g.index, g.spec.block_size) for g in config.resolved
+                                   if g.rules.holds_state)
         self._empty_ids: tuple[tuple[int, ...], ...] = ((),) * self._num_groups
         self._managers: Sequence[Any] | None = None
         self._block_pool: Any = None
@@ -162,6 +168,7 @@ class SchedulerSide:
         """vLLM's ``SchedulerOutput`` as the planner's ``StepInput``."""
         scheduled: list[ScheduledRequest] = []
         num_tokens = so.num_scheduled_tokens
+        checkpoints = self._checkpointed_state_ends(so)
         for new in so.scheduled_new_reqs:
             rid = new.req_id
             scheduled.append(ScheduledRequest(
@@ -169,7 +176,7 @@ class SchedulerSide:
                 new_block_ids=tuple(tuple(ids) for ids in new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 num_scheduled_tokens=num_tokens[rid], resumed=True,
-                num_freed_blocks=self._freed(rid)))
+                num_freed_blocks=self._freed(rid), state_ends=checkpoints.get(rid, ())))
         cached = so.scheduled_cached_reqs
         resumed_ids = cached.resumed_req_ids
         for i, rid in enumerate(cached.req_ids):
@@ -179,10 +186,17 @@ class SchedulerSide:
                 new_block_ids=self._empty_ids if ids is None else tuple(map(tuple, ids)),
                 num_computed_tokens=cached.num_computed_tokens[i],
                 num_scheduled_tokens=num_tokens[rid], resumed=rid in resumed_ids,
-                num_freed_blocks=self._freed(rid)))
+                num_freed_blocks=self._freed(rid), state_ends=checkpoints.get(rid, ())))
         preempted = tuple(so.preempted_req_ids or ())
         self.num_preempted += len(preempted)
         return StepInput(scheduled=tuple(scheduled), preempted=preempted)
+
+    def _checkpointed_state_ends(self, so: Any) -> dict[str, tuple[int, ...]]:
+        """Per request, Mamba states vLLM leaves inside this step (``mamba_states``)."""
+        if not self._mamba_groups or self._managers is None:
+            return {}
+        tables = {g: self._managers[g].req_to_blocks for g, _ in self._mamba_groups}
+        return checkpointed_state_ends(so, self._mamba_groups, tables)
 
     def _freed(self, request_id: str) -> tuple[int, ...] | None:
         """Per group, one past the last null position of vLLM's current block table."""
