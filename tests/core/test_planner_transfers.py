@@ -10,6 +10,8 @@ store (docs/architecture.md, "Edge cases the design answers").
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from planner_kit import (
     Harness,
     Moved,
@@ -187,6 +189,21 @@ def test_a_mamba_state_a_step_crossed_is_never_stored() -> None:
     store = only(h.step(h.sched(a, table, 0, 16)).stores)
     assert h.moved(store, a) == [Moved(0, (1, 2, 3, 4), 0, (0, 1, 2, 3)),
                                  Moved(1, (14,), 3, (3,))]
+
+
+def test_a_state_the_engine_checkpointed_inside_a_step_is_stored() -> None:
+    # The same 16-token step, but the engine reports that it also left the state after
+    # token 8 in its block (vLLM's Mamba2 writes in-chunk checkpoints): that state is
+    # stored beside the one at the step's end. A claimed end off the alignment (4) or
+    # past the step (20) is not a checkpoint and stores nothing.
+    h = Harness(make_config(full(), mamba(alignment=8)))
+    a = h.request("a", prompt(16))
+    table = [(1, 2, 3, 4), (11, 12, 13, 14)]
+    h.admit(a, table)
+    sched = replace(h.sched(a, table, 0, 16), state_ends=(4, 8, 20))
+    store = only(h.step(sched).stores)
+    assert h.moved(store, a) == [Moved(0, (1, 2, 3, 4), 0, (0, 1, 2, 3)),
+                                 Moved(1, (12,), 1, (1,)), Moved(1, (14,), 3, (3,))]
 
 
 def test_store_progress_jumps_past_a_loaded_prefix() -> None:
