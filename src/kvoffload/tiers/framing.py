@@ -33,6 +33,11 @@ key is written anywhere: a block MAC'd with another key simply fails to verify.
 
 Version 1 frames (106-byte header, no MAC field) read as damaged (wrong size or version)
 and are removed like any damaged block.
+
+The checksum comes from ``kvoffload.tiers.checksum`` (a C extension that hashes without the
+GIL, or the ``xxhash`` package: the same digests). Writers that stream the payload to a file
+build the header in two steps -- ``header_fields`` and ``new_digest`` before the payload,
+``seal`` after it -- and readers hand ``PayloadCheck.digest`` to the hashed reads.
 """
 
 from __future__ import annotations
@@ -41,10 +46,7 @@ import hashlib
 import hmac
 import struct
 
-import xxhash
-
-BytesLike = bytes | bytearray | memoryview
-"""Anything with contiguous bytes the framing reads."""
+from kvoffload.tiers.checksum import BytesLike, Checksums, Digest, checksums
 
 MAGIC = b"KVOB"
 VERSION = 2
@@ -110,19 +112,29 @@ class MacKey:
     __str__ = __repr__
 
 
-def encode_header(fingerprint: bytes, rank: int, key: bytes, payload: BytesLike, *,
-                  mac_key: MacKey | None = None) -> bytes:
-    """The header of ``payload`` stored as ``key`` by ``rank`` (computes the checksum, and
-    the MAC with ``mac_key``; without one the MAC field is zero)."""
+def header_fields(fingerprint: bytes, rank: int, key: bytes, payload_bytes: int) -> bytes:
+    """Bytes 0..97 of the header of a ``payload_bytes`` payload stored as ``key`` by
+    ``rank``: everything but the checksum and the MAC."""
     if len(fingerprint) != FINGERPRINT_BYTES:
         raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes")
     if len(key) > MAX_KEY_BYTES:
         raise ValueError(f"key of {len(key)} bytes exceeds {MAX_KEY_BYTES}")
-    size = memoryview(payload).nbytes
-    fields = _FIELDS.pack(MAGIC, VERSION, rank, fingerprint, len(key), key, size)
-    digest = xxhash.xxh3_64(fields)
-    digest.update(payload)
-    checked = fields + _CHECKSUM.pack(digest.intdigest())
+    return _FIELDS.pack(MAGIC, VERSION, rank, fingerprint, len(key), key, payload_bytes)
+
+
+def new_digest(fields: BytesLike, using: Checksums | None = None) -> Digest:
+    """The running checksum of a frame, fed its ``header_fields``; feed it the payload
+    next (``using``: the checksum implementation, default ``checksums()``)."""
+    digest = (using or checksums()).new()
+    digest.update(fields)
+    return digest
+
+
+def seal(fields: bytes, checksum: int, payload: BytesLike, *,
+         mac_key: MacKey | None = None) -> bytes:
+    """The header: ``fields``, the ``checksum`` of fields and payload, and the MAC of both
+    with ``mac_key`` (computed here over ``payload``; without a key the field is zero)."""
+    checked = fields + _CHECKSUM.pack(checksum)
     if mac_key is None:
         return checked + _NO_MAC
     mac = mac_key.new()
@@ -131,14 +143,29 @@ def encode_header(fingerprint: bytes, rank: int, key: bytes, payload: BytesLike,
     return checked + mac.digest()
 
 
+def encode_header(fingerprint: bytes, rank: int, key: bytes, payload: BytesLike, *,
+                  mac_key: MacKey | None = None) -> bytes:
+    """The header of ``payload`` stored as ``key`` by ``rank`` (computes the checksum, and
+    the MAC with ``mac_key``; without one the MAC field is zero)."""
+    fields = header_fields(fingerprint, rank, key, memoryview(payload).nbytes)
+    digest = new_digest(fields)
+    digest.update(payload)
+    return seal(fields, digest.intdigest(), payload, mac_key=mac_key)
+
+
 class PayloadCheck:
     """Checks a payload against a header piece by piece (``update`` as bytes arrive,
     ``problem`` at the end), so a reader can hash each piece while it is still in cache.
-    With ``mac_key`` the MAC must verify too; without, the MAC field is not looked at."""
+    With ``mac_key`` the MAC must verify too; without, the MAC field is not looked at.
 
-    def __init__(self, header: BytesLike, *, mac_key: MacKey | None = None) -> None:
+    A reader whose I/O feeds the checksum itself (``Checksums.read_hashed``) passes
+    ``digest`` to it, then the same bytes to ``update_mac``.
+    """
+
+    def __init__(self, header: BytesLike, *, mac_key: MacKey | None = None,
+                 using: Checksums | None = None) -> None:
         head = memoryview(header)
-        self._digest = xxhash.xxh3_64(head[: _FIELDS.size])
+        self.digest = new_digest(head[: _FIELDS.size], using)
         (self._expected,) = _CHECKSUM.unpack(head[_FIELDS.size:_CHECKED])
         self._mac = None
         if mac_key is not None:
@@ -147,12 +174,17 @@ class PayloadCheck:
             self._expected_mac = bytes(head[_CHECKED:HEADER_BYTES])
 
     def update(self, piece: BytesLike) -> None:
-        self._digest.update(piece)
+        """Feed ``piece`` to the checksum and the MAC."""
+        self.digest.update(piece)
+        self.update_mac(piece)
+
+    def update_mac(self, piece: BytesLike) -> None:
+        """Feed ``piece`` to the MAC alone (the checksum had it from ``digest``'s user)."""
         if self._mac is not None:
             self._mac.update(piece)
 
     def problem(self) -> str | None:
-        if self._digest.intdigest() != self._expected:
+        if self.digest.intdigest() != self._expected:
             return "checksum mismatch (corrupt block)"
         if self._mac is not None and not hmac.compare_digest(self._mac.digest(),
                                                              self._expected_mac):

@@ -1,0 +1,187 @@
+"""The block frame's checksum (XXH3-64), and file reads and writes that compute it on the way.
+
+Every block in a lower tier carries the XXH3-64 (seed 0) of its header fields followed by its
+payload (``kvoffload.tiers.framing``). Two implementations give the same digests:
+
+* ``NATIVE``: the C extension ``kvoffload.tiers._checksum`` (built by ``setup.py`` where a C
+  compiler exists). It hashes without holding the GIL, and its ``read_hashed`` and
+  ``write_hashed`` move a whole payload between a file and memory in one call without the
+  GIL, hashing each piece right after it is read (or right before it is written) while it
+  is still in the CPU cache: one pass over the bytes, and I/O threads never wait for each
+  other's checksums.
+* ``PYTHON``: the ``xxhash`` package for the digest (which releases the GIL for buffers over
+  64 KiB) and ``os.preadv`` / ``os.pwrite`` loops in Python for the I/O.
+
+``checksums()`` is the one in use: ``NATIVE`` where it was built, unless
+``KVOFFLOAD_NATIVE_CHECKSUM=0`` is set (read when this module is imported).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType
+from typing import Protocol
+
+import xxhash
+
+logger = logging.getLogger(__name__)
+
+BytesLike = bytes | bytearray | memoryview
+"""Anything with contiguous bytes."""
+
+DISABLE_ENV = "KVOFFLOAD_NATIVE_CHECKSUM"
+"""Set to ``0`` to checksum with the ``xxhash`` package even where the extension is built."""
+
+PIECE_BYTES = 256 << 10
+"""Bytes per read or write in ``read_hashed`` / ``write_hashed``: each piece is hashed while
+still in cache."""
+
+
+class Digest(Protocol):
+    """A running XXH3-64: ``update`` with bytes, ``intdigest`` of everything so far."""
+
+    def update(self, data: BytesLike) -> None: ...
+
+    def intdigest(self) -> int: ...
+
+
+class Checksums(Protocol):
+    """One implementation of the checksum and of the hashed file I/O."""
+
+    name: str
+
+    def new(self) -> Digest:
+        """A fresh XXH3-64 (seed 0)."""
+        ...
+
+    def read_hashed(self, fd: int, dest: memoryview, offset: int, digest: Digest) -> bool:
+        """Fill ``dest`` from ``fd`` at ``offset``, feeding each piece to ``digest`` (one
+        made by ``new``) as it lands; False when the file ends first (``digest`` is then
+        unspecified). ``OSError`` as the reads raise it."""
+        ...
+
+    def write_hashed(self, fd: int, src: BytesLike, offset: int, digest: Digest) -> None:
+        """Write all of ``src`` to ``fd`` at ``offset``, feeding each piece to ``digest``
+        (one made by ``new``) before it is written. ``OSError`` as the writes raise it."""
+        ...
+
+
+class _PythonChecksums:
+    """The ``xxhash`` package and I/O loops in Python."""
+
+    name = "python"
+
+    def new(self) -> Digest:
+        digest: Digest = xxhash.xxh3_64()
+        return digest
+
+    def read_hashed(self, fd: int, dest: memoryview, offset: int, digest: Digest) -> bool:
+        view = dest.cast("B")
+        for start in range(0, view.nbytes, PIECE_BYTES):
+            piece = view[start:start + PIECE_BYTES]
+            filled = 0
+            while filled < piece.nbytes:
+                n = os.preadv(fd, [piece[filled:]], offset + start + filled)
+                if n == 0:
+                    return False
+                filled += n
+            digest.update(piece)
+        return True
+
+    def write_hashed(self, fd: int, src: BytesLike, offset: int, digest: Digest) -> None:
+        view = memoryview(src).cast("B")
+        for start in range(0, view.nbytes, PIECE_BYTES):
+            piece = view[start:start + PIECE_BYTES]
+            digest.update(piece)
+            written = 0
+            while written < piece.nbytes:
+                written += os.pwrite(fd, piece[written:], offset + start + written)
+
+
+class _NativeDigest:
+    """XXH3-64 in the extension; its state is a ``bytearray`` the C code works in."""
+
+    __slots__ = ("_lib", "state")
+
+    def __init__(self, lib: ModuleType) -> None:
+        self._lib = lib
+        self.state = bytearray(lib.STATE_BYTES)
+        lib.xxh3_init(self.state)
+
+    def update(self, data: BytesLike) -> None:
+        self._lib.xxh3_update(self.state, data)
+
+    def intdigest(self) -> int:
+        return int(self._lib.xxh3_digest(self.state))
+
+
+class _NativeChecksums:
+    """The C extension: hashing and hashed I/O without the GIL."""
+
+    name = "native"
+
+    def __init__(self, lib: ModuleType) -> None:
+        self._lib = lib
+
+    def new(self) -> Digest:
+        return _NativeDigest(self._lib)
+
+    def read_hashed(self, fd: int, dest: memoryview, offset: int, digest: Digest) -> bool:
+        read = self._lib.pread_hashed(fd, dest, offset, _state(digest), PIECE_BYTES)
+        return bool(read == dest.nbytes)
+
+    def write_hashed(self, fd: int, src: BytesLike, offset: int, digest: Digest) -> None:
+        self._lib.pwrite_hashed(fd, src, offset, _state(digest), PIECE_BYTES)
+
+    def kernels(self) -> tuple[str, ...]:
+        """The stripe loops this CPU runs (``scalar``, ``sse2``, ``avx2``, ``avx512``)."""
+        return tuple(self._lib.kernels())
+
+    def kernel(self) -> str:
+        """The stripe loop in use (the widest this CPU runs)."""
+        return str(self._lib.kernel())
+
+    def use_kernel(self, name: str) -> None:
+        """Switch the stripe loop for the whole process (tests compare them);
+        ``ValueError`` for one this CPU does not run."""
+        self._lib.use_kernel(name)
+
+
+def _state(digest: Digest) -> bytearray:
+    if not isinstance(digest, _NativeDigest):
+        raise TypeError(f"the native checksum I/O needs a digest from its own new(), "
+                        f"not {type(digest).__name__}")
+    return digest.state
+
+
+def _load_native() -> _NativeChecksums | None:
+    try:
+        from kvoffload.tiers import _checksum  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _NativeChecksums(_checksum)
+
+
+PYTHON: Checksums = _PythonChecksums()
+NATIVE: _NativeChecksums | None = _load_native()
+"""The extension, or None where it was not built (no C compiler at install)."""
+
+
+def _choose() -> Checksums:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        logger.info("%s=0: block checksums with the xxhash package", DISABLE_ENV)
+        return PYTHON
+    if NATIVE is None:
+        logger.info("kvoffload's native checksum was not built (no C compiler at install?); "
+                    "block checksums with the xxhash package")
+        return PYTHON
+    return NATIVE
+
+
+_ACTIVE = _choose()
+
+
+def checksums() -> Checksums:
+    """The implementation in use (see the module docstring)."""
+    return _ACTIVE
