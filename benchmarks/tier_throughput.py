@@ -305,7 +305,7 @@ def measure(block_kib: int, args: argparse.Namespace, redis_url: str,
     samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
 
     for rep in range(args.repeats):
-        for tier in (("remote",) if cluster else ("disk", "remote")):
+        for tier in (("remote",) if cluster else args.tiers):
             if tier == "disk":
                 raw_store = raw_disk_write(raw_dir, payloads, args.threads, args.fsync)
                 raw_load = raw_disk_read(raw_dir, buffers, args.threads)
@@ -369,6 +369,8 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true",
                         help="disk loads read from the disk, not the page cache (each "
                              "side's files are evicted from the page cache before it reads)")
+    parser.add_argument("--tiers", default="disk,remote",
+                        help="tiers to measure against their raw reference, comma separated")
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--cluster-masters", type=int, default=3,
@@ -378,6 +380,12 @@ def main() -> None:
     args = parser.parse_args()
 
     sizes = [int(s) for s in args.sizes.split(",")]
+    args.tiers = tuple(t.strip() for t in args.tiers.split(","))
+    unknown = set(args.tiers) - {"disk", "remote"}
+    if unknown or not args.tiers:
+        parser.error(f"--tiers takes disk and/or remote, got {args.tiers}")
+    if "remote" not in args.tiers:
+        args.cluster_masters = 0
     rows: list[Row] = []
     with redis_server(args.redis_url) as url, \
             tempfile.TemporaryDirectory(dir=args.dir, prefix="kvoffload-bench-") as scratch:

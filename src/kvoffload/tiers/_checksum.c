@@ -11,6 +11,8 @@
  *   xxh3_digest(state) -> int         the digest of everything fed so far (state unchanged)
  *   pread_hashed(fd, dest, offset, state, piece) -> int
  *   pwrite_hashed(fd, src, offset, state, piece)
+ *   read_frame(dir_fd, name, header, dest, hashed, piece) -> (outcome, detail, digest)
+ *   write_frame(fd, fields, payload, header_bytes, piece)
  *   kernel() -> str, use_kernel(name), kernels() -> tuple    (the stripe loop in use)
  *
  * ``pread_hashed`` fills ``dest`` from ``fd`` at ``offset`` with ``pread``, ``piece`` bytes
@@ -20,6 +22,10 @@
  * for the whole call; ``xxh3_update`` releases it for buffers of XXH_GIL_MIN_BYTES or more.
  * A state must not be used by two threads at once.
  *
+ * ``read_frame`` and ``write_frame`` are the disk tier's whole read and write of one block
+ * file in one call without the GIL (``kvoffload.tiers.checksum`` documents them, and holds
+ * the Python equivalents they must agree with).
+ *
  * Streaming: a stripe (64 bytes) is accumulated only once at least one byte follows it, so
  * the stripes held back are exactly those XXH3 treats specially at the end (the last block
  * and the last stripe); the digest finishes them on a copy of the accumulators.
@@ -28,7 +34,9 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdint.h>
+#include <sys/stat.h>
 #include <string.h>
 #include <unistd.h>
 #if defined(__x86_64__)
@@ -41,6 +49,7 @@
 #define BUFFER_BYTES 256
 #define SECRET_BYTES 192
 #define XXH_GIL_MIN_BYTES (64 * 1024)
+#define PREFETCH_AHEAD 384 /* bytes ahead the stripe loops prefetch */
 #define STATE_MAGIC 0x6b766f7878683301ULL /* "kvoxxh3", version 1 */
 
 static const uint32_t P32_1 = 0x9E3779B1U;
@@ -268,6 +277,7 @@ static void consume_avx2(uint64_t *acc, uint32_t *in_block, const uint8_t *p, si
     uint32_t k = *in_block;
     for (size_t j = 0; j < n; j++, p += STRIPE) {
         const uint8_t *s = SECRET + 8 * k;
+        __builtin_prefetch(p + PREFETCH_AHEAD);
         a0 = stripe_avx2(a0, p, s);
         a1 = stripe_avx2(a1, p + 32, s + 32);
         if (++k == STRIPES_PER_BLOCK) {
@@ -297,6 +307,7 @@ static void consume_avx512(uint64_t *acc, uint32_t *in_block, const uint8_t *p, 
     __m512i a = _mm512_loadu_si512((const void *)acc);
     uint32_t k = *in_block;
     for (size_t j = 0; j < n; j++, p += STRIPE) {
+        __builtin_prefetch(p + PREFETCH_AHEAD);
         a = stripe_avx512(a, p, SECRET + 8 * k);
         if (++k == STRIPES_PER_BLOCK) {
             a = _mm512_xor_si512(_mm512_xor_si512(a, _mm512_srli_epi64(a, 47)), key);
@@ -457,8 +468,55 @@ static int check_io_args(long long offset, Py_ssize_t piece) {
     return 0;
 }
 
+/* Fill ``out`` (``total`` bytes) from ``fd`` at ``offset``, ``piece`` bytes at a time,
+ * feeding each piece to ``st`` once it is whole; the bytes read (fewer at end of file or on
+ * an error, then ``*error`` is the errno or 0). Runs without the GIL. */
+static size_t read_hashed(int fd, uint8_t *out, size_t total, long long offset,
+                          xxh3_state *st, size_t piece, int *error) {
+    size_t done = 0;
+    *error = 0;
+    while (done < total) {
+        size_t want = total - done < piece ? total - done : piece, got = 0;
+        while (got < want) {
+            ssize_t n = pread(fd, out + done + got, want - got, (off_t)(offset + done + got));
+            if (n < 0 && errno == EINTR)
+                continue;
+            if (n < 0)
+                *error = errno;
+            if (n <= 0)
+                return done + got;
+            got += (size_t)n;
+        }
+        state_update(st, out + done, want);
+        done += want;
+    }
+    return done;
+}
+
+/* Write all of ``in`` to ``fd`` at ``offset``, feeding each piece to ``st`` first; 0 or the
+ * errno. Runs without the GIL. */
+static int write_hashed(int fd, const uint8_t *in, size_t total, long long offset,
+                        xxh3_state *st, size_t piece) {
+    size_t done = 0;
+    while (done < total) {
+        size_t want = total - done < piece ? total - done : piece, put = 0;
+        if (st)
+            state_update(st, in + done, want);
+        while (put < want) {
+            ssize_t n = pwrite(fd, in + done + put, want - put, (off_t)(offset + done + put));
+            if (n < 0 && errno == EINTR)
+                continue;
+            if (n <= 0)
+                return n < 0 ? errno : EIO;
+            put += (size_t)n;
+        }
+        done += want;
+    }
+    return 0;
+}
+
 static PyObject *py_pread_hashed(PyObject *self, PyObject *args) {
-    int fd;
+    int fd, error;
     long long offset;
     Py_ssize_t piece;
     Py_buffer dest, state;
@@ -470,29 +528,9 @@ static PyObject *py_pread_hashed(PyObject *self, PyObject *args) {
         PyBuffer_Release(&state);
         return NULL;
     }
-    uint8_t *out = dest.buf;
-    size_t total = (size_t)dest.len, done = 0;
-    int error = 0;
+    size_t done;
     Py_BEGIN_ALLOW_THREADS
-    while (done < total) {
-        size_t want = total - done < (size_t)piece ? total - done : (size_t)piece, got = 0;
-        while (got < want) {
-            ssize_t n = pread(fd, out + done + got, want - got, (off_t)(offset + done + got));
-            if (n < 0 && errno == EINTR)
-                continue;
-            if (n < 0)
-                error = errno;
-            if (n <= 0)
-                break;
-            got += (size_t)n;
-        }
-        if (got < want) {
-            done += got;
-            break;
-        }
-        state_update(st, out + done, want);
-        done += want;
-    }
+    done = read_hashed(fd, dest.buf, (size_t)dest.len, offset, st, (size_t)piece, &error);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&dest);
     PyBuffer_Release(&state);
@@ -504,7 +542,7 @@ static PyObject *py_pread_hashed(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_pwrite_hashed(PyObject *self, PyObject *args) {
-    int fd;
+    int fd, error;
     long long offset;
     Py_ssize_t piece;
     Py_buffer src, state;
@@ -516,28 +554,113 @@ static PyObject *py_pwrite_hashed(PyObject *self, PyObject *args) {
         PyBuffer_Release(&state);
         return NULL;
     }
-    const uint8_t *in = src.buf;
-    size_t total = (size_t)src.len, done = 0;
-    int error = 0;
     Py_BEGIN_ALLOW_THREADS
-    while (done < total && !error) {
-        size_t want = total - done < (size_t)piece ? total - done : (size_t)piece, put = 0;
-        state_update(st, in + done, want);
-        while (put < want) {
-            ssize_t n = pwrite(fd, in + done + put, want - put, (off_t)(offset + done + put));
-            if (n < 0 && errno == EINTR)
-                continue;
-            if (n <= 0) {
-                error = n < 0 ? errno : EIO;
-                break;
-            }
-            put += (size_t)n;
-        }
-        done += put;
-    }
+    error = write_hashed(fd, src.buf, (size_t)src.len, offset, st, (size_t)piece);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src);
     PyBuffer_Release(&state);
+    if (error) {
+        errno = error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+/* Outcomes of read_frame (kvoffload.tiers.checksum names them). */
+enum { FRAME_READ = 0, FRAME_NO_FILE, FRAME_OPEN_ERROR, FRAME_NOT_REGULAR, FRAME_SIZE,
+       FRAME_SHORT, FRAME_READ_ERROR };
+
+static PyObject *py_read_frame(PyObject *self, PyObject *args) {
+    int dir_fd, error = 0, outcome = FRAME_READ;
+    const char *name;
+    Py_buffer header, dest;
+    Py_ssize_t hashed, piece;
+    if (!PyArg_ParseTuple(args, "iyw*w*nn:read_frame", &dir_fd, &name, &header, &dest, &hashed,
+                          &piece))
+        return NULL;
+    if (hashed < 0 || hashed > header.len || piece <= 0) {
+        PyBuffer_Release(&header);
+        PyBuffer_Release(&dest);
+        PyErr_Format(PyExc_ValueError, "hashed must be in [0, %zd] and piece > 0, got %zd, %zd",
+                     header.len, hashed, piece);
+        return NULL;
+    }
+    long long detail = 0;
+    xxh3_state st;
+    Py_BEGIN_ALLOW_THREADS
+    int fd = openat(dir_fd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+        outcome = errno == ENOENT ? FRAME_NO_FILE : FRAME_OPEN_ERROR;
+        detail = errno;
+    } else {
+        struct stat info;
+        size_t expected = (size_t)header.len + (size_t)dest.len;
+        if (fstat(fd, &info) < 0) {
+            outcome = FRAME_READ_ERROR;
+            detail = errno;
+        } else if (!S_ISREG(info.st_mode)) {
+            outcome = FRAME_NOT_REGULAR;
+        } else if ((size_t)info.st_size != expected) {
+            outcome = FRAME_SIZE;
+            detail = (long long)info.st_size;
+        } else {
+            state_init(&st);
+            size_t got = read_hashed(fd, header.buf, (size_t)header.len, 0, &st,
+                                     (size_t)header.len, &error);
+            if (got == (size_t)header.len) {
+                state_init(&st);  /* the checksum covers the header's first ``hashed`` bytes */
+                state_update(&st, header.buf, (size_t)hashed);
+                got = read_hashed(fd, dest.buf, (size_t)dest.len, header.len, &st,
+                                  (size_t)piece, &error);
+                if (got == (size_t)dest.len)
+                    got = (size_t)header.len;
+            }
+            if (got != (size_t)header.len) {
+                outcome = error ? FRAME_READ_ERROR : FRAME_SHORT;
+                detail = error;
+            }
+        }
+        close(fd);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&header);
+    PyBuffer_Release(&dest);
+    uint64_t digest = outcome == FRAME_READ ? state_digest(&st) : 0;
+    return Py_BuildValue("iLK", outcome, detail, (unsigned long long)digest);
+}
+
+static PyObject *py_write_frame(PyObject *self, PyObject *args) {
+    int fd, error = 0;
+    Py_buffer fields, payload;
+    Py_ssize_t header_bytes, piece;
+    if (!PyArg_ParseTuple(args, "iy*y*nn:write_frame", &fd, &fields, &payload, &header_bytes,
+                          &piece))
+        return NULL;
+    if (header_bytes < fields.len + 8 || header_bytes > 4096 || piece <= 0) {
+        PyBuffer_Release(&fields);
+        PyBuffer_Release(&payload);
+        PyErr_Format(PyExc_ValueError, "header_bytes must be in [len(fields) + 8, 4096] and "
+                     "piece > 0, got %zd, %zd", header_bytes, piece);
+        return NULL;
+    }
+    uint8_t header[4096];
+    xxh3_state st;
+    Py_BEGIN_ALLOW_THREADS
+    state_init(&st);
+    state_update(&st, fields.buf, (size_t)fields.len);
+    error = write_hashed(fd, payload.buf, (size_t)payload.len, header_bytes, &st,
+                         (size_t)piece);
+    if (!error) {
+        uint64_t digest = state_digest(&st);
+        memset(header, 0, (size_t)header_bytes);
+        memcpy(header, fields.buf, (size_t)fields.len);
+        for (int i = 0; i < 8; i++)
+            header[fields.len + i] = (uint8_t)(digest >> (8 * i));
+        error = write_hashed(fd, header, (size_t)header_bytes, 0, NULL, (size_t)header_bytes);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&fields);
+    PyBuffer_Release(&payload);
     if (error) {
         errno = error;
         return PyErr_SetFromErrno(PyExc_OSError);
@@ -586,6 +709,11 @@ static PyMethodDef METHODS[] = {
      "Fill dest from fd at offset, hashing each piece as it lands; bytes read."},
     {"pwrite_hashed", py_pwrite_hashed, METH_VARARGS,
      "Hash each piece of src, then write it to fd at offset."},
+    {"read_frame", py_read_frame, METH_VARARGS,
+     "Open name in dir_fd (no symlink), check it is a regular file of header + dest "
+     "bytes, read both, hashing header[:hashed] and dest; (outcome, detail, digest)."},
+    {"write_frame", py_write_frame, METH_VARARGS,
+     "Write payload at header_bytes hashed, then fields + le64(checksum) + zeros at 0."},
     {"kernel", py_kernel, METH_NOARGS, "The stripe loop in use."},
     {"kernels", py_kernels, METH_NOARGS, "The stripe loops this CPU runs."},
     {"use_kernel", py_use_kernel, METH_VARARGS, "Switch the stripe loop (for tests)."},

@@ -18,8 +18,10 @@ payload (``kvoffload.tiers.framing``). Two implementations give the same digests
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 from types import ModuleType
 from typing import Protocol
 
@@ -36,6 +38,18 @@ DISABLE_ENV = "KVOFFLOAD_NATIVE_CHECKSUM"
 PIECE_BYTES = 256 << 10
 """Bytes per read or write in ``read_hashed`` / ``write_hashed``: each piece is hashed while
 still in cache."""
+
+
+FRAME_READ, NO_FILE, OPEN_ERROR, NOT_REGULAR, WRONG_SIZE, SHORT, READ_ERROR = range(7)
+"""Outcomes of ``Checksums.read_frame``: read (``detail`` 0), no such file, another open
+error (``detail``: its errno; ``ELOOP`` for a symlink), not a regular file, a file of
+another size (``detail``: its size), shorter than its size said while read, a read error
+(``detail``: its errno)."""
+
+Frame = tuple[int, int, int]
+"""``(outcome, detail, checksum)`` of ``Checksums.read_frame``."""
+
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class Digest(Protocol):
@@ -64,6 +78,25 @@ class Checksums(Protocol):
     def write_hashed(self, fd: int, src: BytesLike, offset: int, digest: Digest) -> None:
         """Write all of ``src`` to ``fd`` at ``offset``, feeding each piece to ``digest``
         (one made by ``new``) before it is written. ``OSError`` as the writes raise it."""
+        ...
+
+    def read_frame(self, dir_fd: int, name: str, header: bytearray, dest: memoryview,
+                   hashed: int) -> Frame:
+        """Read one block file: open ``name`` in ``dir_fd`` without following a symlink or
+        waiting (``O_NOFOLLOW | O_NONBLOCK``), check that it is a regular file of exactly
+        ``len(header) + len(dest)`` bytes, read ``header`` then ``dest``; the checksum is
+        the XXH3-64 of ``header[:hashed]`` followed by ``dest``, hashed while read. Returns
+        ``(outcome, detail, checksum)`` (see ``FRAME_READ``; the checksum is 0 unless the
+        frame was read); raises nothing for I/O errors."""
+        ...
+
+    def write_frame(self, fd: int, fields: bytes, payload: BytesLike,
+                    header_bytes: int) -> None:
+        """Write a frame without a MAC into the new file ``fd``: ``payload`` at offset
+        ``header_bytes``, hashed piece by piece on its way out, then at offset 0 the header
+        ``fields + checksum (little-endian uint64) + zeros`` up to ``header_bytes``, the
+        checksum being the XXH3-64 of ``fields`` followed by ``payload``. ``OSError`` as
+        the writes raise it."""
         ...
 
 
@@ -97,6 +130,53 @@ class _PythonChecksums:
             written = 0
             while written < piece.nbytes:
                 written += os.pwrite(fd, piece[written:], offset + start + written)
+
+
+    def read_frame(self, dir_fd: int, name: str, header: bytearray, dest: memoryview,
+                   hashed: int) -> Frame:
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return NO_FILE, errno.ENOENT, 0
+        except OSError as exc:
+            return OPEN_ERROR, exc.errno or 0, 0
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                return NOT_REGULAR, 0, 0
+            if info.st_size != len(header) + dest.nbytes:
+                return WRONG_SIZE, info.st_size, 0
+            head = memoryview(header)
+            digest = self.new()
+            if not self.read_hashed(fd, head, 0, digest):
+                return SHORT, 0, 0
+            digest = self.new()
+            digest.update(head[:hashed])
+            if not self.read_hashed(fd, dest, len(header), digest):
+                return SHORT, 0, 0
+            return FRAME_READ, 0, digest.intdigest()
+        except OSError as exc:
+            return READ_ERROR, exc.errno or 0, 0
+        finally:
+            os.close(fd)
+
+    def write_frame(self, fd: int, fields: bytes, payload: BytesLike,
+                    header_bytes: int) -> None:
+        _check_header_bytes(fields, header_bytes)
+        digest = self.new()
+        digest.update(fields)
+        self.write_hashed(fd, payload, header_bytes, digest)
+        header = fields + digest.intdigest().to_bytes(8, "little")
+        header += bytes(header_bytes - len(header))
+        written = 0
+        while written < len(header):
+            written += os.pwrite(fd, header[written:], written)
+
+
+def _check_header_bytes(fields: bytes, header_bytes: int) -> None:
+    if not len(fields) + 8 <= header_bytes <= 4096:
+        raise ValueError(f"header_bytes must be in [len(fields) + 8, 4096], got "
+                         f"{header_bytes}")
 
 
 class _NativeDigest:
@@ -133,6 +213,17 @@ class _NativeChecksums:
 
     def write_hashed(self, fd: int, src: BytesLike, offset: int, digest: Digest) -> None:
         self._lib.pwrite_hashed(fd, src, offset, _state(digest), PIECE_BYTES)
+
+    def read_frame(self, dir_fd: int, name: str, header: bytearray, dest: memoryview,
+                   hashed: int) -> Frame:
+        outcome, detail, checksum = self._lib.read_frame(dir_fd, os.fsencode(name), header,
+                                                         dest, hashed, PIECE_BYTES)
+        return int(outcome), int(detail), int(checksum)
+
+    def write_frame(self, fd: int, fields: bytes, payload: BytesLike,
+                    header_bytes: int) -> None:
+        _check_header_bytes(fields, header_bytes)
+        self._lib.write_frame(fd, fields, payload, header_bytes, PIECE_BYTES)
 
     def kernels(self) -> tuple[str, ...]:
         """The stripe loops this CPU runs (``scalar``, ``sse2``, ``avx2``, ``avx512``)."""

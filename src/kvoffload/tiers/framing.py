@@ -46,7 +46,11 @@ import hashlib
 import hmac
 import struct
 
-from kvoffload.tiers.checksum import BytesLike, Checksums, Digest, checksums
+from kvoffload.tiers import checksum as _checksum
+from kvoffload.tiers.checksum import Checksums, Digest, checksums
+
+BytesLike = _checksum.BytesLike
+"""Anything with contiguous bytes the framing reads."""
 
 MAGIC = b"KVOB"
 VERSION = 2
@@ -63,6 +67,8 @@ _CHECKED = _FIELDS.size + _CHECKSUM.size
 """Header bytes the MAC covers before the payload (everything but the MAC field)."""
 HEADER_BYTES = _CHECKED + MAC_BYTES
 """Bytes before the payload (122)."""
+FIELDS_BYTES = _FIELDS.size
+"""Bytes of ``header_fields`` (98): the header's start, which the checksum covers."""
 _NO_MAC = bytes(MAC_BYTES)
 _MAC_PERSON = b"kvoffload-block"
 _KEY_PERSON = b"kvoffload-key"
@@ -186,12 +192,34 @@ class PayloadCheck:
     def problem(self) -> str | None:
         if self.digest.intdigest() != self._expected:
             return "checksum mismatch (corrupt block)"
-        if self._mac is not None and not hmac.compare_digest(self._mac.digest(),
-                                                             self._expected_mac):
-            if self._expected_mac == _NO_MAC:
-                return "no MAC (written without the tier MAC key, or forged)"
-            return "MAC mismatch (written with another tier MAC key, or forged)"
+        if self._mac is not None:
+            return _mac_problem(self._mac.digest(), self._expected_mac)
         return None
+
+
+def check_payload(header: BytesLike, checksum: int, payload: BytesLike, *,
+                  mac_key: MacKey | None = None) -> str | None:
+    """Why ``payload``, whose ``checksum`` (the XXH3-64 of the header's first
+    ``FIELDS_BYTES`` followed by the payload) the reader computed while reading it, is not
+    the one ``header`` announces, or None (with ``mac_key``: only if the MAC verifies)."""
+    head = memoryview(header)
+    (expected,) = _CHECKSUM.unpack(head[_FIELDS.size:_CHECKED])
+    if checksum != expected:
+        return "checksum mismatch (corrupt block)"
+    if mac_key is None:
+        return None
+    mac = mac_key.new()
+    mac.update(head[:_CHECKED])
+    mac.update(payload)
+    return _mac_problem(mac.digest(), bytes(head[_CHECKED:HEADER_BYTES]))
+
+
+def _mac_problem(mac: bytes, expected: bytes) -> str | None:
+    if hmac.compare_digest(mac, expected):
+        return None
+    if expected == _NO_MAC:
+        return "no MAC (written without the tier MAC key, or forged)"
+    return "MAC mismatch (written with another tier MAC key, or forged)"
 
 
 def check_header(header: BytesLike, payload_bytes: int, fingerprint: bytes, rank: int,

@@ -61,14 +61,24 @@ import time
 from collections.abc import Sequence
 
 from kvoffload.errors import ConfigError
-from kvoffload.tiers.checksum import Checksums, checksums
+from kvoffload.tiers.checksum import (
+    NO_FILE,
+    NOT_REGULAR,
+    OPEN_ERROR,
+    READ_ERROR,
+    SHORT,
+    WRONG_SIZE,
+    Checksums,
+    checksums,
+)
 from kvoffload.tiers.framing import (
+    FIELDS_BYTES,
     FINGERPRINT_BYTES,
     HEADER_BYTES,
     BytesLike,
     MacKey,
-    PayloadCheck,
     check_header,
+    check_payload,
     header_fields,
     new_digest,
     seal,
@@ -80,7 +90,6 @@ from kvoffload.worker.disk_fs import (
     Refused,
     create_exclusive,
     open_subdir,
-    read_all,
     unlink_quietly,
     write_all,
     write_file,
@@ -236,17 +245,15 @@ class DiskStore(BlockStore):
         return True
 
     def _write_frame(self, fd: int, key: bytes, data: memoryview) -> None:
-        """Write ``header + data`` into the new file ``fd``. Without a MAC key the payload
-        goes first, hashed piece by piece on its way out (``write_hashed``), then the
-        header with its checksum; the MAC needs the checksum first, so with a key the
-        payload is hashed, MAC'd, then written."""
+        """Write ``header + data`` into the new file ``fd``. Without a MAC key in one call
+        (``write_frame``: the payload hashed piece by piece on its way out, then the
+        header); the MAC needs the checksum first, so with a key the payload is hashed,
+        MAC'd, then written."""
         fields = header_fields(self._fp, self.rank, key, data.nbytes)
-        digest = new_digest(fields, self._checksums)
         if self._mac_key is None:
-            self._checksums.write_hashed(fd, data, HEADER_BYTES, digest)
-            header = seal(fields, digest.intdigest(), data)
-            write_all(fd, [memoryview(header)])  # at offset 0: the file position is 0
+            self._checksums.write_frame(fd, fields, data, HEADER_BYTES)
             return
+        digest = new_digest(fields, self._checksums)
         digest.update(data)
         header = seal(fields, digest.intdigest(), data, mac_key=self._mac_key)
         write_all(fd, [memoryview(header), data])
@@ -298,38 +305,35 @@ class DiskStore(BlockStore):
 
     def _get(self, key: bytes, dest: memoryview) -> bool:
         name = key.hex()
-        path = os.path.join(self.directory, name[:2], name + BLOCK_SUFFIX)
         fan = self._fan_fd(name[:2], create=False)
         if fan is None:
             self._count(misses=1)
             return False
-        try:
-            fd = os.open(name + BLOCK_SUFFIX, _READ_FLAGS, dir_fd=fan)
-        except FileNotFoundError:
+        header = bytearray(HEADER_BYTES)
+        outcome, detail, checksum = self._checksums.read_frame(
+            fan, name + BLOCK_SUFFIX, header, dest, FIELDS_BYTES)
+        if outcome == NO_FILE:
             self._count(misses=1)
             return False
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
-                self._refuse(path, "a symbolic link")
-            else:
-                self._warn("disk tier: cannot open %s (%s)", path, exc)
-            return False
+        path = os.path.join(self.directory, name[:2], name + BLOCK_SUFFIX)
         problem: str | None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                self._refuse(path, "not a regular file")
-                return False
-            if st.st_size != HEADER_BYTES + dest.nbytes:
-                problem = f"{st.st_size} bytes, expected {HEADER_BYTES + dest.nbytes} " \
-                          "(truncated?)"
-            else:
-                problem = self._read_verified(fd, key, dest)
-        except OSError as exc:
-            self._warn("disk tier: cannot read %s (%s)", path, exc)
+        if outcome == OPEN_ERROR and detail == errno.ELOOP:  # O_NOFOLLOW met a symlink
+            self._refuse(path, "a symbolic link")
             return False
-        finally:
-            os.close(fd)
+        if outcome == NOT_REGULAR:
+            self._refuse(path, "not a regular file")
+            return False
+        if outcome in (OPEN_ERROR, READ_ERROR):
+            self._warn("disk tier: cannot %s %s (%s)", "open" if outcome == OPEN_ERROR
+                       else "read", path, os.strerror(detail))
+            return False
+        if outcome == WRONG_SIZE:
+            problem = f"{detail} bytes, expected {HEADER_BYTES + dest.nbytes} (truncated?)"
+        elif outcome == SHORT:
+            problem = "shorter than its size said (truncated while read)"
+        else:
+            problem = check_header(header, dest.nbytes, self._fp, self.rank, key) or \
+                check_payload(header, checksum, dest, mac_key=self._mac_key)
         if problem is not None:
             unlink_quietly(name + BLOCK_SUFFIX, fan)
             self._count(rejected=1)
@@ -337,22 +341,6 @@ class DiskStore(BlockStore):
             return False
         self._count(reads=1, read_bytes=dest.nbytes)
         return True
-
-    def _read_verified(self, fd: int, key: bytes, dest: memoryview) -> str | None:
-        """Read the header, then the payload into ``dest``, hashing each piece right after
-        it lands (still in cache; ``read_hashed``); why the block is not ``key``'s, or
-        None."""
-        header = bytearray(HEADER_BYTES)
-        if not read_all(fd, [memoryview(header)]):
-            return "shorter than its size said (truncated while read)"
-        problem = check_header(header, dest.nbytes, self._fp, self.rank, key)
-        if problem is not None:
-            return problem
-        verify = PayloadCheck(header, mac_key=self._mac_key, using=self._checksums)
-        if not self._checksums.read_hashed(fd, dest, HEADER_BYTES, verify.digest):
-            return "shorter than its size said (truncated while read)"
-        verify.update_mac(dest)
-        return verify.problem()
 
     def _fan_fd(self, sub: str, *, create: bool) -> int | None:
         """The (cached) fd of fan-out directory ``sub``; None if it is missing (and
