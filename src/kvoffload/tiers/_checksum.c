@@ -37,6 +37,7 @@
 #include <fcntl.h>
 #include <stdint.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <string.h>
 #include <unistd.h>
 #if defined(__x86_64__)
@@ -570,12 +571,69 @@ static PyObject *py_pwrite_hashed(PyObject *self, PyObject *args) {
 enum { FRAME_READ = 0, FRAME_NO_FILE, FRAME_OPEN_ERROR, FRAME_NOT_REGULAR, FRAME_SIZE,
        FRAME_SHORT, FRAME_READ_ERROR };
 
+/* Fill ``out`` from ``fd`` at ``offset``; the bytes read (fewer at end of file or on an
+ * error, then ``*error`` is the errno or 0). */
+static size_t pread_full(int fd, uint8_t *out, size_t len, long long offset, int *error) {
+    size_t got = 0;
+    while (got < len) {
+        ssize_t n = pread(fd, out + got, len - got, (off_t)(offset + got));
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            *error = errno;
+        if (n <= 0)
+            break;
+        got += (size_t)n;
+    }
+    return got;
+}
+
+/* Read header and payload of an open frame file: the header and the payload's first piece
+ * in one ``preadv``, then the rest piece by piece, hashing ``header[:hashed]`` and every
+ * piece of the payload into ``st``. FRAME_READ, FRAME_SHORT or FRAME_READ_ERROR. */
+static int read_frame_at(int fd, Py_buffer *header, Py_buffer *dest, size_t hashed,
+                         size_t piece, xxh3_state *st, int *error) {
+    uint8_t *head = header->buf, *out = dest->buf;
+    size_t head_len = (size_t)header->len, total = (size_t)dest->len;
+    size_t first = total < piece ? total : piece;
+    struct iovec parts[2] = {{head, head_len}, {out, first}};
+    ssize_t n;
+    *error = 0;
+    do {
+        n = preadv(fd, parts, 2, 0);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) {
+        *error = errno;
+        return FRAME_READ_ERROR;
+    }
+    size_t got = (size_t)n;
+    if (got < head_len) {  /* a short read: finish each part on its own */
+        got += pread_full(fd, head + got, head_len - got, (long long)got, error);
+        if (got < head_len)
+            return *error ? FRAME_READ_ERROR : FRAME_SHORT;
+    }
+    size_t have = got - head_len;
+    if (have < first) {
+        have += pread_full(fd, out + have, first - have, (long long)(head_len + have), error);
+        if (have < first)
+            return *error ? FRAME_READ_ERROR : FRAME_SHORT;
+    }
+    state_init(st);
+    state_update(st, head, hashed);
+    state_update(st, out, first);
+    size_t rest = read_hashed(fd, out + first, total - first, (long long)(head_len + first), st,
+                              piece, error);
+    if (rest < total - first)
+        return *error ? FRAME_READ_ERROR : FRAME_SHORT;
+    return FRAME_READ;
+}
+
 static PyObject *py_read_frame(PyObject *self, PyObject *args) {
     int dir_fd, error = 0, outcome = FRAME_READ;
     const char *name;
     Py_buffer header, dest;
     Py_ssize_t hashed, piece;
-    if (!PyArg_ParseTuple(args, "iyw*w*nn:read_frame", &dir_fd, &name, &header, &dest, &hashed,
+    if (!PyArg_ParseTuple(args, "isw*w*nn:read_frame", &dir_fd, &name, &header, &dest, &hashed,
                           &piece))
         return NULL;
     if (hashed < 0 || hashed > header.len || piece <= 0) {
@@ -604,21 +662,9 @@ static PyObject *py_read_frame(PyObject *self, PyObject *args) {
             outcome = FRAME_SIZE;
             detail = (long long)info.st_size;
         } else {
-            state_init(&st);
-            size_t got = read_hashed(fd, header.buf, (size_t)header.len, 0, &st,
-                                     (size_t)header.len, &error);
-            if (got == (size_t)header.len) {
-                state_init(&st);  /* the checksum covers the header's first ``hashed`` bytes */
-                state_update(&st, header.buf, (size_t)hashed);
-                got = read_hashed(fd, dest.buf, (size_t)dest.len, header.len, &st,
-                                  (size_t)piece, &error);
-                if (got == (size_t)dest.len)
-                    got = (size_t)header.len;
-            }
-            if (got != (size_t)header.len) {
-                outcome = error ? FRAME_READ_ERROR : FRAME_SHORT;
-                detail = error;
-            }
+            outcome = read_frame_at(fd, &header, &dest, (size_t)hashed, (size_t)piece, &st,
+                                    &error);
+            detail = error;
         }
         close(fd);
     }

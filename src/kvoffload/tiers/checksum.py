@@ -216,7 +216,7 @@ class _NativeChecksums:
 
     def read_frame(self, dir_fd: int, name: str, header: bytearray, dest: memoryview,
                    hashed: int) -> Frame:
-        outcome, detail, checksum = self._lib.read_frame(dir_fd, os.fsencode(name), header,
+        outcome, detail, checksum = self._lib.read_frame(dir_fd, name, header,
                                                          dest, hashed, PIECE_BYTES)
         return int(outcome), int(detail), int(checksum)
 

@@ -62,6 +62,7 @@ from collections.abc import Sequence
 
 from kvoffload.errors import ConfigError
 from kvoffload.tiers.checksum import (
+    FRAME_READ,
     NO_FILE,
     NOT_REGULAR,
     OPEN_ERROR,
@@ -315,8 +316,13 @@ class DiskStore(BlockStore):
         if outcome == NO_FILE:
             self._count(misses=1)
             return False
+        if outcome == FRAME_READ:
+            problem = check_header(header, dest.nbytes, self._fp, self.rank, key) or \
+                check_payload(header, checksum, dest, mac_key=self._mac_key)
+            if problem is None:
+                self._count(reads=1, read_bytes=dest.nbytes)
+                return True
         path = os.path.join(self.directory, name[:2], name + BLOCK_SUFFIX)
-        problem: str | None
         if outcome == OPEN_ERROR and detail == errno.ELOOP:  # O_NOFOLLOW met a symlink
             self._refuse(path, "a symbolic link")
             return False
@@ -331,16 +337,10 @@ class DiskStore(BlockStore):
             problem = f"{detail} bytes, expected {HEADER_BYTES + dest.nbytes} (truncated?)"
         elif outcome == SHORT:
             problem = "shorter than its size said (truncated while read)"
-        else:
-            problem = check_header(header, dest.nbytes, self._fp, self.rank, key) or \
-                check_payload(header, checksum, dest, mac_key=self._mac_key)
-        if problem is not None:
-            unlink_quietly(name + BLOCK_SUFFIX, fan)
-            self._count(rejected=1)
-            self._warn("disk tier: dropped block file %s: %s", path, problem)
-            return False
-        self._count(reads=1, read_bytes=dest.nbytes)
-        return True
+        unlink_quietly(name + BLOCK_SUFFIX, fan)
+        self._count(rejected=1)
+        self._warn("disk tier: dropped block file %s: %s", path, problem)
+        return False
 
     def _fan_fd(self, sub: str, *, create: bool) -> int | None:
         """The (cached) fd of fan-out directory ``sub``; None if it is missing (and
