@@ -226,7 +226,8 @@ class _NativeChecksums:
         self._lib.write_frame(fd, fields, payload, header_bytes, PIECE_BYTES)
 
     def kernels(self) -> tuple[str, ...]:
-        """The stripe loops this CPU runs (``scalar``, ``sse2``, ``avx2``, ``avx512``)."""
+        """The stripe loops this CPU runs (``scalar``, then ``sse2`` and ``avx2`` on x86-64
+        CPUs that have them)."""
         return tuple(self._lib.kernels())
 
     def kernel(self) -> str:
