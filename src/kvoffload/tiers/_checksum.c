@@ -177,7 +177,7 @@ static uint64_t hash_short(const uint8_t *p, size_t len) {
     return avalanche(acc);
 }
 
-/* -- the stripe loop: scalar, SSE2, AVX2 (AVX-512 measured no faster) ---------------------------------------------- */
+/* -- the stripe loop: scalar, SSE2, AVX2 (AVX-512 measured no faster here) ------------- */
 
 /* Each kernel accumulates ``n`` stripes at ``p``, each followed by more input, continuing
  * a block of which ``*in_block`` stripes are done, and scrambles every block they fill --
