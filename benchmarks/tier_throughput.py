@@ -1,7 +1,7 @@
 """Disk and remote tier throughput, against raw file I/O and raw Redis SET/GET.
 
 For each block size, the script fills ``--total-mib`` of host slots with random bytes and
-moves them through a real ``TierIO`` (the worker's tier path: framing, xxh3 checksum,
+moves them through a real ``TierIO`` (the worker's tier path: framing, XXH3-64 checksum,
 atomic temporary-file + rename on disk, pipelined ``SET``/``GET`` on Redis, verification of
 every header and checksum on the way back into the slots), as ``DEMOTE`` jobs (store) and
 ``PROMOTE`` jobs (load). The reference moves the same bytes with the same number of
@@ -19,15 +19,21 @@ through redis-py's cluster pipeline, which groups commands per master).
 Both run in the same process, interleaved (which goes first alternates), several
 repetitions; the ratio is tier throughput / raw throughput per repetition, reported as the
 median. Disk reads come from the page cache for both sides, where the tier's checksum of
-every byte (xxh3, a second pass over the data) is the dominant extra cost; ``--cold``
+every byte is the dominant extra cost (``kvoffload.tiers.checksum``: natively, each piece
+is hashed right after it is read, while in cache, without the GIL; run with
+``KVOFFLOAD_NATIVE_CHECKSUM=0`` to measure the ``xxhash`` package instead); ``--cold``
 evicts each side's files from the page cache before it reads (``POSIX_FADV_DONTNEED`` on
 those files only), measuring reads from the disk, which a tier larger than memory does;
 ``--fsync`` also measures durable writes. Loaded slot bytes are compared
 with the stored ones once per size. A ``redis-server`` is started on a free loopback port
 unless ``--redis-url`` is given.
 
+Goal: the disk tier at >= 0.85 of raw file I/O in every cell; the remote tier at >= 0.8 of
+raw ``SET``/``GET`` for blocks of 256 KiB and more.
+
     python benchmarks/tier_throughput.py
     python benchmarks/tier_throughput.py --sizes 256,1024,4096 --fsync --cold --json
+    python benchmarks/tier_throughput.py --tiers disk --sizes 256,1024,4096 --cold
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import torch
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.jobs import TierJob, TierJobId, TierOp
 from kvoffload.keys import make_offload_key
+from kvoffload.tiers.checksum import NATIVE, checksums
 from kvoffload.tiers.config import DiskTierConfig, RemoteTierConfig, TierConfig
 from kvoffload.worker import GroupTensors, TransferWorker
 from kvoffload.worker.tier_io import TierIO
@@ -356,6 +363,21 @@ def measure(block_kib: int, args: argparse.Namespace, redis_url: str,
     return rows
 
 
+def goal_of(row: Row) -> float | None:
+    """The ratio ``row`` must reach (None: no goal for it)."""
+    if row.tier == "disk":
+        return 0.85
+    return 0.8 if row.block_kib >= 256 else None
+
+
+def checksum_name() -> str:
+    """The checksum implementation the tier uses here, with its stripe loop."""
+    used = checksums()
+    if NATIVE is not None and used is NATIVE:
+        return f"native ({NATIVE.kernel()})"
+    return "xxhash package"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="64,256,1024,4096",
@@ -397,20 +419,23 @@ def main() -> None:
             for size in sizes:
                 rows.extend(measure(size, args, url, scratch, cluster=True))
     if args.json:
-        print(json.dumps([asdict(r) for r in rows], indent=1))
+        print(json.dumps([{**asdict(r), "checksum": checksum_name()} for r in rows], indent=1))
         return
     print(f"# tier throughput vs raw, {args.total_mib} MiB per run, {args.threads} threads, "
           f"redis pipeline {args.batch}, fsync={'on' if args.fsync else 'off'}, "
           f"disk loads {'cold (from disk)' if args.cold else 'from the page cache'}, "
-          f"{args.repeats} repetitions (median, [min, max] of per-repetition ratios)")
+          f"{args.repeats} repetitions (median, [min, max] of per-repetition ratios), "
+          f"checksum {checksum_name()}")
     print(f"{'tier':7} {'op':6} {'block':>8} {'tier MB/s':>10} {'raw MB/s':>10} "
           f"{'ratio':>6}  range")
     for r in sorted(rows, key=lambda r: (r.tier, r.op, r.block_kib)):
-        goal = "" if r.block_kib < 256 else ("  ok" if r.ratio >= 0.8 else "  BELOW 0.8")
+        target = goal_of(r)
+        goal = "" if target is None else (
+            "  ok" if r.ratio >= target else f"  BELOW {target}")
         print(f"{r.tier:7} {r.op:6} {r.block_kib:>6}Ki {r.tier_mb_s:>10.0f} "
               f"{r.raw_mb_s:>10.0f} {r.ratio:>6.2f}  [{r.ratio_min:.2f}, {r.ratio_max:.2f}]"
               f"{goal}")
-    print("goal: ratio >= 0.8 for blocks >= 256 KiB")
+    print("goal: disk >= 0.85 in every cell; remote >= 0.8 for blocks >= 256 KiB")
 
 
 if __name__ == "__main__":
