@@ -4,11 +4,12 @@ Every block in a lower tier carries the XXH3-64 (seed 0) of its header fields fo
 payload (``kvoffload.tiers.framing``). Two implementations give the same digests:
 
 * ``NATIVE``: the C extension ``kvoffload.tiers._checksum`` (built by ``setup.py`` where a C
-  compiler exists). It hashes without holding the GIL, and its ``read_hashed`` and
-  ``write_hashed`` move a whole payload between a file and memory in one call without the
-  GIL, hashing each piece right after it is read (or right before it is written) while it
-  is still in the CPU cache: one pass over the bytes, and I/O threads never wait for each
-  other's checksums.
+  compiler exists). It hashes without holding the GIL (an AVX2 or SSE2 stripe loop where
+  the CPU has one), and its ``read_frame`` / ``write_frame`` (the disk tier's read and
+  write of one block file) and ``read_hashed`` / ``write_hashed`` move a whole payload
+  between a file and memory in one call without the GIL, hashing each piece right after it
+  is read (or right before it is written) while it is still in the CPU cache: one pass
+  over the bytes from memory, and I/O threads never wait for each other.
 * ``PYTHON``: the ``xxhash`` package for the digest (which releases the GIL for buffers over
   64 KiB) and ``os.preadv`` / ``os.pwrite`` loops in Python for the I/O.
 
