@@ -37,7 +37,9 @@ and are removed like any damaged block.
 The checksum comes from ``kvoffload.tiers.checksum`` (a C extension that hashes without the
 GIL, or the ``xxhash`` package: the same digests). Writers that stream the payload to a file
 build the header in two steps -- ``header_fields`` and ``new_digest`` before the payload,
-``seal`` after it -- and readers hand ``PayloadCheck.digest`` to the hashed reads.
+``seal`` after it; readers that hash while they read (the disk tier's ``read_frame``) give
+the checksum they computed to ``check_payload``, and ``PayloadCheck`` checks a payload
+given piece by piece.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ Reads open the file, check its size, read the header, then the payload straight 
 host slot, and verify everything the header promises. The checksum is computed on the way
 (``kvoffload.tiers.checksum``): each piece of the payload is hashed right after it is read,
 or right before it is written, while still in the CPU cache -- with the native extension
-in one call per block that never holds the GIL. A damaged file (wrong
-size, magic, rank, layout, key or checksum -- or, with a MAC key, a MAC that does not
-verify) is deleted and read as a miss. Running out of space (``ENOSPC``) or any other
+in one call per block that never holds the GIL. A damaged file (wrong size, magic, rank,
+layout, key or checksum -- or, with a MAC key, a MAC that does not verify) is deleted and
+read as a miss. Running out of space (``ENOSPC``) or any other
 write error fails that block cleanly: the temporary file is removed, nothing else changes.
 
 What the directory is trusted with. Only the directory the configuration names
