@@ -1,10 +1,11 @@
 /*
  * kvoffload.tiers._checksum: the block frame's checksum (XXH3-64, seed 0, default secret),
- * computed without the GIL (an SSE2 or AVX2 stripe loop where the CPU has one), and file reads and writes that hash each piece while it is in
- * the CPU cache.
+ * computed without the GIL (an SSE2 or AVX2 stripe loop where the CPU has one), and file
+ * reads and writes that hash each piece while it is in the CPU cache.
  *
- * The hash is XXH3-64 as specified in xxHash's ``doc/xxhash_spec.md`` (the same digest as
- * ``xxhash.xxh3_64``), written here from the specification as a streaming hash:
+ * The hash is XXH3-64 as the xxHash project specifies it (its ``doc/xxhash_spec.md``; the
+ * same digest as ``xxhash.xxh3_64``), written here from the specification as a streaming
+ * hash:
  *
  *   xxh3_init(state)                  state: a bytearray of STATE_BYTES bytes
  *   xxh3_update(state, data)          any contiguous buffer
@@ -17,7 +18,8 @@
  *
  * ``pread_hashed`` fills ``dest`` from ``fd`` at ``offset`` with ``pread``, ``piece`` bytes
  * at a time, hashing each piece right after it lands; it returns the bytes read (fewer
- * than ``len(dest)`` only at end of file; the state is then unspecified). ``pwrite_hashed``
+ * than ``len(dest)`` only at end of file, the state then unspecified; OSError on a read
+ * error). ``pwrite_hashed``
  * hashes each piece of ``src`` and then writes it at ``offset``. Both run without the GIL
  * for the whole call; ``xxh3_update`` releases it for buffers of XXH_GIL_MIN_BYTES or more.
  * A state must not be used by two threads at once.
@@ -221,7 +223,8 @@ static inline __m128i stripe_sse2(__m128i a, const uint8_t *d, const uint8_t *s)
     __m128i value = _mm_loadu_si128((const __m128i *)d);
     __m128i keyed = _mm_xor_si128(value, _mm_loadu_si128((const __m128i *)s));
     __m128i product = _mm_mul_epu32(keyed, _mm_srli_epi64(keyed, 32));
-    return _mm_add_epi64(a, _mm_add_epi64(product, _mm_shuffle_epi32(value, _MM_SHUFFLE(1, 0, 3, 2))));
+    __m128i swapped = _mm_shuffle_epi32(value, _MM_SHUFFLE(1, 0, 3, 2));
+    return _mm_add_epi64(a, _mm_add_epi64(product, swapped));
 }
 
 static inline __m128i scramble_sse2(__m128i a, const uint8_t *s) {
