@@ -33,6 +33,13 @@ key is written anywhere: a block MAC'd with another key simply fails to verify.
 
 Version 1 frames (106-byte header, no MAC field) read as damaged (wrong size or version)
 and are removed like any damaged block.
+
+The checksum comes from ``kvoffload.tiers.checksum`` (a C extension that hashes without the
+GIL, or the ``xxhash`` package: the same digests). Writers that stream the payload to a file
+build the header in two steps -- ``header_fields`` and ``new_digest`` before the payload,
+``seal`` after it; readers that hash while they read (the disk tier's ``read_frame``) give
+the checksum they computed to ``check_payload``, and ``PayloadCheck`` checks a payload
+given piece by piece.
 """
 
 from __future__ import annotations
@@ -41,9 +48,10 @@ import hashlib
 import hmac
 import struct
 
-import xxhash
+from kvoffload.tiers import checksum as _checksum
+from kvoffload.tiers.checksum import Checksums, Digest, checksums
 
-BytesLike = bytes | bytearray | memoryview
+BytesLike = _checksum.BytesLike
 """Anything with contiguous bytes the framing reads."""
 
 MAGIC = b"KVOB"
@@ -61,6 +69,8 @@ _CHECKED = _FIELDS.size + _CHECKSUM.size
 """Header bytes the MAC covers before the payload (everything but the MAC field)."""
 HEADER_BYTES = _CHECKED + MAC_BYTES
 """Bytes before the payload (122)."""
+FIELDS_BYTES = _FIELDS.size
+"""Bytes of ``header_fields`` (98): the header's start, which the checksum covers."""
 _NO_MAC = bytes(MAC_BYTES)
 _MAC_PERSON = b"kvoffload-block"
 _KEY_PERSON = b"kvoffload-key"
@@ -110,19 +120,29 @@ class MacKey:
     __str__ = __repr__
 
 
-def encode_header(fingerprint: bytes, rank: int, key: bytes, payload: BytesLike, *,
-                  mac_key: MacKey | None = None) -> bytes:
-    """The header of ``payload`` stored as ``key`` by ``rank`` (computes the checksum, and
-    the MAC with ``mac_key``; without one the MAC field is zero)."""
+def header_fields(fingerprint: bytes, rank: int, key: bytes, payload_bytes: int) -> bytes:
+    """Bytes 0..97 of the header of a ``payload_bytes`` payload stored as ``key`` by
+    ``rank``: everything but the checksum and the MAC."""
     if len(fingerprint) != FINGERPRINT_BYTES:
         raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes")
     if len(key) > MAX_KEY_BYTES:
         raise ValueError(f"key of {len(key)} bytes exceeds {MAX_KEY_BYTES}")
-    size = memoryview(payload).nbytes
-    fields = _FIELDS.pack(MAGIC, VERSION, rank, fingerprint, len(key), key, size)
-    digest = xxhash.xxh3_64(fields)
-    digest.update(payload)
-    checked = fields + _CHECKSUM.pack(digest.intdigest())
+    return _FIELDS.pack(MAGIC, VERSION, rank, fingerprint, len(key), key, payload_bytes)
+
+
+def new_digest(fields: BytesLike, using: Checksums | None = None) -> Digest:
+    """The running checksum of a frame, fed its ``header_fields``; feed it the payload
+    next (``using``: the checksum implementation, default ``checksums()``)."""
+    digest = (using or checksums()).new()
+    digest.update(fields)
+    return digest
+
+
+def seal(fields: bytes, checksum: int, payload: BytesLike, *,
+         mac_key: MacKey | None = None) -> bytes:
+    """The header: ``fields``, the ``checksum`` of fields and payload, and the MAC of both
+    with ``mac_key`` (computed here over ``payload``; without a key the field is zero)."""
+    checked = fields + _CHECKSUM.pack(checksum)
     if mac_key is None:
         return checked + _NO_MAC
     mac = mac_key.new()
@@ -131,14 +151,29 @@ def encode_header(fingerprint: bytes, rank: int, key: bytes, payload: BytesLike,
     return checked + mac.digest()
 
 
+def encode_header(fingerprint: bytes, rank: int, key: bytes, payload: BytesLike, *,
+                  mac_key: MacKey | None = None) -> bytes:
+    """The header of ``payload`` stored as ``key`` by ``rank`` (computes the checksum, and
+    the MAC with ``mac_key``; without one the MAC field is zero)."""
+    fields = header_fields(fingerprint, rank, key, memoryview(payload).nbytes)
+    digest = new_digest(fields)
+    digest.update(payload)
+    return seal(fields, digest.intdigest(), payload, mac_key=mac_key)
+
+
 class PayloadCheck:
     """Checks a payload against a header piece by piece (``update`` as bytes arrive,
     ``problem`` at the end), so a reader can hash each piece while it is still in cache.
-    With ``mac_key`` the MAC must verify too; without, the MAC field is not looked at."""
+    With ``mac_key`` the MAC must verify too; without, the MAC field is not looked at.
 
-    def __init__(self, header: BytesLike, *, mac_key: MacKey | None = None) -> None:
+    A reader whose I/O feeds the checksum itself (``Checksums.read_hashed``) passes
+    ``digest`` to it, then the same bytes to ``update_mac``.
+    """
+
+    def __init__(self, header: BytesLike, *, mac_key: MacKey | None = None,
+                 using: Checksums | None = None) -> None:
         head = memoryview(header)
-        self._digest = xxhash.xxh3_64(head[: _FIELDS.size])
+        self.digest = new_digest(head[: _FIELDS.size], using)
         (self._expected,) = _CHECKSUM.unpack(head[_FIELDS.size:_CHECKED])
         self._mac = None
         if mac_key is not None:
@@ -147,19 +182,46 @@ class PayloadCheck:
             self._expected_mac = bytes(head[_CHECKED:HEADER_BYTES])
 
     def update(self, piece: BytesLike) -> None:
-        self._digest.update(piece)
+        """Feed ``piece`` to the checksum and the MAC."""
+        self.digest.update(piece)
+        self.update_mac(piece)
+
+    def update_mac(self, piece: BytesLike) -> None:
+        """Feed ``piece`` to the MAC alone (the checksum had it from ``digest``'s user)."""
         if self._mac is not None:
             self._mac.update(piece)
 
     def problem(self) -> str | None:
-        if self._digest.intdigest() != self._expected:
+        if self.digest.intdigest() != self._expected:
             return "checksum mismatch (corrupt block)"
-        if self._mac is not None and not hmac.compare_digest(self._mac.digest(),
-                                                             self._expected_mac):
-            if self._expected_mac == _NO_MAC:
-                return "no MAC (written without the tier MAC key, or forged)"
-            return "MAC mismatch (written with another tier MAC key, or forged)"
+        if self._mac is not None:
+            return _mac_problem(self._mac.digest(), self._expected_mac)
         return None
+
+
+def check_payload(header: BytesLike, checksum: int, payload: BytesLike, *,
+                  mac_key: MacKey | None = None) -> str | None:
+    """Why ``payload``, whose ``checksum`` (the XXH3-64 of the header's first
+    ``FIELDS_BYTES`` followed by the payload) the reader computed while reading it, is not
+    the one ``header`` announces, or None (with ``mac_key``: only if the MAC verifies)."""
+    head = memoryview(header)
+    (expected,) = _CHECKSUM.unpack(head[_FIELDS.size:_CHECKED])
+    if checksum != expected:
+        return "checksum mismatch (corrupt block)"
+    if mac_key is None:
+        return None
+    mac = mac_key.new()
+    mac.update(head[:_CHECKED])
+    mac.update(payload)
+    return _mac_problem(mac.digest(), bytes(head[_CHECKED:HEADER_BYTES]))
+
+
+def _mac_problem(mac: bytes, expected: bytes) -> str | None:
+    if hmac.compare_digest(mac, expected):
+        return None
+    if expected == _NO_MAC:
+        return "no MAC (written without the tier MAC key, or forged)"
+    return "MAC mismatch (written with another tier MAC key, or forged)"
 
 
 def check_header(header: BytesLike, payload_bytes: int, fingerprint: bytes, rank: int,

@@ -2,15 +2,18 @@
 
 Each block is one file, ``header + payload`` (``kvoffload.tiers.framing``), at
 ``kvoffload.tiers.naming.block_path``. Writes are atomic: the bytes go to a temporary file
-in the same directory (gather-written straight from the host slot, no copy), optionally
+in the same directory (written straight from the host slot, no copy), optionally
 ``fsync``-ed, then renamed over the final name (and the directory entry ``fsync``-ed), so
 a crash leaves the old file, the new one, or a temporary file -- never a torn block under a
 block's name. Temporary files a crash left behind are removed when a store opens.
 
-Reads open the file, check its size, scatter-read header and payload (the payload straight
-into the host slot), and verify everything the header promises. A damaged file (wrong
-size, magic, rank, layout, key or checksum -- or, with a MAC key, a MAC that does not
-verify) is deleted and read as a miss. Running out of space (``ENOSPC``) or any other
+Reads open the file, check its size, read the header, then the payload straight into the
+host slot, and verify everything the header promises. The checksum is computed on the way
+(``kvoffload.tiers.checksum``): each piece of the payload is hashed right after it is read,
+or right before it is written, while still in the CPU cache -- with the native extension
+in one call per block that never holds the GIL. A damaged file (wrong size, magic, rank,
+layout, key or checksum -- or, with a MAC key, a MAC that does not verify) is deleted and
+read as a miss. Running out of space (``ENOSPC``) or any other
 write error fails that block cleanly: the temporary file is removed, nothing else changes.
 
 What the directory is trusted with. Only the directory the configuration names
@@ -58,14 +61,28 @@ import time
 from collections.abc import Sequence
 
 from kvoffload.errors import ConfigError
+from kvoffload.tiers.checksum import (
+    FRAME_READ,
+    NO_FILE,
+    NOT_REGULAR,
+    OPEN_ERROR,
+    READ_ERROR,
+    SHORT,
+    WRONG_SIZE,
+    Checksums,
+    checksums,
+)
 from kvoffload.tiers.framing import (
+    FIELDS_BYTES,
     FINGERPRINT_BYTES,
     HEADER_BYTES,
     BytesLike,
     MacKey,
-    PayloadCheck,
     check_header,
-    encode_header,
+    check_payload,
+    header_fields,
+    new_digest,
+    seal,
 )
 from kvoffload.tiers.naming import BLOCK_SUFFIX, TMP_SUFFIX, rank_dir
 from kvoffload.worker.block_store import BlockStore, StoreError
@@ -74,7 +91,6 @@ from kvoffload.worker.disk_fs import (
     Refused,
     create_exclusive,
     open_subdir,
-    read_all,
     unlink_quietly,
     write_all,
     write_file,
@@ -83,8 +99,6 @@ from kvoffload.worker.disk_fs import (
 logger = logging.getLogger(__name__)
 
 _WARN_EVERY_S = 30.0
-_PIECE = 256 << 10
-"""Bytes read per ``preadv`` on load: each piece is hashed while still in cache."""
 EPOCH_FILE = "EPOCH"
 """``rank<r>/EPOCH``: the epoch a purge that may leave blocks behind writes first."""
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -98,7 +112,8 @@ class DiskStore(BlockStore):
     name = "disk"
 
     def __init__(self, root: str, ns: str, rank: int, fingerprint: bytes, *,
-                 fsync: bool = True, mac_key: MacKey | None = None) -> None:
+                 fsync: bool = True, mac_key: MacKey | None = None,
+                 using: Checksums | None = None) -> None:
         """Lock the directory, open (create) the rank's directory, read its epoch and
         remove temporary files left by a crash.
 
@@ -111,6 +126,8 @@ class DiskStore(BlockStore):
             fsync: make every block durable before reporting it stored.
             mac_key: MAC every file with it and accept only files whose MAC verifies
                 (None: unkeyed checksums only; ``kvoffload.tiers.framing``).
+            using: the checksum implementation (default ``checksums()``: the native one
+                where it was built; ``kvoffload.tiers.checksum``).
 
         Raises:
             ConfigError: another engine holds the directory, it cannot be written (a
@@ -123,6 +140,7 @@ class DiskStore(BlockStore):
         self.fingerprint = fingerprint
         self.fsync = fsync
         self._mac_key = mac_key
+        self._checksums = using or checksums()
         self.directory = rank_dir(root, ns, rank)
         try:
             os.makedirs(root, exist_ok=True)
@@ -209,8 +227,7 @@ class DiskStore(BlockStore):
         try:
             fan, fd = self._create_tmp(name[:2], tmp)  # may re-read the epoch: first
             try:
-                header = encode_header(self._fp, self.rank, key, data, mac_key=self._mac_key)
-                write_all(fd, [memoryview(header), data])
+                self._write_frame(fd, key, data)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -227,6 +244,20 @@ class DiskStore(BlockStore):
             return False
         self._count(writes=1, written_bytes=data.nbytes)
         return True
+
+    def _write_frame(self, fd: int, key: bytes, data: memoryview) -> None:
+        """Write ``header + data`` into the new file ``fd``. Without a MAC key in one call
+        (``write_frame``: the payload hashed piece by piece on its way out, then the
+        header); the MAC needs the checksum first, so with a key the payload is hashed,
+        MAC'd, then written."""
+        fields = header_fields(self._fp, self.rank, key, data.nbytes)
+        if self._mac_key is None:
+            self._checksums.write_frame(fd, fields, data, HEADER_BYTES)
+            return
+        digest = new_digest(fields, self._checksums)
+        digest.update(data)
+        header = seal(fields, digest.intdigest(), data, mac_key=self._mac_key)
+        write_all(fd, [memoryview(header), data])
 
     def _create_tmp(self, sub: str, tmp: str) -> tuple[int, int]:
         """``(fan-out fd, fd of a new temporary file tmp in it)``; ``OSError`` if it cannot
@@ -275,63 +306,41 @@ class DiskStore(BlockStore):
 
     def _get(self, key: bytes, dest: memoryview) -> bool:
         name = key.hex()
-        path = os.path.join(self.directory, name[:2], name + BLOCK_SUFFIX)
         fan = self._fan_fd(name[:2], create=False)
         if fan is None:
             self._count(misses=1)
             return False
-        try:
-            fd = os.open(name + BLOCK_SUFFIX, _READ_FLAGS, dir_fd=fan)
-        except FileNotFoundError:
+        header = bytearray(HEADER_BYTES)
+        outcome, detail, checksum = self._checksums.read_frame(
+            fan, name + BLOCK_SUFFIX, header, dest, FIELDS_BYTES)
+        if outcome == NO_FILE:
             self._count(misses=1)
             return False
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
-                self._refuse(path, "a symbolic link")
-            else:
-                self._warn("disk tier: cannot open %s (%s)", path, exc)
+        if outcome == FRAME_READ:
+            problem = check_header(header, dest.nbytes, self._fp, self.rank, key) or \
+                check_payload(header, checksum, dest, mac_key=self._mac_key)
+            if problem is None:
+                self._count(reads=1, read_bytes=dest.nbytes)
+                return True
+        path = os.path.join(self.directory, name[:2], name + BLOCK_SUFFIX)
+        if outcome == OPEN_ERROR and detail == errno.ELOOP:  # O_NOFOLLOW met a symlink
+            self._refuse(path, "a symbolic link")
             return False
-        problem: str | None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                self._refuse(path, "not a regular file")
-                return False
-            if st.st_size != HEADER_BYTES + dest.nbytes:
-                problem = f"{st.st_size} bytes, expected {HEADER_BYTES + dest.nbytes} " \
-                          "(truncated?)"
-            else:
-                problem = self._read_verified(fd, key, dest)
-        except OSError as exc:
-            self._warn("disk tier: cannot read %s (%s)", path, exc)
+        if outcome == NOT_REGULAR:
+            self._refuse(path, "not a regular file")
             return False
-        finally:
-            os.close(fd)
-        if problem is not None:
-            unlink_quietly(name + BLOCK_SUFFIX, fan)
-            self._count(rejected=1)
-            self._warn("disk tier: dropped block file %s: %s", path, problem)
+        if outcome in (OPEN_ERROR, READ_ERROR):
+            self._warn("disk tier: cannot %s %s (%s)", "open" if outcome == OPEN_ERROR
+                       else "read", path, os.strerror(detail))
             return False
-        self._count(reads=1, read_bytes=dest.nbytes)
-        return True
-
-    def _read_verified(self, fd: int, key: bytes, dest: memoryview) -> str | None:
-        """Read the header, then the payload into ``dest`` in pieces of ``_PIECE`` bytes,
-        hashing each piece right after it lands (still in cache); why the block is not
-        ``key``'s, or None."""
-        header = bytearray(HEADER_BYTES)
-        if not read_all(fd, [memoryview(header)]):
-            return "shorter than its size said (truncated while read)"
-        problem = check_header(header, dest.nbytes, self._fp, self.rank, key)
-        if problem is not None:
-            return problem
-        verify = PayloadCheck(header, mac_key=self._mac_key)
-        for start in range(0, dest.nbytes, _PIECE):
-            piece = dest[start:start + _PIECE]
-            if not read_all(fd, [piece], HEADER_BYTES + start):
-                return "shorter than its size said (truncated while read)"
-            verify.update(piece)
-        return verify.problem()
+        if outcome == WRONG_SIZE:
+            problem = f"{detail} bytes, expected {HEADER_BYTES + dest.nbytes} (truncated?)"
+        elif outcome == SHORT:
+            problem = "shorter than its size said (truncated while read)"
+        unlink_quietly(name + BLOCK_SUFFIX, fan)
+        self._count(rejected=1)
+        self._warn("disk tier: dropped block file %s: %s", path, problem)
+        return False
 
     def _fan_fd(self, sub: str, *, create: bool) -> int | None:
         """The (cached) fd of fan-out directory ``sub``; None if it is missing (and

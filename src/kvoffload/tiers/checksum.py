@@ -1,0 +1,280 @@
+"""The block frame's checksum (XXH3-64), and file reads and writes that compute it on the way.
+
+Every block in a lower tier carries the XXH3-64 (seed 0) of its header fields followed by its
+payload (``kvoffload.tiers.framing``). Two implementations give the same digests:
+
+* ``NATIVE``: the C extension ``kvoffload.tiers._checksum`` (built by ``setup.py`` where a C
+  compiler exists). It hashes without holding the GIL (an AVX2 or SSE2 stripe loop where
+  the CPU has one), and its ``read_frame`` / ``write_frame`` (the disk tier's read and
+  write of one block file) and ``read_hashed`` / ``write_hashed`` move a whole payload
+  between a file and memory in one call without the GIL, hashing each piece right after it
+  is read (or right before it is written) while it is still in the CPU cache: one pass
+  over the bytes from memory, and I/O threads never wait for each other.
+* ``PYTHON``: the ``xxhash`` package for the digest (which releases the GIL for buffers over
+  64 KiB) and ``os.preadv`` / ``os.pwrite`` loops in Python for the I/O.
+
+``checksums()`` is the one in use: ``NATIVE`` where it was built, unless
+``KVOFFLOAD_NATIVE_CHECKSUM=0`` is set (read when this module is imported).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from types import ModuleType
+from typing import Protocol
+
+import xxhash
+
+logger = logging.getLogger(__name__)
+
+BytesLike = bytes | bytearray | memoryview
+"""Anything with contiguous bytes."""
+
+DISABLE_ENV = "KVOFFLOAD_NATIVE_CHECKSUM"
+"""Set to ``0`` to checksum with the ``xxhash`` package even where the extension is built."""
+
+PIECE_BYTES = 256 << 10
+"""Bytes per read or write in ``read_hashed`` / ``write_hashed``: each piece is hashed while
+still in cache."""
+
+
+FRAME_READ, NO_FILE, OPEN_ERROR, NOT_REGULAR, WRONG_SIZE, SHORT, READ_ERROR = range(7)
+"""Outcomes of ``Checksums.read_frame``: read (``detail`` 0), no such file, another open
+error (``detail``: its errno; ``ELOOP`` for a symlink), not a regular file, a file of
+another size (``detail``: its size), shorter than its size said while read, a read error
+(``detail``: its errno)."""
+
+Frame = tuple[int, int, int]
+"""``(outcome, detail, checksum)`` of ``Checksums.read_frame``."""
+
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class Digest(Protocol):
+    """A running XXH3-64: ``update`` with bytes, ``intdigest`` of everything so far."""
+
+    def update(self, data: BytesLike) -> None: ...
+
+    def intdigest(self) -> int: ...
+
+
+class Checksums(Protocol):
+    """One implementation of the checksum and of the hashed file I/O."""
+
+    name: str
+
+    def new(self) -> Digest:
+        """A fresh XXH3-64 (seed 0)."""
+        ...
+
+    def read_hashed(self, fd: int, dest: memoryview, offset: int, digest: Digest) -> bool:
+        """Fill ``dest`` from ``fd`` at ``offset``, feeding each piece to ``digest`` (one
+        made by ``new``) as it lands; False when the file ends first (``digest`` is then
+        unspecified). ``OSError`` as the reads raise it."""
+        ...
+
+    def write_hashed(self, fd: int, src: BytesLike, offset: int, digest: Digest) -> None:
+        """Write all of ``src`` to ``fd`` at ``offset``, feeding each piece to ``digest``
+        (one made by ``new``) before it is written. ``OSError`` as the writes raise it."""
+        ...
+
+    def read_frame(self, dir_fd: int, name: str, header: bytearray, dest: memoryview,
+                   hashed: int) -> Frame:
+        """Read one block file: open ``name`` in ``dir_fd`` without following a symlink or
+        waiting (``O_NOFOLLOW | O_NONBLOCK``), check that it is a regular file of exactly
+        ``len(header) + len(dest)`` bytes, read ``header`` then ``dest``; the checksum is
+        the XXH3-64 of ``header[:hashed]`` followed by ``dest``, hashed while read. Returns
+        ``(outcome, detail, checksum)`` (see ``FRAME_READ``; the checksum is 0 unless the
+        frame was read); raises nothing for I/O errors."""
+        ...
+
+    def write_frame(self, fd: int, fields: bytes, payload: BytesLike,
+                    header_bytes: int) -> None:
+        """Write a frame without a MAC into the new file ``fd``: ``payload`` at offset
+        ``header_bytes``, hashed piece by piece on its way out, then at offset 0 the header
+        ``fields + checksum (little-endian uint64) + zeros`` up to ``header_bytes``, the
+        checksum being the XXH3-64 of ``fields`` followed by ``payload``. ``OSError`` as
+        the writes raise it."""
+        ...
+
+
+class _PythonChecksums:
+    """The ``xxhash`` package and I/O loops in Python."""
+
+    name = "python"
+
+    def new(self) -> Digest:
+        digest: Digest = xxhash.xxh3_64()
+        return digest
+
+    def read_hashed(self, fd: int, dest: memoryview, offset: int, digest: Digest) -> bool:
+        view = dest.cast("B")
+        for start in range(0, view.nbytes, PIECE_BYTES):
+            piece = view[start:start + PIECE_BYTES]
+            filled = 0
+            while filled < piece.nbytes:
+                n = os.preadv(fd, [piece[filled:]], offset + start + filled)
+                if n == 0:
+                    return False
+                filled += n
+            digest.update(piece)
+        return True
+
+    def write_hashed(self, fd: int, src: BytesLike, offset: int, digest: Digest) -> None:
+        view = memoryview(src).cast("B")
+        for start in range(0, view.nbytes, PIECE_BYTES):
+            piece = view[start:start + PIECE_BYTES]
+            digest.update(piece)
+            written = 0
+            while written < piece.nbytes:
+                written += os.pwrite(fd, piece[written:], offset + start + written)
+
+
+    def read_frame(self, dir_fd: int, name: str, header: bytearray, dest: memoryview,
+                   hashed: int) -> Frame:
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return NO_FILE, errno.ENOENT, 0
+        except OSError as exc:
+            return OPEN_ERROR, exc.errno or 0, 0
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                return NOT_REGULAR, 0, 0
+            if info.st_size != len(header) + dest.nbytes:
+                return WRONG_SIZE, info.st_size, 0
+            head = memoryview(header)
+            digest = self.new()
+            if not self.read_hashed(fd, head, 0, digest):
+                return SHORT, 0, 0
+            digest = self.new()
+            digest.update(head[:hashed])
+            if not self.read_hashed(fd, dest, len(header), digest):
+                return SHORT, 0, 0
+            return FRAME_READ, 0, digest.intdigest()
+        except OSError as exc:
+            return READ_ERROR, exc.errno or 0, 0
+        finally:
+            os.close(fd)
+
+    def write_frame(self, fd: int, fields: bytes, payload: BytesLike,
+                    header_bytes: int) -> None:
+        _check_header_bytes(fields, header_bytes)
+        digest = self.new()
+        digest.update(fields)
+        self.write_hashed(fd, payload, header_bytes, digest)
+        header = fields + digest.intdigest().to_bytes(8, "little")
+        header += bytes(header_bytes - len(header))
+        written = 0
+        while written < len(header):
+            written += os.pwrite(fd, header[written:], written)
+
+
+def _check_header_bytes(fields: bytes, header_bytes: int) -> None:
+    if not len(fields) + 8 <= header_bytes <= 4096:
+        raise ValueError(f"header_bytes must be in [len(fields) + 8, 4096], got "
+                         f"{header_bytes}")
+
+
+class _NativeDigest:
+    """XXH3-64 in the extension; its state is a ``bytearray`` the C code works in."""
+
+    __slots__ = ("_lib", "state")
+
+    def __init__(self, lib: ModuleType) -> None:
+        self._lib = lib
+        self.state = bytearray(lib.STATE_BYTES)
+        lib.xxh3_init(self.state)
+
+    def update(self, data: BytesLike) -> None:
+        self._lib.xxh3_update(self.state, data)
+
+    def intdigest(self) -> int:
+        return int(self._lib.xxh3_digest(self.state))
+
+
+class _NativeChecksums:
+    """The C extension: hashing and hashed I/O without the GIL."""
+
+    name = "native"
+
+    def __init__(self, lib: ModuleType) -> None:
+        self._lib = lib
+
+    def new(self) -> Digest:
+        return _NativeDigest(self._lib)
+
+    def read_hashed(self, fd: int, dest: memoryview, offset: int, digest: Digest) -> bool:
+        read = self._lib.pread_hashed(fd, dest, offset, _state(digest), PIECE_BYTES)
+        return bool(read == dest.nbytes)
+
+    def write_hashed(self, fd: int, src: BytesLike, offset: int, digest: Digest) -> None:
+        self._lib.pwrite_hashed(fd, src, offset, _state(digest), PIECE_BYTES)
+
+    def read_frame(self, dir_fd: int, name: str, header: bytearray, dest: memoryview,
+                   hashed: int) -> Frame:
+        outcome, detail, checksum = self._lib.read_frame(dir_fd, name, header,
+                                                         dest, hashed, PIECE_BYTES)
+        return int(outcome), int(detail), int(checksum)
+
+    def write_frame(self, fd: int, fields: bytes, payload: BytesLike,
+                    header_bytes: int) -> None:
+        _check_header_bytes(fields, header_bytes)
+        self._lib.write_frame(fd, fields, payload, header_bytes, PIECE_BYTES)
+
+    def kernels(self) -> tuple[str, ...]:
+        """The stripe loops this CPU runs (``scalar``, then ``sse2`` and ``avx2`` on x86-64
+        CPUs that have them)."""
+        return tuple(self._lib.kernels())
+
+    def kernel(self) -> str:
+        """The stripe loop in use (the widest this CPU runs)."""
+        return str(self._lib.kernel())
+
+    def use_kernel(self, name: str) -> None:
+        """Switch the stripe loop for the whole process (tests compare them);
+        ``ValueError`` for one this CPU does not run."""
+        self._lib.use_kernel(name)
+
+
+def _state(digest: Digest) -> bytearray:
+    if not isinstance(digest, _NativeDigest):
+        raise TypeError(f"the native checksum I/O needs a digest from its own new(), "
+                        f"not {type(digest).__name__}")
+    return digest.state
+
+
+def _load_native() -> _NativeChecksums | None:
+    try:
+        from kvoffload.tiers import _checksum  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _NativeChecksums(_checksum)
+
+
+PYTHON: Checksums = _PythonChecksums()
+NATIVE: _NativeChecksums | None = _load_native()
+"""The extension, or None where it was not built (no C compiler at install)."""
+
+
+def _choose() -> Checksums:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        logger.info("%s=0: block checksums with the xxhash package", DISABLE_ENV)
+        return PYTHON
+    if NATIVE is None:
+        logger.info("kvoffload's native checksum was not built (no C compiler at install?); "
+                    "block checksums with the xxhash package")
+        return PYTHON
+    return NATIVE
+
+
+_ACTIVE = _choose()
+
+
+def checksums() -> Checksums:
+    """The implementation in use (see the module docstring)."""
+    return _ACTIVE
