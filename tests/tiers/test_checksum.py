@@ -35,6 +35,14 @@ DATA = random.Random(7).randbytes(4 * PIECE_BYTES)
 MAC_START = HEADER_BYTES - MAC_BYTES
 
 
+def test_the_checksum_extension_is_built_where_required() -> None:
+    # CI sets KVOFFLOAD_REQUIRE_NATIVE_COPY=1 for every native piece, so a build that
+    # silently lost the extension fails here instead of testing only the fallback.
+    if os.environ.get("KVOFFLOAD_REQUIRE_NATIVE_COPY") != "1":
+        pytest.skip("set KVOFFLOAD_REQUIRE_NATIVE_COPY=1 to require the native pieces")
+    assert NATIVE is not None, "kvoffload.tiers._checksum was not built: is a C compiler there?"
+
+
 @pytest.fixture(params=[c.name for c in IMPLEMENTATIONS])
 def impl(request: pytest.FixtureRequest) -> Checksums:
     return next(c for c in IMPLEMENTATIONS if c.name == request.param)
