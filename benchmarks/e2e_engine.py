@@ -270,6 +270,8 @@ def connector_counters(llm: Any) -> dict[str, Any]:
     stats = side.planner.stats
     counters: dict[str, Any] = {"hit_tokens": stats.lookup_hit_tokens,
                                 "load_jobs": stats.load_jobs, "store_jobs": stats.store_jobs,
+                                "deferred_lookups": stats.deferred_lookups,
+                                "deferral_timeouts": stats.deferral_timeouts,
                                 "failed_loads": stats.failed_loads,
                                 "abandoned_loads": stats.abandoned_loads}
     loaded = getattr(getattr(side.tier, "stats", None), "loaded_blocks", None)

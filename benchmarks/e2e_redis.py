@@ -33,16 +33,17 @@ def _answers_ping(port: int) -> bool:
 
 @contextlib.contextmanager
 def redis_server(binary: str | None = None) -> Iterator[str]:
-    """Start ``redis-server`` (``binary``, else the one on PATH); yield its URL.
+    """Start ``redis-server`` (the program ``binary`` names, else the one on PATH); yield
+    its URL.
 
     Raises ``RuntimeError`` with what to do when no binary is found or the server does
     not answer within 10 s.
     """
-    path = binary or shutil.which("redis-server")
+    path = shutil.which(binary or "redis-server")
     if path is None:
-        raise RuntimeError("redis-server is not on PATH: install it (scripts/install_redis.sh"
-                           " on Debian/Ubuntu) or leave the Redis configuration out with "
-                           "--configs")
+        raise RuntimeError(f"{binary or 'redis-server'} is not found: install redis-server "
+                           "(scripts/install_redis.sh on Debian/Ubuntu) or leave the Redis "
+                           "configuration out with --configs")
     with tempfile.TemporaryDirectory(prefix="kvoffload-e2e-redis-") as directory:
         port = free_port()
         log = Path(directory) / "redis-server.log"
