@@ -190,7 +190,8 @@ def engine(model: BuiltModel, config: Configuration, settings: RunSettings,
                   max_num_batched_tokens=spec.step_tokens,
                   kv_cache_memory_bytes=spec.engine_cache_bytes(max_len,
                                                                 ENGINE_CACHE_REQUESTS),
-                  disable_log_stats=False, kv_transfer_config=transfer)
+                  disable_log_stats=False, use_tqdm_on_load=False,
+                  kv_transfer_config=transfer)
         check_groups(llm, model)
         yield llm
     finally:

@@ -177,7 +177,9 @@ def build_model(spec: ModelSpec, root: Path) -> BuiltModel:
     if not info.exists():
         import torch
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()
         out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(spec.make_config())

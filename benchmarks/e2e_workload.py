@@ -45,9 +45,9 @@ class WorkloadShape:
     """Sizes of the workload, in tokens and counts (validated on construction)."""
 
     system_tokens: int = 256
-    documents: int = 3
+    documents: int = 2
     document_tokens: int = 3800
-    conversations: int = 6
+    conversations: int = 4
     turns: int = 3
     question_tokens: int = 64
     answer_tokens: int = 32
@@ -155,6 +155,6 @@ class Conversations:
         self._history[turn.conversation] = list(prompt) + list(answer)
 
 
-QUICK = WorkloadShape(system_tokens=128, documents=2, document_tokens=1800, conversations=4,
+QUICK = WorkloadShape(system_tokens=128, documents=2, document_tokens=1800, conversations=3,
                       turns=2, question_tokens=32, answer_tokens=16)
-"""The ``--quick`` shape: 2k-token prompts, 8 requests per model."""
+"""The ``--quick`` shape: 2k-token prompts, 6 requests per model."""
