@@ -254,7 +254,8 @@ def warm_up(llm: Any, offloads: bool) -> None:
     from vllm import SamplingParams
 
     rng = random.Random("warm-up")
-    prompt = [rng.randrange(FIRST_ORDINARY_TOKEN, VOCAB) for _ in range(WARMUP_TOKENS)]
+    length = min(WARMUP_TOKENS, llm.llm_engine.vllm_config.model_config.max_model_len - 8)
+    prompt = [rng.randrange(FIRST_ORDINARY_TOKEN, VOCAB) for _ in range(length)]
     controls = {"kv_transfer_params": {"max_offload_tokens": 0, "max_load_tokens": 0}}
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False,
                             extra_args=controls if offloads else None)

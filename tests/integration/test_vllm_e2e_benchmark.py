@@ -206,7 +206,7 @@ def test_a_short_run_matches_recompute_and_hits(tmp_path: Path,
     import vllm_e2e
 
     argv = ["--models", "llama", "--configs", "host,disk,restart", "--json",
-            "--workdir", str(tmp_path), "--system-tokens", "64", "--documents", "1",
+            "--workdir", str(tmp_path), "--system-tokens", "64", "--documents", "2",
             "--document-tokens", "448", "--conversations", "2", "--turns", "2",
             "--question-tokens", "16", "--answer-tokens", "4"]
     assert vllm_e2e.main(argv) == 0
