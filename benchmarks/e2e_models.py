@@ -3,7 +3,7 @@
 Nothing is downloaded. Each model is a ``transformers`` config with random weights, saved
 to a directory vLLM loads with ``LLM(model=path, skip_tokenizer_init=True)``: prompts are
 token ids, so no tokenizer is needed. The shapes are those of small production models
-scaled to 8 layers and a hidden size of 512 (about 25M parameters outside the embedding),
+scaled to 8 layers and a hidden size of 512 (24M to 30M parameters outside the embedding),
 large enough that a 4k-token prefill takes seconds on vLLM's CPU backend:
 
 * ``llama``: Llama-shaped, full attention only (8 query heads, 2 KV heads of 64).
