@@ -23,7 +23,7 @@ Greedy outputs of every configuration must equal those of the run without offloa
 and every offloading configuration must record hits; otherwise the script exits 1.
 
 Examples:
-  python benchmarks/vllm_e2e.py                      # the default run (about 15 min)
+  python benchmarks/vllm_e2e.py                      # the default run (about 6 min)
   python benchmarks/vllm_e2e.py --quick              # 2k-token prompts, a few minutes
   python benchmarks/vllm_e2e.py --models llama --configs none,host --json > llama.json
   python benchmarks/vllm_e2e.py --quick --plot e2e.png
