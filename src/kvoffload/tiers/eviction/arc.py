@@ -9,12 +9,15 @@ Four ordered lists, least recent first:
 ``target_t1_size`` is how large ``t1`` should be. A touch of a ``b1`` ghost (a key evicted
 too early for being "seen once") raises it by ``max(1, |b2| / |b1|)``, capped at capacity;
 a touch of a ``b2`` ghost lowers it by ``max(1, |b1| / |b2|)``, floored at 0.
+
+Besides the lists, one plain dict maps every present key to its state, so that a tier's
+per-key lookups are one dict ``get`` (``state_of``) whichever list holds the key.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import chain
 
@@ -24,7 +27,6 @@ from kvoffload.tiers.eviction.base import (
     BlockState,
     EvictionPolicy,
     Victims,
-    next_evictable,
 )
 
 
@@ -54,39 +56,64 @@ class ARCPolicy(EvictionPolicy):
         self.t2: OrderedDict[OffloadKey, BlockState] = OrderedDict()
         self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._states: dict[OffloadKey, BlockState] = {}
+        """Every present key (``t1`` and ``t2`` together) with its state."""
 
     def get(self, key: OffloadKey) -> BlockState | None:
-        state = self.t1.get(key)
-        return state if state is not None else self.t2.get(key)
+        return self._states.get(key)
+
+    @property
+    def state_of(self) -> Callable[[OffloadKey], BlockState | None]:
+        """The dict of present keys' own ``get``."""
+        return self._states.get
 
     def __len__(self) -> int:
-        return len(self.t1) + len(self.t2)
+        return len(self._states)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and key in self._states
 
     def insert(self, key: OffloadKey, state: BlockState) -> None:
-        if key in self.t1 or key in self.t2:
+        if key in self._states:
             raise InvariantError(f"arc: insert of a key already present ({key.hex()})")
         self.t1[key] = state
+        self._states[key] = state
         self.b1.pop(key, None)
         self.b2.pop(key, None)
 
+    def insert_all(self, keys: Sequence[OffloadKey], states: Sequence[BlockState]) -> None:
+        """All keys at ``t1``'s MRU end, in order, their ghosts dropped (one check, two
+        dict updates; the ghost lists are walked only when they hold one of the keys)."""
+        present = self._states
+        if len(keys) != len(states):
+            raise InvariantError(f"arc: {len(keys)} keys but {len(states)} states")
+        if not present.keys().isdisjoint(keys):
+            raise InvariantError("arc: insert of a key already present")
+        pairs = list(zip(keys, states, strict=True))
+        self.t1.update(pairs)
+        present.update(pairs)
+        for ghost in (self.b1, self.b2):
+            if not ghost.keys().isdisjoint(keys):
+                for key in keys:
+                    ghost.pop(key, None)
+
     def remove(self, key: OffloadKey) -> BlockState:
-        state = self.t1.pop(key, None)
-        if state is None:
-            state = self.t2.pop(key, None)
+        state = self._states.pop(key, None)
         if state is None:
             raise InvariantError(f"arc: remove of an absent key ({key.hex()})")
+        if self.t1.pop(key, None) is None:
+            del self.t2[key]
         return state
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
         for key in reversed(keys):
-            state = t1.get(key)
+            state = t1.pop(key, None)
             if state is not None:
                 if state.ref >= 0:
-                    del t1[key]
                     t2[key] = state
                 else:
-                    t1.move_to_end(key)
+                    t1[key] = state  # back at t1's MRU end
             elif key in t2:
                 t2.move_to_end(key)
             elif key in b1:
@@ -103,62 +130,56 @@ class ARCPolicy(EvictionPolicy):
             raise InvariantError(f"arc: evict({n})")
         if n == 0:
             return []
-        if n > len(self):
+        if n > len(self._states):
             return None
         plan = self._plan_victims(n, protected)
         if plan is None:
             return None
-        from_t1, from_t2, order = plan
+        victims, from_t1 = plan
         # Commit.
-        for key, _ in from_t1:
-            del self.t1[key]
-            self.b1[key] = None
-        for key, _ in from_t2:
-            del self.t2[key]
-            self.b2[key] = None
-        for ghost in (self.b1, self.b2):
+        t1, t2, b1, b2, present = self.t1, self.t2, self.b1, self.b2, self._states
+        for (key, _), took_t1 in zip(victims, from_t1, strict=True):
+            del present[key]
+            if took_t1:
+                del t1[key]
+                b1[key] = None
+            else:
+                del t2[key]
+                b2[key] = None
+        for ghost in (b1, b2):
             for _ in range(len(ghost) - self.capacity):
                 ghost.popitem(last=False)
-        it1, it2 = iter(from_t1), iter(from_t2)
-        return [next(it1) if took_t1 else next(it2) for took_t1 in order]
+        return victims
 
     def _plan_victims(self, n: int, protected: AbstractSet[OffloadKey],
-                      ) -> tuple[Victims, Victims, list[bool]] | None:
-        """Simulate ``evict(n)`` without changing anything: the victims from ``t1`` and
-        from ``t2`` (each in list order) and, per victim in eviction order, whether it came
-        from ``t1``; ``None`` when fewer than ``n`` keys are evictable. One iterator per
-        list (monotonic scans: linear per call)."""
-        t1_iter = iter(self.t1.items())
-        t2_iter = iter(self.t2.items())
+                      ) -> tuple[Victims, list[bool]] | None:
+        """Simulate ``evict(n)`` without changing anything: the victims in eviction order
+        and, per victim, whether it came from ``t1``; ``None`` when fewer than ``n`` keys
+        are evictable. One iterator per list (monotonic scans: linear per call)."""
+        lists = (iter(self.t2.items()), iter(self.t1.items()))  # indexed by "from t1"
+        done = [False, False]
         target = int(self.target_t1_size)
         virtual_t1 = len(self.t1)
-        from_t1: Victims = []
-        from_t2: Victims = []
-        order: list[bool] = []  # True: the i-th victim came from t1
-        t1_done = t2_done = False
-        while len(order) < n:
+        victims: Victims = []
+        from_t1: list[bool] = []
+        while len(victims) < n:
             prefer_t1 = virtual_t1 >= target
-            entry = None
-            took_t1 = False
             for use_t1 in (prefer_t1, not prefer_t1):
-                if use_t1 and not t1_done:
-                    entry = next_evictable(t1_iter, protected)
-                    t1_done = entry is None
-                elif not use_t1 and not t2_done:
-                    entry = next_evictable(t2_iter, protected)
-                    t2_done = entry is None
-                if entry is not None:
-                    took_t1 = use_t1
-                    break
-            if entry is None:
-                return None
-            if took_t1:
-                from_t1.append(entry)
-                virtual_t1 -= 1
+                if done[use_t1]:
+                    continue
+                for key, state in lists[use_t1]:
+                    if state.ref == 0 and key not in protected:
+                        victims.append((key, state))
+                        from_t1.append(use_t1)
+                        virtual_t1 -= use_t1
+                        break
+                else:
+                    done[use_t1] = True
+                    continue
+                break
             else:
-                from_t2.append(entry)
-            order.append(took_t1)
-        return from_t1, from_t2, order
+                return None
+        return victims, from_t1
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockState]]:
         return chain(self.t1.items(), self.t2.items())
@@ -168,6 +189,7 @@ class ARCPolicy(EvictionPolicy):
         self.t2.clear()
         self.b1.clear()
         self.b2.clear()
+        self._states.clear()
         self.target_t1_size = 0.0
 
     def debug_state(self) -> dict[str, object]:
@@ -183,14 +205,15 @@ class ARCPolicy(EvictionPolicy):
         super().check_integrity()
         if not self.t1.keys().isdisjoint(self.t2.keys()):
             raise InvariantError("arc: a key is in both t1 and t2")
+        if (len(self._states) != len(self.t1) + len(self.t2)
+                or any(self._states.get(k) is not s for k, s in self.items())):
+            raise InvariantError("arc: the dict of present keys disagrees with t1 and t2")
         if not self.b1.keys().isdisjoint(self.b2.keys()):
             raise InvariantError("arc: a key is in both ghost lists")
         for ghost in (self.b1, self.b2):
             if len(ghost) > self.capacity:
                 raise InvariantError(f"arc: ghost list of {len(ghost)} exceeds capacity")
-            if not (ghost.keys().isdisjoint(self.t1.keys())
-                    and ghost.keys().isdisjoint(self.t2.keys())):
+            if not ghost.keys().isdisjoint(self._states.keys()):
                 raise InvariantError("arc: a key is both present and a ghost")
         if not 0.0 <= self.target_t1_size <= self.capacity:
             raise InvariantError(f"arc: target_t1_size {self.target_t1_size} out of range")
-

@@ -32,13 +32,30 @@ class LRUPolicy(EvictionPolicy):
     def get(self, key: OffloadKey) -> BlockState | None:
         return self._order.get(key)
 
+    @property
+    def state_of(self) -> Callable[[OffloadKey], BlockState | None]:
+        """The order dict's own ``get``."""
+        return self._order.get
+
     def __len__(self) -> int:
         return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and key in self._order
 
     def insert(self, key: OffloadKey, state: BlockState) -> None:
         if key in self._order:
             raise InvariantError(f"lru: insert of a key already present ({key.hex()})")
         self._order[key] = state
+
+    def insert_all(self, keys: Sequence[OffloadKey], states: Sequence[BlockState]) -> None:
+        """All keys at the most-recent end, in order; one check, one dict update."""
+        order = self._order
+        if len(keys) != len(states):
+            raise InvariantError(f"lru: {len(keys)} keys but {len(states)} states")
+        if not order.keys().isdisjoint(keys):
+            raise InvariantError("lru: insert of a key already present")
+        order.update(zip(keys, states, strict=True))
 
     def remove(self, key: OffloadKey) -> BlockState:
         state = self._order.pop(key, None)
@@ -48,9 +65,10 @@ class LRUPolicy(EvictionPolicy):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         order = self._order
+        move = order.move_to_end
         for key in reversed(keys):
             if key in order:
-                order.move_to_end(key)
+                move(key)
 
     def demote(self, keys: Sequence[OffloadKey]) -> None:
         """Move present keys to the least-recent end (next victims)."""
