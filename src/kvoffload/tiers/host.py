@@ -18,8 +18,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from itertools import islice
+from itertools import filterfalse, islice, repeat
+from operator import attrgetter, itemgetter
 from types import MappingProxyType
+from typing import cast
 
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
@@ -64,6 +66,9 @@ class HostTierStats:
     keys_stored: int = 0
     keys_store_failed: int = 0
     keys_evicted: int = 0
+
+
+_REF = attrgetter("ref")
 
 
 def _fmt(key: OffloadKey) -> str:
@@ -246,8 +251,8 @@ class HostTier(Tier):
         """
         state_of = self._state_of
         block_bytes = self.space.block_bytes
-        released = unpinned = unpinned_bytes = 0
-        for key in keys:
+        unpinned = unpinned_bytes = 0
+        for released, key in enumerate(keys):
             state = state_of(key)
             if state is None or state.ref < 1:
                 self._undo_releases(islice(keys, released))
@@ -257,7 +262,6 @@ class HostTier(Tier):
                     f"host complete_load: key {_fmt(key)} released {times}x but {held} "
                     "(no matching prepare_load)")
             state.ref -= 1
-            released += 1
             if state.ref == 0:
                 unpinned += 1
                 unpinned_bytes += block_bytes[state.group]
@@ -317,8 +321,9 @@ class HostTier(Tier):
         space = self.space
         block_bytes = space.block_bytes
         state_of = self._state_of
-        new = [key for key in keys if state_of(key) is None]
-        if len(new) > 1 and len(set(new)) < len(new):
+        new = list(filterfalse(state_of, keys))  # absent keys (a BlockState is truthy)
+        listed = frozenset(keys)
+        if len(listed) < len(keys):
             new = list(dict.fromkeys(new))  # repeats dropped, first listing kept
         groups = self._groups_of(new)
         self.stats.keys_deduped += len(keys) - len(new)
@@ -332,13 +337,13 @@ class HostTier(Tier):
         need_bytes = (space.bytes_used() + new_bytes - space.budget
                       if space.charges_bytes else 0)
         if need > 0 or need_bytes > 0:
-            shield = self._shield(keys, protected)
+            shield = self._shield(listed, protected)
             victims = space.choose_victims(policy, need, need_bytes, shield)
             if victims is None:
                 self.stats.stores_rejected += 1
                 return None
             evicted_slots = space.evicted(victims)
-            evicted = tuple(key for key, _ in victims)
+            evicted = tuple(map(itemgetter(0), victims))
             if self._demoted:  # evicted keys leave the demotion record
                 evicted_demoted = tuple(key for key in evicted if key in self._demoted)
                 self._demoted.difference_update(evicted_demoted)
@@ -347,7 +352,7 @@ class HostTier(Tier):
 
         slots = space.slots.allocate(len(new))
         if groups is None:
-            policy.insert_all(new, [BlockState(slot) for slot in slots])
+            policy.insert_all(new, list(map(BlockState, slots)))
             space.keys_per_group[0] += len(new)
         else:
             policy.insert_all(new, [BlockState(slot, WRITING, group)
@@ -366,31 +371,29 @@ class HostTier(Tier):
         one group (every key's is 0). A key of a group the config does not have raises
         ``InvariantError``."""
         group_of_tail = self._group_of_tail
-        tail = -self._tail_bytes
         if self._single_group:
             (only,) = group_of_tail
-            if all(key.endswith(only) for key in keys):
+            if all(map(bytes.endswith, keys, repeat(only))):
                 return None
-            groups = [group_of_tail.get(key[tail:], -1) for key in keys]
-        else:
-            groups = [group_of_tail.get(key[tail:], -1) for key in keys]
-            if -1 not in groups:
-                return groups
+        tails = map(itemgetter(slice(-self._tail_bytes, None)), keys)
+        groups = list(map(group_of_tail.get, tails, repeat(-1)))
+        if not self._single_group and -1 not in groups:
+            return groups
         key = keys[groups.index(-1)]
         raise InvariantError(
             f"host prepare_store: key {_fmt(key)} names group {key_group(key)}, "
             f"config has {len(group_of_tail)}")
 
     @staticmethod
-    def _shield(keys: Sequence[OffloadKey], protected: AbstractSet[OffloadKey],
+    def _shield(listed: frozenset[OffloadKey], protected: AbstractSet[OffloadKey],
                 ) -> AbstractSet[OffloadKey]:
-        """What a store may not evict: its own input keys and ``protected``."""
+        """What a store may not evict: its own input keys (``listed``) and ``protected``."""
         if not protected:
-            return frozenset(keys)
+            return listed
         # A cascade's protected set already holds the keys it promotes: no copy then.
-        if all(key in protected for key in keys):
+        if listed <= protected:
             return protected
-        return frozenset(keys).union(protected)
+        return listed.union(protected)
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         """End the write of keys being written.
@@ -405,13 +408,18 @@ class HostTier(Tier):
         space = self.space
         block_bytes = space.block_bytes
         state_of = self._state_of
-        done: list[OffloadKey] = []
-        states: list[BlockState] = []
-        for key in keys:
-            state = state_of(key)
-            if state is not None and state.ref == WRITING:
-                done.append(key)
-                states.append(state)
+        done = keys if isinstance(keys, (list, tuple)) else list(keys)
+        if len(frozenset(done)) < len(done):
+            done = list(dict.fromkeys(done))  # a repeat ends nothing more
+        found = list(map(state_of, done))
+        if None in found or list(map(_REF, found)).count(WRITING) < len(found):
+            # Some keys are absent or ready already: they are left alone.
+            writing = [(key, state) for key, state in zip(done, found, strict=True)
+                       if state is not None and state.ref == WRITING]
+            done = [key for key, _ in writing]
+            states = [state for _, state in writing]
+        else:
+            states = cast("list[BlockState]", found)
         if not done:
             return
         space.num_writing -= len(done)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import chain
+from itertools import chain, repeat
 
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey
@@ -27,6 +27,8 @@ from kvoffload.tiers.eviction.base import (
     BlockState,
     EvictionPolicy,
     Victims,
+    drop,
+    take_idle,
 )
 
 
@@ -107,6 +109,17 @@ class ARCPolicy(EvictionPolicy):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        if self._states.keys().isdisjoint(keys):
+            # Nothing present (the misses a store is about to write): only ghosts count.
+            in_b1 = not b1.keys().isdisjoint(keys)
+            in_b2 = not b2.keys().isdisjoint(keys)
+            if in_b1 != in_b2:  # one ghost list involved: walk only its keys
+                ghost = b1 if in_b1 else b2
+                for key in filter(ghost.__contains__, reversed(keys)):
+                    self._ghost_hit(key, from_b1=in_b1)
+                return
+            if not in_b1:
+                return
         for key in reversed(keys):
             state = t1.pop(key, None)
             if state is not None:
@@ -117,13 +130,22 @@ class ARCPolicy(EvictionPolicy):
             elif key in t2:
                 t2.move_to_end(key)
             elif key in b1:
-                delta = max(1.0, len(b2) / len(b1))
-                self.target_t1_size = min(self.target_t1_size + delta, float(self.capacity))
-                b1.move_to_end(key)
+                self._ghost_hit(key, from_b1=True)
             elif key in b2:
-                delta = max(1.0, len(b1) / len(b2))
-                self.target_t1_size = max(self.target_t1_size - delta, 0.0)
-                b2.move_to_end(key)
+                self._ghost_hit(key, from_b1=False)
+
+    def _ghost_hit(self, key: OffloadKey, *, from_b1: bool) -> None:
+        """A touch of a ghost: adapt ``target_t1_size`` (module doc) and move the ghost to
+        its list's MRU end."""
+        b1, b2 = self.b1, self.b2
+        if from_b1:
+            delta = max(1.0, len(b2) / len(b1))
+            self.target_t1_size = min(self.target_t1_size + delta, float(self.capacity))
+            b1.move_to_end(key)
+        else:
+            delta = max(1.0, len(b1) / len(b2))
+            self.target_t1_size = max(self.target_t1_size - delta, 0.0)
+            b2.move_to_end(key)
 
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> Victims | None:
         if n < 0:
@@ -132,54 +154,31 @@ class ARCPolicy(EvictionPolicy):
             return []
         if n > len(self._states):
             return None
-        plan = self._plan_victims(n, protected)
-        if plan is None:
+        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        # The rule (class doc) takes from t1 while the simulated t1 size is at least the
+        # target, from t2 after that, and from t1 again once t2 has no evictable key: the
+        # victims come in three runs, each one scan going on from where it stopped.
+        target = int(self.target_t1_size)
+        t1_first = len(t1) - target + 1 if len(t1) >= target else 0
+        t1_entries = iter(t1.items())
+        from_t1 = take_idle(t1_entries, min(t1_first, n), protected)
+        from_t2 = take_idle(iter(t2.items()), n - len(from_t1), protected)
+        more_t1 = take_idle(t1_entries, n - len(from_t1) - len(from_t2), protected)
+        if len(from_t1) + len(from_t2) + len(more_t1) < n:
             return None
-        victims, from_t1 = plan
-        # Commit.
-        t1, t2, b1, b2, present = self.t1, self.t2, self.b1, self.b2, self._states
-        for (key, _), took_t1 in zip(victims, from_t1, strict=True):
-            del present[key]
-            if took_t1:
-                del t1[key]
-                b1[key] = None
-            else:
-                del t2[key]
-                b2[key] = None
+        # Commit: t1 victims become b1 ghosts, t2 victims b2 ghosts, oldest ghosts go.
+        t1_keys = [key for key, _ in chain(from_t1, more_t1)]
+        t2_keys = [key for key, _ in from_t2]
+        drop(self._states, t1_keys)
+        drop(self._states, t2_keys)
+        drop(t1, t1_keys)
+        drop(t2, t2_keys)
+        b1.update(zip(t1_keys, repeat(None)))
+        b2.update(zip(t2_keys, repeat(None)))
         for ghost in (b1, b2):
             for _ in range(len(ghost) - self.capacity):
                 ghost.popitem(last=False)
-        return victims
-
-    def _plan_victims(self, n: int, protected: AbstractSet[OffloadKey],
-                      ) -> tuple[Victims, list[bool]] | None:
-        """Simulate ``evict(n)`` without changing anything: the victims in eviction order
-        and, per victim, whether it came from ``t1``; ``None`` when fewer than ``n`` keys
-        are evictable. One iterator per list (monotonic scans: linear per call)."""
-        lists = (iter(self.t2.items()), iter(self.t1.items()))  # indexed by "from t1"
-        done = [False, False]
-        target = int(self.target_t1_size)
-        virtual_t1 = len(self.t1)
-        victims: Victims = []
-        from_t1: list[bool] = []
-        while len(victims) < n:
-            prefer_t1 = virtual_t1 >= target
-            for use_t1 in (prefer_t1, not prefer_t1):
-                if done[use_t1]:
-                    continue
-                for key, state in lists[use_t1]:
-                    if state.ref == 0 and key not in protected:
-                        victims.append((key, state))
-                        from_t1.append(use_t1)
-                        virtual_t1 -= use_t1
-                        break
-                else:
-                    done[use_t1] = True
-                    continue
-                break
-            else:
-                return None
-        return victims, from_t1
+        return from_t1 + from_t2 + more_t1
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockState]]:
         return chain(self.t1.items(), self.t2.items())

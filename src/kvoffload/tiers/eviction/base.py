@@ -21,9 +21,10 @@ named by ``OffloadConfig.eviction_policy`` says which class evicts.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey
@@ -215,6 +216,28 @@ class EvictionPolicy(ABC):
         for _, state in self.items():
             if state.ref < WRITING:
                 raise InvariantError(f"{self.name}: ref count {state.ref} below -1")
+
+
+def take_idle(entries: Iterator[tuple[OffloadKey, BlockState]], n: int,
+              protected: AbstractSet[OffloadKey]) -> Victims:
+    """Up to ``n`` idle (ref 0), unprotected entries of ``entries``, in order; ``entries``
+    stops right after the last one taken, so a later call goes on from there (one scan
+    per list and ``evict`` call, however many pinned or writing keys sit in the way)."""
+    taken: Victims = []
+    if n <= 0:
+        return taken
+    for key, state in entries:
+        if state.ref == 0 and key not in protected:
+            taken.append((key, state))
+            if len(taken) == n:
+                break
+    return taken
+
+
+def drop(entries: MutableMapping[OffloadKey, Any], keys: Iterable[OffloadKey]) -> None:
+    """``del entries[key]`` for every key (each must be there), at C speed: ``map``
+    drives the deletions and a zero-length ``deque`` consumes them."""
+    deque(map(entries.__delitem__, keys), maxlen=0)
 
 
 NORMAL_SHARE = 0.9

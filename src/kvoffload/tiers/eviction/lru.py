@@ -12,6 +12,8 @@ from kvoffload.tiers.eviction.base import (
     BlockState,
     EvictionPolicy,
     Victims,
+    drop,
+    take_idle,
 )
 
 
@@ -65,8 +67,17 @@ class LRUPolicy(EvictionPolicy):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         order = self._order
+        if order.keys().isdisjoint(keys):
+            return  # none present (stops at the first present key otherwise)
         move = order.move_to_end
-        for key in reversed(keys):
+        remaining = reversed(keys)
+        try:
+            for key in remaining:
+                move(key)
+            return
+        except KeyError:
+            pass  # an absent key: check each of the rest
+        for key in remaining:
             if key in order:
                 move(key)
 
@@ -84,16 +95,10 @@ class LRUPolicy(EvictionPolicy):
             return []
         if n > len(self._order):
             return None
-        victims: Victims = []
-        for key, state in self._order.items():
-            if state.ref == 0 and key not in protected:
-                victims.append((key, state))
-                if len(victims) == n:
-                    break
-        else:
+        victims = take_idle(iter(self._order.items()), n, protected)
+        if len(victims) < n:
             return None
-        for key, _ in victims:
-            del self._order[key]
+        drop(self._order, [key for key, _ in victims])
         return victims
 
     def evict_bytes(self, need_bytes: int, need_keys: int, protected: AbstractSet[OffloadKey],
