@@ -22,7 +22,8 @@ Both managers must keep the same keys: the script checks that every request gets
 number of hit blocks from both, and stops with an error otherwise. Cost is the time of a
 whole replay divided by the keys the requests offered (each key of each request counted
 once), in nanoseconds; keys, request contexts and the managers are built outside the
-timed part, and the garbage collector is paused while a replay runs. Each repetition runs
+timed part; the time is the replaying thread's CPU time, with the garbage collector
+paused. Each repetition runs
 both managers back to back (alternating which goes first); the figures are medians over
 the repetitions, and the ratio is kvoffload / vLLM of those medians.
 
@@ -199,13 +200,14 @@ def kvoffload_replay(prefixes: Sequence[Sequence[BlockHash]], capacity: int,
 
 
 def timed(run: Callable[[], None]) -> float:
-    """Seconds ``run`` takes with the garbage collector paused."""
+    """CPU seconds of this thread while ``run`` runs, with the garbage collector paused
+    (CPU time, not wall time: other processes on the machine inflate it much less)."""
     gc.collect()
     gc.disable()
     try:
-        start = time.perf_counter()
+        start = time.thread_time()
         run()
-        return time.perf_counter() - start
+        return time.thread_time() - start
     finally:
         gc.enable()
 

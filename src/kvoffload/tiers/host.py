@@ -69,6 +69,7 @@ class HostTierStats:
 
 
 _REF = attrgetter("ref")
+_SLOT = attrgetter("slot")
 
 
 def _fmt(key: OffloadKey) -> str:
@@ -217,6 +218,35 @@ class HostTier(Tier):
     def pin(self, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
         """``prepare_load`` without counting a load (a lower tier's demote reads the slot);
         ``complete_load`` releases it."""
+        found = list(map(self._state_of, keys))
+        if None not in found:
+            refs = list(map(_REF, found))
+            if min(refs, default=0) >= 0 and len(frozenset(keys)) == len(keys):
+                # All ready, no repeats (the usual load): pinned without a check per key.
+                states = cast("list[BlockState]", found)
+                for state in states:
+                    state.ref += 1
+                self._count_pins(states, refs, 0, +1)
+                return tuple(map(_SLOT, states))
+        return self._pin_each(keys)
+
+    def _count_pins(self, states: list[BlockState], refs_before: list[int], edge: int,
+                    sign: int) -> None:
+        """Add ``sign`` to the pinned counters for each state whose ref count was ``edge``
+        before (0 for a pin: it became pinned; 1 for a release: it became idle)."""
+        crossed = refs_before.count(edge)
+        if not crossed:
+            return
+        space = self.space
+        block_bytes = space.block_bytes
+        space.num_pinned += sign * crossed
+        space.bytes_pinned += sign * (
+            crossed * block_bytes[0] if self._single_group
+            else sum(block_bytes[state.group]
+                     for state, ref in zip(states, refs_before, strict=True) if ref == edge))
+
+    def _pin_each(self, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
+        """``pin`` one key at a time (repeats, and the errors)."""
         state_of = self._state_of
         block_bytes = self.space.block_bytes
         slots: list[int] = []
@@ -249,6 +279,20 @@ class HostTier(Tier):
         Raises ``InvariantError`` and changes nothing if any key would drop below its
         pins (absent, being written, or not pinned that many times).
         """
+        found = list(map(self._state_of, keys))
+        if None not in found:
+            refs = list(map(_REF, found))
+            if min(refs, default=1) >= 1 and len(frozenset(keys)) == len(keys):
+                # All pinned, no repeats (the usual release): no check per key.
+                states = cast("list[BlockState]", found)
+                for state in states:
+                    state.ref -= 1
+                self._count_pins(states, refs, 1, -1)
+                return
+        self._release_each(keys)
+
+    def _release_each(self, keys: Sequence[OffloadKey]) -> None:
+        """``complete_load`` one key at a time (repeats, and the errors)."""
         state_of = self._state_of
         block_bytes = self.space.block_bytes
         unpinned = unpinned_bytes = 0
@@ -429,7 +473,8 @@ class HostTier(Tier):
             for state in states:
                 state.ref = 0
             self.stats.keys_stored += len(done)
-            self._emit(tuple(done), removed=False)
+            if self.enable_events:
+                self._emit(tuple(done), removed=False)
             return
         keys_per_group = space.keys_per_group
         for key, state in zip(done, states, strict=True):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
+from operator import attrgetter, itemgetter
 
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
@@ -22,6 +23,9 @@ from kvoffload.keys import OffloadKey, key_group
 from kvoffload.tiers.base import TierUsage
 from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy, Victims
 from kvoffload.tiers.slots import SlotAllocator
+
+_STATE = itemgetter(1)
+_SLOT = attrgetter("slot")
 
 
 class HostSpace:
@@ -84,7 +88,7 @@ class HostSpace:
 
     def evicted(self, victims: Victims) -> tuple[int, ...]:
         """Release the slots and counts of evicted keys; return their slots in order."""
-        slots = tuple(state.slot for _, state in victims)
+        slots = tuple(map(_SLOT, map(_STATE, victims)))
         self.slots.free(slots)
         keys_per_group = self.keys_per_group
         if len(keys_per_group) == 1:

@@ -16,10 +16,11 @@ per-key lookups are one dict ``get`` (``state_of``) whichever list holds the key
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import chain, repeat
+from itertools import chain, islice, repeat
+from operator import itemgetter
 
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey
@@ -30,6 +31,8 @@ from kvoffload.tiers.eviction.base import (
     drop,
     take_idle,
 )
+
+_KEY = itemgetter(0)
 
 
 class ARCPolicy(EvictionPolicy):
@@ -96,8 +99,7 @@ class ARCPolicy(EvictionPolicy):
         present.update(pairs)
         for ghost in (self.b1, self.b2):
             if not ghost.keys().isdisjoint(keys):
-                for key in keys:
-                    ghost.pop(key, None)
+                drop(ghost, list(filter(ghost.__contains__, keys)))
 
     def remove(self, key: OffloadKey) -> BlockState:
         state = self._states.pop(key, None)
@@ -114,9 +116,8 @@ class ARCPolicy(EvictionPolicy):
             in_b1 = not b1.keys().isdisjoint(keys)
             in_b2 = not b2.keys().isdisjoint(keys)
             if in_b1 != in_b2:  # one ghost list involved: walk only its keys
-                ghost = b1 if in_b1 else b2
-                for key in filter(ghost.__contains__, reversed(keys)):
-                    self._ghost_hit(key, from_b1=in_b1)
+                self._ghost_hits(list(filter((b1 if in_b1 else b2).__contains__,
+                                             reversed(keys))), from_b1=in_b1)
                 return
             if not in_b1:
                 return
@@ -133,6 +134,27 @@ class ARCPolicy(EvictionPolicy):
                 self._ghost_hit(key, from_b1=True)
             elif key in b2:
                 self._ghost_hit(key, from_b1=False)
+
+    def _ghost_hits(self, keys: Sequence[OffloadKey], *, from_b1: bool) -> None:
+        """``_ghost_hit`` for each key (all ghosts of one list), in order. The list sizes
+        do not change, so neither does the step; ``target_t1_size`` moves one step per
+        key, rounded as one step at a time is."""
+        b1, b2 = self.b1, self.b2
+        target = self.target_t1_size
+        if from_b1:
+            delta = max(1.0, len(b2) / len(b1))
+            cap = float(self.capacity)
+            for _ in keys:
+                target = min(target + delta, cap)
+            ghost = b1
+        else:
+            delta = max(1.0, len(b1) / len(b2))
+            for _ in keys:
+                target = max(target - delta, 0.0)
+            ghost = b2
+        self.target_t1_size = target
+        move = ghost.move_to_end
+        deque(map(move, keys), maxlen=0)
 
     def _ghost_hit(self, key: OffloadKey, *, from_b1: bool) -> None:
         """A touch of a ghost: adapt ``target_t1_size`` (module doc) and move the ghost to
@@ -167,17 +189,16 @@ class ARCPolicy(EvictionPolicy):
         if len(from_t1) + len(from_t2) + len(more_t1) < n:
             return None
         # Commit: t1 victims become b1 ghosts, t2 victims b2 ghosts, oldest ghosts go.
-        t1_keys = [key for key, _ in chain(from_t1, more_t1)]
-        t2_keys = [key for key, _ in from_t2]
-        drop(self._states, t1_keys)
-        drop(self._states, t2_keys)
-        drop(t1, t1_keys)
-        drop(t2, t2_keys)
-        b1.update(zip(t1_keys, repeat(None)))
-        b2.update(zip(t2_keys, repeat(None)))
-        for ghost in (b1, b2):
-            for _ in range(len(ghost) - self.capacity):
-                ghost.popitem(last=False)
+        for victims, present, ghost in ((from_t1 + more_t1, t1, b1), (from_t2, t2, b2)):
+            if not victims:
+                continue
+            keys = list(map(_KEY, victims))
+            drop(self._states, keys)
+            drop(present, keys)
+            ghost.update(zip(keys, repeat(None)))
+            excess = len(ghost) - self.capacity
+            if excess > 0:
+                drop(ghost, list(islice(ghost, excess)))
         return from_t1 + from_t2 + more_t1
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockState]]:
