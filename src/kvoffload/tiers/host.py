@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from itertools import filterfalse, islice, repeat
 from operator import attrgetter, itemgetter
 from types import MappingProxyType
-from typing import cast
 
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
@@ -69,7 +68,6 @@ class HostTierStats:
 
 
 _REF = attrgetter("ref")
-_SLOT = attrgetter("slot")
 
 
 def _fmt(key: OffloadKey) -> str:
@@ -218,35 +216,6 @@ class HostTier(Tier):
     def pin(self, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
         """``prepare_load`` without counting a load (a lower tier's demote reads the slot);
         ``complete_load`` releases it."""
-        found = list(map(self._state_of, keys))
-        if None not in found:
-            refs = list(map(_REF, found))
-            if min(refs, default=0) >= 0 and len(frozenset(keys)) == len(keys):
-                # All ready, no repeats (the usual load): pinned without a check per key.
-                states = cast("list[BlockState]", found)
-                for state in states:
-                    state.ref += 1
-                self._count_pins(states, refs, 0, +1)
-                return tuple(map(_SLOT, states))
-        return self._pin_each(keys)
-
-    def _count_pins(self, states: list[BlockState], refs_before: list[int], edge: int,
-                    sign: int) -> None:
-        """Add ``sign`` to the pinned counters for each state whose ref count was ``edge``
-        before (0 for a pin: it became pinned; 1 for a release: it became idle)."""
-        crossed = refs_before.count(edge)
-        if not crossed:
-            return
-        space = self.space
-        block_bytes = space.block_bytes
-        space.num_pinned += sign * crossed
-        space.bytes_pinned += sign * (
-            crossed * block_bytes[0] if self._single_group
-            else sum(block_bytes[state.group]
-                     for state, ref in zip(states, refs_before, strict=True) if ref == edge))
-
-    def _pin_each(self, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
-        """``pin`` one key at a time (repeats, and the errors)."""
         state_of = self._state_of
         block_bytes = self.space.block_bytes
         slots: list[int] = []
@@ -279,20 +248,6 @@ class HostTier(Tier):
         Raises ``InvariantError`` and changes nothing if any key would drop below its
         pins (absent, being written, or not pinned that many times).
         """
-        found = list(map(self._state_of, keys))
-        if None not in found:
-            refs = list(map(_REF, found))
-            if min(refs, default=1) >= 1 and len(frozenset(keys)) == len(keys):
-                # All pinned, no repeats (the usual release): no check per key.
-                states = cast("list[BlockState]", found)
-                for state in states:
-                    state.ref -= 1
-                self._count_pins(states, refs, 1, -1)
-                return
-        self._release_each(keys)
-
-    def _release_each(self, keys: Sequence[OffloadKey]) -> None:
-        """``complete_load`` one key at a time (repeats, and the errors)."""
         state_of = self._state_of
         block_bytes = self.space.block_bytes
         unpinned = unpinned_bytes = 0
@@ -452,33 +407,30 @@ class HostTier(Tier):
         space = self.space
         block_bytes = space.block_bytes
         state_of = self._state_of
-        done = keys if isinstance(keys, (list, tuple)) else list(keys)
-        if len(frozenset(done)) < len(done):
-            done = list(dict.fromkeys(done))  # a repeat ends nothing more
-        found = list(map(state_of, done))
-        if None in found or list(map(_REF, found)).count(WRITING) < len(found):
-            # Some keys are absent or ready already: they are left alone.
-            writing = [(key, state) for key, state in zip(done, found, strict=True)
-                       if state is not None and state.ref == WRITING]
-            done = [key for key, _ in writing]
-            states = [state for _, state in writing]
-        else:
-            states = cast("list[BlockState]", found)
+        done: list[OffloadKey] = []
+        states: list[BlockState] = []
+        remove = self._policy.remove
+        for key in keys:
+            state = state_of(key)
+            if state is not None and state.ref == WRITING:
+                if success:
+                    state.ref = 0
+                else:
+                    remove(key)
+                done.append(key)
+                states.append(state)
         if not done:
             return
         space.num_writing -= len(done)
         space.bytes_writing -= (len(done) * block_bytes[0] if self._single_group
                                 else sum(block_bytes[state.group] for state in states))
         if success:
-            for state in states:
-                state.ref = 0
             self.stats.keys_stored += len(done)
             if self.enable_events:
                 self._emit(tuple(done), removed=False)
             return
         keys_per_group = space.keys_per_group
-        for key, state in zip(done, states, strict=True):
-            self._policy.remove(key)
+        for state in states:
             keys_per_group[state.group] -= 1
         space.slots.free(state.slot for state in states)
         self.stats.keys_store_failed += len(done)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from operator import attrgetter, itemgetter
 
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
@@ -23,9 +22,6 @@ from kvoffload.keys import OffloadKey, key_group
 from kvoffload.tiers.base import TierUsage
 from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy, Victims
 from kvoffload.tiers.slots import SlotAllocator
-
-_STATE = itemgetter(1)
-_SLOT = attrgetter("slot")
 
 
 class HostSpace:
@@ -88,7 +84,7 @@ class HostSpace:
 
     def evicted(self, victims: Victims) -> tuple[int, ...]:
         """Release the slots and counts of evicted keys; return their slots in order."""
-        slots = tuple(map(_SLOT, map(_STATE, victims)))
+        slots = tuple([state.slot for _, state in victims])
         self.slots.free(slots)
         keys_per_group = self.keys_per_group
         if len(keys_per_group) == 1:

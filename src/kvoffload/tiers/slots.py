@@ -12,10 +12,7 @@ of recycled slot numbers.
 from __future__ import annotations
 
 from array import array
-from collections import deque
-from collections.abc import Iterable, Sequence
-from itertools import repeat
-from typing import NoReturn
+from collections.abc import Iterable
 
 from kvoffload.errors import InvariantError
 
@@ -77,7 +74,9 @@ class SlotAllocator:
             start = len(free) - recycled
             out.extend(reversed(free[start:]))  # last freed first
             del free[start:]
-        _mark(self._used, out, 1)
+        used = self._used
+        for slot in out:
+            used[slot] = 1
         return out
 
     def free(self, slots: Iterable[int]) -> None:
@@ -87,28 +86,20 @@ class SlotAllocator:
         handed out, or listed twice.
         """
         given = slots if isinstance(slots, (list, tuple)) else list(slots)
-        if not given:
-            return
         used = self._used
         capacity = self._capacity
-        if (min(given) < 0 or max(given) >= capacity or not all(map(used.__getitem__, given))
-                or len(frozenset(given)) < len(given)):
-            self._refuse_free(given)
-        _mark(used, given, 0)
-        self._free.extend(given)
-
-    def _refuse_free(self, given: Sequence[int]) -> NoReturn:
-        """Raise the ``InvariantError`` that ``free(given)`` deserves (nothing changed)."""
-        seen: set[int] = set()
-        for slot in given:
-            if not 0 <= slot < self._capacity:
-                raise InvariantError(f"free: slot {slot} out of range [0, {self._capacity})")
-            if slot in seen:
+        for i, slot in enumerate(given):
+            if 0 <= slot < capacity and used[slot] == 1:
+                used[slot] = 0  # marked free at once, so a repeat below is caught
+                continue
+            for done in given[:i]:  # undo, then say what was wrong
+                used[done] = 1
+            if not 0 <= slot < capacity:
+                raise InvariantError(f"free: slot {slot} out of range [0, {capacity})")
+            if slot in given[:i]:
                 raise InvariantError(f"free: a slot is listed twice in {list(given)}")
-            if self._used[slot] != 1:
-                raise InvariantError(f"free: slot {slot} is not in use (double free?)")
-            seen.add(slot)
-        raise InvariantError(f"free: refused {list(given)}, yet no slot is wrong (a bug here)")
+            raise InvariantError(f"free: slot {slot} is not in use (double free?)")
+        self._free.extend(given)
 
     def reset(self) -> None:
         """Free every slot and forget the history: the next slot handed out is 0."""
@@ -156,9 +147,3 @@ class SlotAllocator:
             raise InvariantError(
                 f"slots: keys occupy {len(given_set)} slots, allocator has {marked} in use "
                 "(a leaked or foreign slot)")
-
-
-def _mark(used: bytearray, slots: Iterable[int], value: int) -> None:
-    """``used[slot] = value`` for every slot, at C speed (``map`` drives the stores, a
-    zero-length ``deque`` consumes them)."""
-    deque(map(used.__setitem__, slots, repeat(value)), maxlen=0)

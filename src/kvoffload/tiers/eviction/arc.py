@@ -16,7 +16,7 @@ per-key lookups are one dict ``get`` (``state_of``) whichever list holds the key
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import chain, islice, repeat
@@ -99,7 +99,7 @@ class ARCPolicy(EvictionPolicy):
         present.update(pairs)
         for ghost in (self.b1, self.b2):
             if not ghost.keys().isdisjoint(keys):
-                drop(ghost, list(filter(ghost.__contains__, keys)))
+                drop(ghost, [key for key in keys if key in ghost])
 
     def remove(self, key: OffloadKey) -> BlockState:
         state = self._states.pop(key, None)
@@ -116,8 +116,9 @@ class ARCPolicy(EvictionPolicy):
             in_b1 = not b1.keys().isdisjoint(keys)
             in_b2 = not b2.keys().isdisjoint(keys)
             if in_b1 != in_b2:  # one ghost list involved: walk only its keys
-                self._ghost_hits(list(filter((b1 if in_b1 else b2).__contains__,
-                                             reversed(keys))), from_b1=in_b1)
+                ghost = b1 if in_b1 else b2
+                self._ghost_hits([key for key in reversed(keys) if key in ghost],
+                                 from_b1=in_b1)
                 return
             if not in_b1:
                 return
@@ -153,8 +154,8 @@ class ARCPolicy(EvictionPolicy):
                 target = max(target - delta, 0.0)
             ghost = b2
         self.target_t1_size = target
-        move = ghost.move_to_end
-        deque(map(move, keys), maxlen=0)
+        for key in keys:
+            ghost.move_to_end(key)
 
     def _ghost_hit(self, key: OffloadKey, *, from_b1: bool) -> None:
         """A touch of a ghost: adapt ``target_t1_size`` (module doc) and move the ghost to

@@ -21,10 +21,8 @@ named by ``OffloadConfig.eviction_policy`` says which class evicts.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import chain, islice
 from operator import attrgetter, itemgetter
 from typing import Any, ClassVar, NamedTuple
 
@@ -224,18 +222,11 @@ def take_idle(entries: Iterator[tuple[OffloadKey, BlockState]], n: int,
               protected: AbstractSet[OffloadKey]) -> Victims:
     """Up to ``n`` idle (ref 0), unprotected entries of ``entries``, in order; ``entries``
     stops right after the last one taken, so a later call goes on from there (one scan
-    per list and ``evict`` call, however many pinned or writing keys sit in the way).
-
-    The common case, where the next ``n`` entries are all takeable, is checked without a
-    Python step per entry."""
-    if n <= 0:
-        return []
-    head = list(islice(entries, n))
-    if (list(map(_REF, map(_STATE, head))).count(0) == len(head)
-            and protected.isdisjoint(map(_KEY, head))):
-        return head
+    per list and ``evict`` call, however many pinned or writing keys sit in the way)."""
     taken: Victims = []
-    for key, state in chain(head, entries):
+    if n <= 0:
+        return taken
+    for key, state in entries:
         if state.ref == 0 and key not in protected:
             taken.append((key, state))
             if len(taken) == n:
@@ -249,9 +240,9 @@ _REF = attrgetter("ref")
 
 
 def drop(entries: MutableMapping[OffloadKey, Any], keys: Iterable[OffloadKey]) -> None:
-    """``del entries[key]`` for every key (each must be there), at C speed: ``map``
-    drives the deletions and a zero-length ``deque`` consumes them."""
-    deque(map(entries.__delitem__, keys), maxlen=0)
+    """``del entries[key]`` for every key (each must be there)."""
+    for key in keys:
+        del entries[key]
 
 
 NORMAL_SHARE = 0.9
