@@ -18,13 +18,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from itertools import filterfalse, islice, repeat
+from itertools import filterfalse, islice
 from operator import attrgetter, itemgetter
 from types import MappingProxyType
 
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
-from kvoffload.keys import BlockHash, OffloadKey, key_block_hash, key_group, make_offload_key
+from kvoffload.keys import OffloadKey, key_block_hash, key_group, key_groups
 from kvoffload.policies import cache_policy
 from kvoffload.tiers.base import (
     HOST,
@@ -115,13 +115,9 @@ class HostTier(Tier):
         self._events: list[TierEvent] = []
         self._demoted: set[OffloadKey] = set()
         # The hot paths read key states through the policy's dict (no frame per key) and
-        # a key's group from its state; a new key's group is read from its last bytes.
+        # a key's group from its state (a new key's from the key, ``key_groups``).
         self._state_of = self._policy.state_of
-        num_groups = len(self.space.block_bytes)
-        self._group_of_tail = {make_offload_key(BlockHash(b""), g): g
-                               for g in range(num_groups)}
-        self._tail_bytes = len(make_offload_key(BlockHash(b""), 0))
-        self._single_group = num_groups == 1
+        self._single_group = len(self.space.block_bytes) == 1
 
     # -- inspection -------------------------------------------------------------------
 
@@ -366,22 +362,20 @@ class HostTier(Tier):
                                   evicted_slots=evicted_slots, evicted_demoted=evicted_demoted)
 
     def _groups_of(self, keys: Sequence[OffloadKey]) -> list[int] | None:
-        """The group of each key, read from its last bytes; ``None`` when the config has
-        one group (every key's is 0). A key of a group the config does not have raises
-        ``InvariantError``."""
-        group_of_tail = self._group_of_tail
+        """The group of each key; ``None`` when the config has one group (every key's is
+        0). A key of a group the config does not have raises ``InvariantError``."""
+        groups = key_groups(keys)
+        num_groups = len(self.space.block_bytes)
         if self._single_group:
-            (only,) = group_of_tail
-            if all(map(bytes.endswith, keys, repeat(only))):
+            if not any(groups):
                 return None
-        tails = map(itemgetter(slice(-self._tail_bytes, None)), keys)
-        groups = list(map(group_of_tail.get, tails, repeat(-1)))
-        if not self._single_group and -1 not in groups:
+        elif max(groups, default=0) < num_groups:
             return groups
-        key = keys[groups.index(-1)]
+        key = next(key for key, group in zip(keys, groups, strict=True)
+                   if group >= num_groups)
         raise InvariantError(
             f"host prepare_store: key {_fmt(key)} names group {key_group(key)}, "
-            f"config has {len(group_of_tail)}")
+            f"config has {num_groups}")
 
     @staticmethod
     def _shield(listed: frozenset[OffloadKey], protected: AbstractSet[OffloadKey],

@@ -123,12 +123,13 @@ class ARCPolicy(EvictionPolicy):
             if not in_b1:
                 return
         for key in reversed(keys):
-            state = t1.pop(key, None)
+            state = t1.get(key)
             if state is not None:
                 if state.ref >= 0:
+                    del t1[key]
                     t2[key] = state
                 else:
-                    t1[key] = state  # back at t1's MRU end
+                    t1.move_to_end(key)
             elif key in t2:
                 t2.move_to_end(key)
             elif key in b1:
@@ -177,7 +178,7 @@ class ARCPolicy(EvictionPolicy):
             return []
         if n > len(self._states):
             return None
-        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        t1, t2, b1, b2, states = self.t1, self.t2, self.b1, self.b2, self._states
         # The rule (class doc) takes from t1 while the simulated t1 size is at least the
         # target, from t2 after that, and from t1 again once t2 has no evictable key: the
         # victims come in three runs, each one scan going on from where it stopped.
@@ -194,8 +195,9 @@ class ARCPolicy(EvictionPolicy):
             if not victims:
                 continue
             keys = list(map(_KEY, victims))
-            drop(self._states, keys)
-            drop(present, keys)
+            for key in keys:
+                del states[key]
+                del present[key]
             ghost.update(zip(keys, repeat(None)))
             excess = len(ghost) - self.capacity
             if excess > 0:
