@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from itertools import filterfalse, islice
+from itertools import filterfalse, islice, repeat
 from operator import attrgetter, itemgetter
 from types import MappingProxyType
 
@@ -36,7 +36,7 @@ from kvoffload.tiers.base import (
     TierHints,
     TierUsage,
 )
-from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy
+from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy, Victims
 from kvoffload.tiers.host_space import HostSpace
 
 
@@ -68,6 +68,26 @@ class HostTierStats:
 
 
 _REF = attrgetter("ref")
+
+
+def _writing_states(slots: list[int], groups: list[int] | None,
+                    victims: Victims) -> list[BlockState]:
+    """A "being written" state for each new key (slot and group in order, ``groups`` None:
+    all group 0). The states of this store's victims are detached (nothing refers to
+    them any more) and are reused first, so a full tier makes no object per key."""
+    states: list[BlockState] = []
+    for (_, state), slot, group in zip(victims, slots, groups or repeat(0), strict=False):
+        state.slot = slot
+        state.ref = WRITING
+        state.group = group
+        states.append(state)
+    rest = slots[len(states):]
+    if rest:
+        if groups is None:
+            states.extend(map(BlockState, rest))
+        else:
+            states.extend(map(BlockState, rest, repeat(WRITING), groups[len(states):]))
+    return states
 
 
 def _fmt(key: OffloadKey) -> str:
@@ -323,6 +343,7 @@ class HostTier(Tier):
         groups = self._groups_of(new)
         self.stats.keys_deduped += len(keys) - len(new)
 
+        victims: Victims = []
         evicted: tuple[OffloadKey, ...] = ()
         evicted_slots: tuple[int, ...] = ()
         evicted_demoted: tuple[OffloadKey, ...] = ()
@@ -333,10 +354,11 @@ class HostTier(Tier):
                       if space.charges_bytes else 0)
         if need > 0 or need_bytes > 0:
             shield = self._shield(listed, protected)
-            victims = space.choose_victims(policy, need, need_bytes, shield)
-            if victims is None:
+            chosen = space.choose_victims(policy, need, need_bytes, shield)
+            if chosen is None:
                 self.stats.stores_rejected += 1
                 return None
+            victims = chosen
             evicted_slots = space.evicted(victims)
             evicted = tuple(map(itemgetter(0), victims))
             if self._demoted:  # evicted keys leave the demotion record
@@ -346,12 +368,10 @@ class HostTier(Tier):
             self._emit(evicted, removed=True)
 
         slots = space.slots.allocate(len(new))
+        policy.insert_all(new, _writing_states(slots, groups, victims))
         if groups is None:
-            policy.insert_all(new, list(map(BlockState, slots)))
             space.keys_per_group[0] += len(new)
         else:
-            policy.insert_all(new, [BlockState(slot, WRITING, group)
-                                    for slot, group in zip(slots, groups, strict=True)])
             keys_per_group = space.keys_per_group
             for group in groups:
                 keys_per_group[group] += 1
