@@ -15,15 +15,16 @@ small full-attention block must not cost as much as a Mamba state. Either way
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from itertools import filterfalse, islice, repeat
+from operator import attrgetter, itemgetter
 from types import MappingProxyType
 
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
-from kvoffload.keys import OffloadKey, key_block_hash, key_group
+from kvoffload.keys import OffloadKey, key_block_hash, key_group, key_groups
 from kvoffload.policies import cache_policy
 from kvoffload.tiers.base import (
     HOST,
@@ -35,7 +36,7 @@ from kvoffload.tiers.base import (
     TierHints,
     TierUsage,
 )
-from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy
+from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy, Victims
 from kvoffload.tiers.host_space import HostSpace
 
 
@@ -64,6 +65,29 @@ class HostTierStats:
     keys_stored: int = 0
     keys_store_failed: int = 0
     keys_evicted: int = 0
+
+
+_REF = attrgetter("ref")
+
+
+def _writing_states(slots: list[int], groups: list[int] | None,
+                    victims: Victims) -> list[BlockState]:
+    """A "being written" state for each new key (slot and group in order, ``groups`` None:
+    all group 0). The states of this store's victims are detached (nothing refers to
+    them any more) and are reused first, so a full tier makes no object per key."""
+    states: list[BlockState] = []
+    for (_, state), slot, group in zip(victims, slots, groups or repeat(0), strict=False):
+        state.slot = slot
+        state.ref = WRITING
+        state.group = group
+        states.append(state)
+    rest = slots[len(states):]
+    if rest:
+        if groups is None:
+            states.extend(map(BlockState, rest))
+        else:
+            states.extend(map(BlockState, rest, repeat(WRITING), groups[len(states):]))
+    return states
 
 
 def _fmt(key: OffloadKey) -> str:
@@ -110,6 +134,10 @@ class HostTier(Tier):
                                                    config.num_host_slots)
         self._events: list[TierEvent] = []
         self._demoted: set[OffloadKey] = set()
+        # The hot paths read key states through the policy's dict (no frame per key) and
+        # a key's group from its state (a new key's from the key, ``key_groups``).
+        self._state_of = self._policy.state_of
+        self._single_group = len(self.space.block_bytes) == 1
 
     # -- inspection -------------------------------------------------------------------
 
@@ -142,12 +170,12 @@ class HostTier(Tier):
 
     def ref_count(self, key: OffloadKey) -> int | None:
         """``-1`` being written, ``0`` idle, ``n > 0`` pinned by n loads; ``None`` absent."""
-        state = self._policy.get(key)
+        state = self._state_of(key)
         return None if state is None else state.ref
 
     def slot_of(self, key: OffloadKey) -> int | None:
         """The key's slot, or ``None`` if absent."""
-        state = self._policy.get(key)
+        state = self._state_of(key)
         return None if state is None else state.slot
 
     def debug_state(self) -> dict[str, object]:
@@ -163,7 +191,7 @@ class HostTier(Tier):
 
     def lookup(self, key: OffloadKey) -> LookupResult:
         """HIT if ready, PENDING if being written, else MISS. Changes only ``stats``."""
-        state = self._policy.get(key)
+        state = self._state_of(key)
         if state is None:
             self.stats.lookup_misses += 1
             return LookupResult.MISS
@@ -182,6 +210,10 @@ class HostTier(Tier):
         demotion record.
         """
         slots = self.pin_for_load(keys)
+        if not slots:
+            return LoadGrant(slots)
+        if self._single_group:
+            return LoadGrant(slots, MappingProxyType({(HOST, 0): len(slots)}))
         by_group: dict[tuple[str, int], int] = {}
         for key in keys:
             where = (HOST, key_group(key))
@@ -200,21 +232,31 @@ class HostTier(Tier):
     def pin(self, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
         """``prepare_load`` without counting a load (a lower tier's demote reads the slot);
         ``complete_load`` releases it."""
-        states: list[BlockState] = []
+        state_of = self._state_of
+        block_bytes = self.space.block_bytes
+        slots: list[int] = []
+        newly_pinned = newly_pinned_bytes = 0
         for key in keys:
-            state = self._policy.get(key)
-            if state is None or state.ref == WRITING:
+            state = state_of(key)
+            if state is None or state.ref < 0:
+                self._undo_pins(islice(keys, len(slots)))
                 what = "absent" if state is None else "still being written"
                 raise InvariantError(f"host prepare_load: key {_fmt(key)} is {what}")
-            states.append(state)
-        space = self.space
-        block_bytes = space.block_bytes
-        for key, state in zip(keys, states, strict=True):
             if state.ref == 0:
-                space.num_pinned += 1
-                space.bytes_pinned += block_bytes[key_group(key)]
+                newly_pinned += 1
+                newly_pinned_bytes += block_bytes[state.group]
             state.ref += 1
-        return tuple(state.slot for state in states)
+            slots.append(state.slot)
+        self.space.num_pinned += newly_pinned
+        self.space.bytes_pinned += newly_pinned_bytes
+        return tuple(slots)
+
+    def _undo_pins(self, keys: Iterable[OffloadKey]) -> None:
+        """Take back the pins a failed ``pin`` took (its counters were not yet changed)."""
+        for key in keys:
+            state = self._state_of(key)
+            assert state is not None
+            state.ref -= 1
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
         """Unpin each key once per listing (ref -1).
@@ -222,22 +264,31 @@ class HostTier(Tier):
         Raises ``InvariantError`` and changes nothing if any key would drop below its
         pins (absent, being written, or not pinned that many times).
         """
-        counts = Counter(keys)
-        states: list[tuple[OffloadKey, BlockState, int]] = []
-        for key, n in counts.items():
-            state = self._policy.get(key)
-            if state is None or state.ref < n:
+        state_of = self._state_of
+        block_bytes = self.space.block_bytes
+        unpinned = unpinned_bytes = 0
+        for released, key in enumerate(keys):
+            state = state_of(key)
+            if state is None or state.ref < 1:
+                self._undo_releases(islice(keys, released))
+                times = sum(1 for other in keys if other == key)
                 held = "absent" if state is None else f"ref {state.ref}"
                 raise InvariantError(
-                    f"host complete_load: key {_fmt(key)} released {n}x but {held} "
+                    f"host complete_load: key {_fmt(key)} released {times}x but {held} "
                     "(no matching prepare_load)")
-            states.append((key, state, n))
-        space = self.space
-        for key, state, n in states:
-            state.ref -= n
+            state.ref -= 1
             if state.ref == 0:
-                space.num_pinned -= 1
-                space.bytes_pinned -= space.block_bytes[key_group(key)]
+                unpinned += 1
+                unpinned_bytes += block_bytes[state.group]
+        self.space.num_pinned -= unpinned
+        self.space.bytes_pinned -= unpinned_bytes
+
+    def _undo_releases(self, keys: Iterable[OffloadKey]) -> None:
+        """Give back the pins a failed ``complete_load`` released (counters unchanged)."""
+        for key in keys:
+            state = self._state_of(key)
+            assert state is not None
+            state.ref += 1
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Mark keys recently used; ``keys[0]`` ends most recent. Absent keys are ignored
@@ -284,41 +335,32 @@ class HostTier(Tier):
         policy = self._policy
         space = self.space
         block_bytes = space.block_bytes
-        num_groups = len(block_bytes)
-        new: list[OffloadKey] = []
-        groups: list[int] = []
-        seen: set[OffloadKey] = set()
-        for key in keys:
-            if key in seen or policy.get(key) is not None:
-                continue
-            group = key_group(key)
-            if group >= num_groups:
-                raise InvariantError(
-                    f"host prepare_store: key {_fmt(key)} names group {group}, "
-                    f"config has {num_groups}")
-            seen.add(key)
-            new.append(key)
-            groups.append(group)
+        state_of = self._state_of
+        new = list(filterfalse(state_of, keys))  # absent keys (a BlockState is truthy)
+        listed = frozenset(keys)
+        if len(listed) < len(keys):
+            new = list(dict.fromkeys(new))  # repeats dropped, first listing kept
+        groups = self._groups_of(new)
         self.stats.keys_deduped += len(keys) - len(new)
 
+        victims: Victims = []
         evicted: tuple[OffloadKey, ...] = ()
         evicted_slots: tuple[int, ...] = ()
         evicted_demoted: tuple[OffloadKey, ...] = ()
-        new_bytes = sum(block_bytes[g] for g in groups)
+        new_bytes = (len(new) * block_bytes[0] if groups is None
+                     else sum(block_bytes[g] for g in groups))
         need = len(new) - space.slots.num_free
         need_bytes = (space.bytes_used() + new_bytes - space.budget
                       if space.charges_bytes else 0)
         if need > 0 or need_bytes > 0:
-            # A cascade's protected set already holds the keys it promotes: no copy then.
-            shield: AbstractSet[OffloadKey] = (
-                protected if protected and all(key in protected for key in keys)
-                else frozenset(keys).union(protected))
-            victims = space.choose_victims(policy, need, need_bytes, shield)
-            if victims is None:
+            shield = self._shield(listed, protected)
+            chosen = space.choose_victims(policy, need, need_bytes, shield)
+            if chosen is None:
                 self.stats.stores_rejected += 1
                 return None
+            victims = chosen
             evicted_slots = space.evicted(victims)
-            evicted = tuple(key for key, _ in victims)
+            evicted = tuple(map(itemgetter(0), victims))
             if self._demoted:  # evicted keys leave the demotion record
                 evicted_demoted = tuple(key for key in evicted if key in self._demoted)
                 self._demoted.difference_update(evicted_demoted)
@@ -326,15 +368,45 @@ class HostTier(Tier):
             self._emit(evicted, removed=True)
 
         slots = space.slots.allocate(len(new))
-        keys_per_group = space.keys_per_group
-        for key, slot, group in zip(new, slots, groups, strict=True):
-            policy.insert(key, BlockState(slot))
-            keys_per_group[group] += 1
+        policy.insert_all(new, _writing_states(slots, groups, victims))
+        if groups is None:
+            space.keys_per_group[0] += len(new)
+        else:
+            keys_per_group = space.keys_per_group
+            for group in groups:
+                keys_per_group[group] += 1
         space.num_writing += len(new)
         space.bytes_writing += new_bytes
         self.stats.keys_reserved += len(new)
         return PrepareStoreResult(keys_to_store=tuple(new), slots=tuple(slots), evicted=evicted,
                                   evicted_slots=evicted_slots, evicted_demoted=evicted_demoted)
+
+    def _groups_of(self, keys: Sequence[OffloadKey]) -> list[int] | None:
+        """The group of each key; ``None`` when the config has one group (every key's is
+        0). A key of a group the config does not have raises ``InvariantError``."""
+        groups = key_groups(keys)
+        num_groups = len(self.space.block_bytes)
+        if self._single_group:
+            if not any(groups):
+                return None
+        elif max(groups, default=0) < num_groups:
+            return groups
+        key = next(key for key, group in zip(keys, groups, strict=True)
+                   if group >= num_groups)
+        raise InvariantError(
+            f"host prepare_store: key {_fmt(key)} names group {key_group(key)}, "
+            f"config has {num_groups}")
+
+    @staticmethod
+    def _shield(listed: frozenset[OffloadKey], protected: AbstractSet[OffloadKey],
+                ) -> AbstractSet[OffloadKey]:
+        """What a store may not evict: its own input keys (``listed``) and ``protected``."""
+        if not protected:
+            return listed
+        # A cascade's protected set already holds the keys it promotes: no copy then.
+        if listed <= protected:
+            return protected
+        return listed.union(protected)
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         """End the write of keys being written.
@@ -348,28 +420,36 @@ class HostTier(Tier):
         """
         space = self.space
         block_bytes = space.block_bytes
+        state_of = self._state_of
         done: list[OffloadKey] = []
         states: list[BlockState] = []
+        remove = self._policy.remove
         for key in keys:
-            state = self._policy.get(key)
+            state = state_of(key)
             if state is not None and state.ref == WRITING:
-                space.bytes_writing -= block_bytes[key_group(key)]
                 if success:
                     state.ref = 0
                 else:
-                    self._policy.remove(key)
-                    space.keys_per_group[key_group(key)] -= 1
+                    remove(key)
                 done.append(key)
                 states.append(state)
+        if not done:
+            return
         space.num_writing -= len(done)
+        space.bytes_writing -= (len(done) * block_bytes[0] if self._single_group
+                                else sum(block_bytes[state.group] for state in states))
         if success:
             self.stats.keys_stored += len(done)
-            self._emit(tuple(done), removed=False)
-        else:
-            space.slots.free(state.slot for state in states)
-            self.stats.keys_store_failed += len(done)
-            if self._demoted:
-                self._demoted.difference_update(done)
+            if self.enable_events:
+                self._emit(tuple(done), removed=False)
+            return
+        keys_per_group = space.keys_per_group
+        for state in states:
+            keys_per_group[state.group] -= 1
+        space.slots.free(state.slot for state in states)
+        self.stats.keys_store_failed += len(done)
+        if self._demoted:
+            self._demoted.difference_update(done)
 
     # -- housekeeping -----------------------------------------------------------------
 

@@ -84,10 +84,14 @@ class HostSpace:
 
     def evicted(self, victims: Victims) -> tuple[int, ...]:
         """Release the slots and counts of evicted keys; return their slots in order."""
-        slots = tuple(state.slot for _, state in victims)
+        slots = tuple([state.slot for _, state in victims])
         self.slots.free(slots)
-        for key, _ in victims:
-            self.keys_per_group[key_group(key)] -= 1
+        keys_per_group = self.keys_per_group
+        if len(keys_per_group) == 1:
+            keys_per_group[0] -= len(slots)
+        else:
+            for _, state in victims:
+                keys_per_group[state.group] -= 1
         return slots
 
     def is_full(self) -> bool:
@@ -140,6 +144,9 @@ class HostSpace:
                 raise InvariantError(f"host: key {name(key)} has ref count {state.ref}")
             if group >= len(per_group):
                 raise InvariantError(f"host: key {name(key)} of unknown group {group}")
+            if state.group != group:
+                raise InvariantError(f"host: key {name(key)} of group {group} has a state "
+                                     f"of group {state.group}")
             if state.ref == WRITING:
                 writing += 1
                 writing_bytes += self.block_bytes[group]
@@ -176,5 +183,5 @@ class HostSpace:
             state: BlockState | None = policy.get(key)
             if state is not None and state.ref == 0:
                 idle -= 1
-                idle_bytes -= self.block_bytes[key_group(key)]
+                idle_bytes -= self.block_bytes[state.group]
         return idle >= need_keys and idle_bytes >= need_bytes

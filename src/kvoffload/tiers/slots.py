@@ -68,8 +68,12 @@ class SlotAllocator:
         fresh = min(n, self._capacity - self._next)
         out = list(range(self._next, self._next + fresh))
         self._next += fresh
-        free = self._free
-        out.extend(free.pop() for _ in range(n - fresh))
+        recycled = n - fresh
+        if recycled:
+            free = self._free
+            start = len(free) - recycled
+            out.extend(reversed(free[start:]))  # last freed first
+            del free[start:]
         used = self._used
         for slot in out:
             used[slot] = 1
@@ -81,17 +85,20 @@ class SlotAllocator:
         Raises ``InvariantError`` (and changes nothing) if any slot is out of range, not
         handed out, or listed twice.
         """
-        given = list(slots)
+        given = slots if isinstance(slots, (list, tuple)) else list(slots)
         used = self._used
-        for slot in given:
-            if not 0 <= slot < self._capacity:
-                raise InvariantError(f"free: slot {slot} out of range [0, {self._capacity})")
-            if used[slot] != 1:
-                raise InvariantError(f"free: slot {slot} is not in use (double free?)")
-        if len(set(given)) != len(given):
-            raise InvariantError(f"free: a slot is listed twice in {given}")
-        for slot in given:
-            used[slot] = 0
+        capacity = self._capacity
+        for i, slot in enumerate(given):
+            if 0 <= slot < capacity and used[slot] == 1:
+                used[slot] = 0  # marked free at once, so a repeat below is caught
+                continue
+            for done in given[:i]:  # undo, then say what was wrong
+                used[done] = 1
+            if not 0 <= slot < capacity:
+                raise InvariantError(f"free: slot {slot} out of range [0, {capacity})")
+            if slot in given[:i]:
+                raise InvariantError(f"free: a slot is listed twice in {list(given)}")
+            raise InvariantError(f"free: slot {slot} is not in use (double free?)")
         self._free.extend(given)
 
     def reset(self) -> None:

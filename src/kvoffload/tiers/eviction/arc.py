@@ -9,14 +9,18 @@ Four ordered lists, least recent first:
 ``target_t1_size`` is how large ``t1`` should be. A touch of a ``b1`` ghost (a key evicted
 too early for being "seen once") raises it by ``max(1, |b2| / |b1|)``, capped at capacity;
 a touch of a ``b2`` ghost lowers it by ``max(1, |b1| / |b2|)``, floored at 0.
+
+Besides the lists, one plain dict maps every present key to its state, so that a tier's
+per-key lookups are one dict ``get`` (``state_of``) whichever list holds the key.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import chain
+from itertools import chain, islice, repeat
+from operator import itemgetter
 
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey
@@ -24,8 +28,11 @@ from kvoffload.tiers.eviction.base import (
     BlockState,
     EvictionPolicy,
     Victims,
-    next_evictable,
+    drop,
+    take_idle,
 )
+
+_KEY = itemgetter(0)
 
 
 class ARCPolicy(EvictionPolicy):
@@ -54,31 +61,67 @@ class ARCPolicy(EvictionPolicy):
         self.t2: OrderedDict[OffloadKey, BlockState] = OrderedDict()
         self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._states: dict[OffloadKey, BlockState] = {}
+        """Every present key (``t1`` and ``t2`` together) with its state."""
 
     def get(self, key: OffloadKey) -> BlockState | None:
-        state = self.t1.get(key)
-        return state if state is not None else self.t2.get(key)
+        return self._states.get(key)
+
+    @property
+    def state_of(self) -> Callable[[OffloadKey], BlockState | None]:
+        """The dict of present keys' own ``get``."""
+        return self._states.get
 
     def __len__(self) -> int:
-        return len(self.t1) + len(self.t2)
+        return len(self._states)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and key in self._states
 
     def insert(self, key: OffloadKey, state: BlockState) -> None:
-        if key in self.t1 or key in self.t2:
+        if key in self._states:
             raise InvariantError(f"arc: insert of a key already present ({key.hex()})")
         self.t1[key] = state
+        self._states[key] = state
         self.b1.pop(key, None)
         self.b2.pop(key, None)
 
+    def insert_all(self, keys: Sequence[OffloadKey], states: Sequence[BlockState]) -> None:
+        """All keys at ``t1``'s MRU end, in order, their ghosts dropped (one check, two
+        dict updates; the ghost lists are walked only when they hold one of the keys)."""
+        present = self._states
+        if len(keys) != len(states):
+            raise InvariantError(f"arc: {len(keys)} keys but {len(states)} states")
+        if not present.keys().isdisjoint(keys):
+            raise InvariantError("arc: insert of a key already present")
+        pairs = list(zip(keys, states, strict=True))
+        self.t1.update(pairs)
+        present.update(pairs)
+        for ghost in (self.b1, self.b2):
+            if not ghost.keys().isdisjoint(keys):
+                drop(ghost, [key for key in keys if key in ghost])
+
     def remove(self, key: OffloadKey) -> BlockState:
-        state = self.t1.pop(key, None)
-        if state is None:
-            state = self.t2.pop(key, None)
+        state = self._states.pop(key, None)
         if state is None:
             raise InvariantError(f"arc: remove of an absent key ({key.hex()})")
+        if self.t1.pop(key, None) is None:
+            del self.t2[key]
         return state
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        if self._states.keys().isdisjoint(keys):
+            # Nothing present (the misses a store is about to write): only ghosts count.
+            in_b1 = not b1.keys().isdisjoint(keys)
+            in_b2 = not b2.keys().isdisjoint(keys)
+            if in_b1 != in_b2:  # one ghost list involved: walk only its keys
+                ghost = b1 if in_b1 else b2
+                self._ghost_hits([key for key in reversed(keys) if key in ghost],
+                                 from_b1=in_b1)
+                return
+            if not in_b1:
+                return
         for key in reversed(keys):
             state = t1.get(key)
             if state is not None:
@@ -90,75 +133,76 @@ class ARCPolicy(EvictionPolicy):
             elif key in t2:
                 t2.move_to_end(key)
             elif key in b1:
-                delta = max(1.0, len(b2) / len(b1))
-                self.target_t1_size = min(self.target_t1_size + delta, float(self.capacity))
-                b1.move_to_end(key)
+                self._ghost_hit(key, from_b1=True)
             elif key in b2:
-                delta = max(1.0, len(b1) / len(b2))
-                self.target_t1_size = max(self.target_t1_size - delta, 0.0)
-                b2.move_to_end(key)
+                self._ghost_hit(key, from_b1=False)
+
+    def _ghost_hits(self, keys: Sequence[OffloadKey], *, from_b1: bool) -> None:
+        """``_ghost_hit`` for each key (all ghosts of one list), in order. The list sizes
+        do not change, so neither does the step; ``target_t1_size`` moves one step per
+        key, rounded as one step at a time is."""
+        b1, b2 = self.b1, self.b2
+        target = self.target_t1_size
+        if from_b1:
+            delta = max(1.0, len(b2) / len(b1))
+            cap = float(self.capacity)
+            for _ in keys:
+                target = min(target + delta, cap)
+            ghost = b1
+        else:
+            delta = max(1.0, len(b1) / len(b2))
+            for _ in keys:
+                target = max(target - delta, 0.0)
+            ghost = b2
+        self.target_t1_size = target
+        for key in keys:
+            ghost.move_to_end(key)
+
+    def _ghost_hit(self, key: OffloadKey, *, from_b1: bool) -> None:
+        """A touch of a ghost: adapt ``target_t1_size`` (module doc) and move the ghost to
+        its list's MRU end."""
+        b1, b2 = self.b1, self.b2
+        if from_b1:
+            delta = max(1.0, len(b2) / len(b1))
+            self.target_t1_size = min(self.target_t1_size + delta, float(self.capacity))
+            b1.move_to_end(key)
+        else:
+            delta = max(1.0, len(b1) / len(b2))
+            self.target_t1_size = max(self.target_t1_size - delta, 0.0)
+            b2.move_to_end(key)
 
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> Victims | None:
         if n < 0:
             raise InvariantError(f"arc: evict({n})")
         if n == 0:
             return []
-        if n > len(self):
+        if n > len(self._states):
             return None
-        plan = self._plan_victims(n, protected)
-        if plan is None:
-            return None
-        from_t1, from_t2, order = plan
-        # Commit.
-        for key, _ in from_t1:
-            del self.t1[key]
-            self.b1[key] = None
-        for key, _ in from_t2:
-            del self.t2[key]
-            self.b2[key] = None
-        for ghost in (self.b1, self.b2):
-            for _ in range(len(ghost) - self.capacity):
-                ghost.popitem(last=False)
-        it1, it2 = iter(from_t1), iter(from_t2)
-        return [next(it1) if took_t1 else next(it2) for took_t1 in order]
-
-    def _plan_victims(self, n: int, protected: AbstractSet[OffloadKey],
-                      ) -> tuple[Victims, Victims, list[bool]] | None:
-        """Simulate ``evict(n)`` without changing anything: the victims from ``t1`` and
-        from ``t2`` (each in list order) and, per victim in eviction order, whether it came
-        from ``t1``; ``None`` when fewer than ``n`` keys are evictable. One iterator per
-        list (monotonic scans: linear per call)."""
-        t1_iter = iter(self.t1.items())
-        t2_iter = iter(self.t2.items())
+        t1, t2, b1, b2, states = self.t1, self.t2, self.b1, self.b2, self._states
+        # The rule (class doc) takes from t1 while the simulated t1 size is at least the
+        # target, from t2 after that, and from t1 again once t2 has no evictable key: the
+        # victims come in three runs, each one scan going on from where it stopped.
         target = int(self.target_t1_size)
-        virtual_t1 = len(self.t1)
-        from_t1: Victims = []
-        from_t2: Victims = []
-        order: list[bool] = []  # True: the i-th victim came from t1
-        t1_done = t2_done = False
-        while len(order) < n:
-            prefer_t1 = virtual_t1 >= target
-            entry = None
-            took_t1 = False
-            for use_t1 in (prefer_t1, not prefer_t1):
-                if use_t1 and not t1_done:
-                    entry = next_evictable(t1_iter, protected)
-                    t1_done = entry is None
-                elif not use_t1 and not t2_done:
-                    entry = next_evictable(t2_iter, protected)
-                    t2_done = entry is None
-                if entry is not None:
-                    took_t1 = use_t1
-                    break
-            if entry is None:
-                return None
-            if took_t1:
-                from_t1.append(entry)
-                virtual_t1 -= 1
-            else:
-                from_t2.append(entry)
-            order.append(took_t1)
-        return from_t1, from_t2, order
+        t1_first = len(t1) - target + 1 if len(t1) >= target else 0
+        t1_entries = iter(t1.items())
+        from_t1 = take_idle(t1_entries, min(t1_first, n), protected)
+        from_t2 = take_idle(iter(t2.items()), n - len(from_t1), protected)
+        more_t1 = take_idle(t1_entries, n - len(from_t1) - len(from_t2), protected)
+        if len(from_t1) + len(from_t2) + len(more_t1) < n:
+            return None
+        # Commit: t1 victims become b1 ghosts, t2 victims b2 ghosts, oldest ghosts go.
+        for victims, present, ghost in ((from_t1 + more_t1, t1, b1), (from_t2, t2, b2)):
+            if not victims:
+                continue
+            keys = list(map(_KEY, victims))
+            for key in keys:
+                del states[key]
+                del present[key]
+            ghost.update(zip(keys, repeat(None)))
+            excess = len(ghost) - self.capacity
+            if excess > 0:
+                drop(ghost, list(islice(ghost, excess)))
+        return from_t1 + from_t2 + more_t1
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockState]]:
         return chain(self.t1.items(), self.t2.items())
@@ -168,6 +212,7 @@ class ARCPolicy(EvictionPolicy):
         self.t2.clear()
         self.b1.clear()
         self.b2.clear()
+        self._states.clear()
         self.target_t1_size = 0.0
 
     def debug_state(self) -> dict[str, object]:
@@ -183,14 +228,15 @@ class ARCPolicy(EvictionPolicy):
         super().check_integrity()
         if not self.t1.keys().isdisjoint(self.t2.keys()):
             raise InvariantError("arc: a key is in both t1 and t2")
+        if (len(self._states) != len(self.t1) + len(self.t2)
+                or any(self._states.get(k) is not s for k, s in self.items())):
+            raise InvariantError("arc: the dict of present keys disagrees with t1 and t2")
         if not self.b1.keys().isdisjoint(self.b2.keys()):
             raise InvariantError("arc: a key is in both ghost lists")
         for ghost in (self.b1, self.b2):
             if len(ghost) > self.capacity:
                 raise InvariantError(f"arc: ghost list of {len(ghost)} exceeds capacity")
-            if not (ghost.keys().isdisjoint(self.t1.keys())
-                    and ghost.keys().isdisjoint(self.t2.keys())):
+            if not ghost.keys().isdisjoint(self._states.keys()):
                 raise InvariantError("arc: a key is both present and a ghost")
         if not 0.0 <= self.target_t1_size <= self.capacity:
             raise InvariantError(f"arc: target_t1_size {self.target_t1_size} out of range")
-

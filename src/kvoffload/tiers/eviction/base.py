@@ -21,9 +21,10 @@ named by ``OffloadConfig.eviction_policy`` says which class evicts.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import ClassVar, NamedTuple
+from operator import attrgetter, itemgetter
+from typing import Any, ClassVar, NamedTuple
 
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey
@@ -33,17 +34,19 @@ WRITING = -1
 
 
 class BlockState:
-    """Per-key bookkeeping: ref count and slot. Mutable; two fields, no ``__dict__``.
+    """Per-key bookkeeping: ref count, slot and group. Mutable; three fields, no ``__dict__``.
 
     ``ref`` follows the module docstring (-1 writing, 0 idle, >0 pinned). ``slot`` is the
-    tier slot holding the block.
+    tier slot holding the block. ``group`` is the key's group index (``key_group``), kept
+    here so that the tier's hot paths need not decode it from the key again.
     """
 
-    __slots__ = ("ref", "slot")
+    __slots__ = ("group", "ref", "slot")
 
-    def __init__(self, slot: int, ref: int = WRITING) -> None:
+    def __init__(self, slot: int, ref: int = WRITING, group: int = 0) -> None:
         self.slot = slot
         self.ref = ref
+        self.group = group
 
     @property
     def ready(self) -> bool:
@@ -56,7 +59,7 @@ class BlockState:
         return self.ref == 0
 
     def __repr__(self) -> str:
-        return f"BlockState(slot={self.slot}, ref={self.ref})"
+        return f"BlockState(slot={self.slot}, ref={self.ref}, group={self.group})"
 
 
 class ValueHint(NamedTuple):
@@ -107,6 +110,14 @@ class EvictionPolicy(ABC):
     def get(self, key: OffloadKey) -> BlockState | None:
         """The key's state, or ``None`` if not present. Changes nothing."""
 
+    @property
+    def state_of(self) -> Callable[[OffloadKey], BlockState | None]:
+        """A function that answers as ``get`` does, for the tier's per-key loops: where the
+        policy keeps every present key in one dict, that dict's own ``get`` (no Python
+        frame per key). It stays valid for the policy's whole life, ``clear`` included.
+        Default: ``get``."""
+        return self.get
+
     @abstractmethod
     def __len__(self) -> int:
         """Keys present (ready or writing); ghost entries are not counted."""
@@ -117,6 +128,19 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def insert(self, key: OffloadKey, state: BlockState) -> None:
         """Add an absent key as most recent (ARC: into T1). Present key: ``InvariantError``."""
+
+    def insert_all(self, keys: Sequence[OffloadKey], states: Sequence[BlockState]) -> None:
+        """``insert`` each key with its state, in order (the last key ends most recent).
+
+        Either every key is absent and all are inserted, or ``InvariantError`` is raised
+        and nothing changes; ``keys`` must not repeat a key (the caller dedups). Default:
+        one ``insert`` per key after checking that none is present."""
+        if len(keys) != len(states):
+            raise InvariantError(f"{self.name}: {len(keys)} keys but {len(states)} states")
+        if any(self.get(key) is not None for key in keys):
+            raise InvariantError(f"{self.name}: insert of a key already present")
+        for key, state in zip(keys, states, strict=True):
+            self.insert(key, state)
 
     @abstractmethod
     def remove(self, key: OffloadKey) -> BlockState:
@@ -194,17 +218,31 @@ class EvictionPolicy(ABC):
                 raise InvariantError(f"{self.name}: ref count {state.ref} below -1")
 
 
-def next_evictable(entries: Iterator[tuple[OffloadKey, BlockState]],
-                   protected: AbstractSet[OffloadKey]) -> tuple[OffloadKey, BlockState] | None:
-    """Advance ``entries`` to the next idle, unprotected key; ``None`` when exhausted.
-
-    Policies share one iterator per list across a whole ``evict`` call, so the scan stays
-    linear however many pinned or writing keys sit at the eviction end.
-    """
+def take_idle(entries: Iterator[tuple[OffloadKey, BlockState]], n: int,
+              protected: AbstractSet[OffloadKey]) -> Victims:
+    """Up to ``n`` idle (ref 0), unprotected entries of ``entries``, in order; ``entries``
+    stops right after the last one taken, so a later call goes on from there (one scan
+    per list and ``evict`` call, however many pinned or writing keys sit in the way)."""
+    taken: Victims = []
+    if n <= 0:
+        return taken
     for key, state in entries:
         if state.ref == 0 and key not in protected:
-            return key, state
-    return None
+            taken.append((key, state))
+            if len(taken) == n:
+                break
+    return taken
+
+
+_KEY = itemgetter(0)
+_STATE = itemgetter(1)
+_REF = attrgetter("ref")
+
+
+def drop(entries: MutableMapping[OffloadKey, Any], keys: Iterable[OffloadKey]) -> None:
+    """``del entries[key]`` for every key (each must be there)."""
+    for key in keys:
+        del entries[key]
 
 
 NORMAL_SHARE = 0.9

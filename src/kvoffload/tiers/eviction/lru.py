@@ -12,6 +12,8 @@ from kvoffload.tiers.eviction.base import (
     BlockState,
     EvictionPolicy,
     Victims,
+    drop,
+    take_idle,
 )
 
 
@@ -32,13 +34,30 @@ class LRUPolicy(EvictionPolicy):
     def get(self, key: OffloadKey) -> BlockState | None:
         return self._order.get(key)
 
+    @property
+    def state_of(self) -> Callable[[OffloadKey], BlockState | None]:
+        """The order dict's own ``get``."""
+        return self._order.get
+
     def __len__(self) -> int:
         return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and key in self._order
 
     def insert(self, key: OffloadKey, state: BlockState) -> None:
         if key in self._order:
             raise InvariantError(f"lru: insert of a key already present ({key.hex()})")
         self._order[key] = state
+
+    def insert_all(self, keys: Sequence[OffloadKey], states: Sequence[BlockState]) -> None:
+        """All keys at the most-recent end, in order; one check, one dict update."""
+        order = self._order
+        if len(keys) != len(states):
+            raise InvariantError(f"lru: {len(keys)} keys but {len(states)} states")
+        if not order.keys().isdisjoint(keys):
+            raise InvariantError("lru: insert of a key already present")
+        order.update(zip(keys, states, strict=True))
 
     def remove(self, key: OffloadKey) -> BlockState:
         state = self._order.pop(key, None)
@@ -48,9 +67,19 @@ class LRUPolicy(EvictionPolicy):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         order = self._order
-        for key in reversed(keys):
+        if order.keys().isdisjoint(keys):
+            return  # none present (stops at the first present key otherwise)
+        move = order.move_to_end
+        remaining = reversed(keys)
+        try:
+            for key in remaining:
+                move(key)
+            return
+        except KeyError:
+            pass  # an absent key: check each of the rest
+        for key in remaining:
             if key in order:
-                order.move_to_end(key)
+                move(key)
 
     def demote(self, keys: Sequence[OffloadKey]) -> None:
         """Move present keys to the least-recent end (next victims)."""
@@ -66,16 +95,10 @@ class LRUPolicy(EvictionPolicy):
             return []
         if n > len(self._order):
             return None
-        victims: Victims = []
-        for key, state in self._order.items():
-            if state.ref == 0 and key not in protected:
-                victims.append((key, state))
-                if len(victims) == n:
-                    break
-        else:
+        victims = take_idle(iter(self._order.items()), n, protected)
+        if len(victims) < n:
             return None
-        for key, _ in victims:
-            del self._order[key]
+        drop(self._order, [key for key, _ in victims])
         return victims
 
     def evict_bytes(self, need_bytes: int, need_keys: int, protected: AbstractSet[OffloadKey],
