@@ -196,6 +196,23 @@ def test_bad_arguments_exit_2_with_the_reason(argv: list[str],
     assert "error:" in capsys.readouterr().err
 
 
+@requires_vllm
+def test_the_trace_wrapper_passes_each_call_through_and_sees_it() -> None:
+    import e2e_trace  # imports the connector's vLLM-side modules
+
+    class Box:
+        def add(self, a: int, b: int) -> int:
+            return a + b
+
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    e2e_trace.wrap(Box, "add", lambda _self, result, seconds, *args:
+                   seen.append((result, args)) if seconds >= 0 else None)
+    assert Box().add(2, 3) == 5
+    assert Box().add(4, 4) == 8
+    assert seen == [(5, (2, 3)), (8, (4, 4))]
+    assert Box.add.__name__ == "add"
+
+
 @pytest.mark.vllm
 @requires_vllm
 def test_a_short_run_matches_recompute_and_hits(tmp_path: Path,
