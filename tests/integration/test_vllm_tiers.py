@@ -33,7 +33,11 @@ def tier_extra(disk: Path | None = None, remote: str | None = None) -> dict[str,
                   "disk_write_mode": "write_through", "disk_fsync": "false"}
     if remote is not None:
         extra["tiers"].append("remote")
-        extra |= {"remote_url": remote, "remote_timeout_s": 5.0}
+        # A fresh engine's first lookups wait for the remote's answers (and, on a Cluster,
+        # for the client's slot discovery); on a fast, idle machine the default deferral
+        # bound (64 steps and 0.5 s) can run out first, and the request then recomputes
+        # -- correct, but not what these tests are about. Wait as long as a remote call may.
+        extra |= {"remote_url": remote, "remote_timeout_s": 5.0, "min_deferral_s": 5.0}
     return extra
 
 
