@@ -186,7 +186,48 @@ static uint64_t hash_short(const uint8_t *p, size_t len) {
  * all with the accumulators in registers. */
 typedef void (*consume_fn)(uint64_t *acc, uint32_t *in_block, const uint8_t *p, size_t n);
 
-/* One stripe at ``d`` keyed with ``s``. */
+/* The one stripe loop every kernel shares. A kernel names its accumulator registers
+ * (``VEC``, ``LANES`` of them), how to load and store them (``LOAD(a, acc)``,
+ * ``STORE(acc, a)``), one stripe at ``d`` keyed with ``s`` (``STRIPE_OP(a, d, s)``) and the
+ * end-of-block scramble (``SCRAMBLE(a)``). The loop runs the rest of the current block,
+ * then whole blocks of STRIPES_PER_BLOCK stripes (a fixed trip count, unrolled by 4:
+ * more spilled the accumulators to the stack), then what is left: no per-stripe test of
+ * where the block ends. Against the three hand-written loops it replaced, the same
+ * digests and 1.06-1.35x their speed on 256 KiB from the L2 cache (AVX2, quiet / busy
+ * 2-core VM). */
+#define DEFINE_CONSUME(NAME, ATTR, VEC, LANES, LOAD, STORE, STRIPE_OP, SCRAMBLE)              \
+    ATTR static void NAME(uint64_t *acc, uint32_t *in_block, const uint8_t *p, size_t n) { \
+        VEC a[LANES];                                                                      \
+        LOAD(a, acc);                                                                      \
+        uint32_t k = *in_block;                                                            \
+        if (k) { /* finish the current block */                                            \
+            size_t m = STRIPES_PER_BLOCK - k;                                              \
+            if (m > n)                                                                     \
+                m = n;                                                                     \
+            for (size_t j = 0; j < m; j++, p += STRIPE)                                    \
+                STRIPE_OP(a, p, SECRET + 8 * (k + j));                                        \
+            n -= m;                                                                        \
+            k += (uint32_t)m;                                                              \
+            if (k == STRIPES_PER_BLOCK) {                                                  \
+                SCRAMBLE(a);                                                               \
+                k = 0;                                                                     \
+            }                                                                              \
+        }                                                                                  \
+        for (; n >= STRIPES_PER_BLOCK && k == 0; n -= STRIPES_PER_BLOCK) {                 \
+            _Pragma("GCC unroll 4")                                                       \
+            for (int j = 0; j < STRIPES_PER_BLOCK; j++, p += STRIPE) {                     \
+                __builtin_prefetch(p + PREFETCH_AHEAD);                                    \
+                STRIPE_OP(a, p, SECRET + 8 * j);                                              \
+            }                                                                              \
+            SCRAMBLE(a);                                                                   \
+        }                                                                                  \
+        for (; n; n--, p += STRIPE, k++) /* a partial block: k + n < STRIPES_PER_BLOCK */  \
+            STRIPE_OP(a, p, SECRET + 8 * k);                                                  \
+        STORE(acc, a);                                                                     \
+        *in_block = k;                                                                     \
+    }
+
+/* One stripe at ``d`` keyed with ``s`` (the scalar kernel's, also the digest's last). */
 static inline void stripe_scalar(uint64_t *acc, const uint8_t *d, const uint8_t *s) {
     for (int i = 0; i < 8; i++) {
         uint64_t value = rd64(d + 8 * i);
@@ -196,7 +237,7 @@ static inline void stripe_scalar(uint64_t *acc, const uint8_t *d, const uint8_t 
     }
 }
 
-static void scramble_scalar(uint64_t *acc) {
+static inline void scramble_scalar(uint64_t *acc) {
     const uint8_t *s = SECRET + SECRET_BYTES - STRIPE;
     for (int i = 0; i < 8; i++) {
         uint64_t a = acc[i];
@@ -206,94 +247,75 @@ static void scramble_scalar(uint64_t *acc) {
     }
 }
 
-static void consume_scalar(uint64_t *acc, uint32_t *in_block, const uint8_t *p, size_t n) {
-    uint32_t k = *in_block;
-    for (size_t j = 0; j < n; j++, p += STRIPE) {
-        stripe_scalar(acc, p, SECRET + 8 * k);
-        if (++k == STRIPES_PER_BLOCK) {
-            scramble_scalar(acc);
-            k = 0;
-        }
-    }
-    *in_block = k;
-}
+#define SCALAR_LOAD(a, acc) memcpy(a, acc, sizeof a)
+#define SCALAR_STORE(acc, a) memcpy(acc, a, sizeof a)
+DEFINE_CONSUME(consume_scalar, , uint64_t, 8, SCALAR_LOAD, SCALAR_STORE, stripe_scalar,
+               scramble_scalar)
 
 #ifdef XXH_X86
-static inline __m128i stripe_sse2(__m128i a, const uint8_t *d, const uint8_t *s) {
+/* One 16-byte lane of a stripe (SSE2; the AVX2 lane is the same on 32 bytes). */
+static inline __m128i lane_sse2(__m128i a, const uint8_t *d, const uint8_t *s) {
     __m128i value = _mm_loadu_si128((const __m128i *)d);
     __m128i keyed = _mm_xor_si128(value, _mm_loadu_si128((const __m128i *)s));
-    __m128i product = _mm_mul_epu32(keyed, _mm_srli_epi64(keyed, 32));
+    __m128i product = _mm_mul_epu32(keyed, _mm_shuffle_epi32(keyed, _MM_SHUFFLE(0, 3, 0, 1)));
     __m128i swapped = _mm_shuffle_epi32(value, _MM_SHUFFLE(1, 0, 3, 2));
     return _mm_add_epi64(a, _mm_add_epi64(product, swapped));
 }
 
-static inline __m128i scramble_sse2(__m128i a, const uint8_t *s) {
+static inline __m128i scramble_lane_sse2(__m128i a, const uint8_t *s) {
     const __m128i prime = _mm_set1_epi32((int)P32_1);
     a = _mm_xor_si128(_mm_xor_si128(a, _mm_srli_epi64(a, 47)), _mm_loadu_si128((const __m128i *)s));
-    __m128i high = _mm_mul_epu32(_mm_srli_epi64(a, 32), prime);
+    __m128i high = _mm_mul_epu32(_mm_shuffle_epi32(a, _MM_SHUFFLE(0, 3, 0, 1)), prime);
     return _mm_add_epi64(_mm_mul_epu32(a, prime), _mm_slli_epi64(high, 32));
 }
 
-static void consume_sse2(uint64_t *acc, uint32_t *in_block, const uint8_t *p, size_t n) {
-    const uint8_t *key = SECRET + SECRET_BYTES - STRIPE;
-    __m128i a[4];
-    for (int i = 0; i < 4; i++)
-        a[i] = _mm_loadu_si128((const __m128i *)(acc + 2 * i));
-    uint32_t k = *in_block;
-    for (size_t j = 0; j < n; j++, p += STRIPE) {
-        const uint8_t *s = SECRET + 8 * k;
-        for (int i = 0; i < 4; i++)
-            a[i] = stripe_sse2(a[i], p + 16 * i, s + 16 * i);
-        if (++k == STRIPES_PER_BLOCK) {
-            for (int i = 0; i < 4; i++)
-                a[i] = scramble_sse2(a[i], key + 16 * i);
-            k = 0;
-        }
-    }
-    for (int i = 0; i < 4; i++)
-        _mm_storeu_si128((__m128i *)(acc + 2 * i), a[i]);
-    *in_block = k;
-}
+#define SSE2_LOAD(a, acc)                                                                  \
+    for (int i = 0; i < 4; i++)                                                            \
+        a[i] = _mm_loadu_si128((const __m128i *)(acc + 2 * i))
+#define SSE2_STORE(acc, a)                                                                 \
+    for (int i = 0; i < 4; i++)                                                            \
+        _mm_storeu_si128((__m128i *)(acc + 2 * i), a[i])
+#define SSE2_STRIPE(a, d, s)                                                               \
+    for (int i = 0; i < 4; i++)                                                            \
+        a[i] = lane_sse2(a[i], (d) + 16 * i, (s) + 16 * i)
+#define SSE2_SCRAMBLE(a)                                                                   \
+    for (int i = 0; i < 4; i++)                                                            \
+        a[i] = scramble_lane_sse2(a[i], SECRET + SECRET_BYTES - STRIPE + 16 * i)
+DEFINE_CONSUME(consume_sse2, , __m128i, 4, SSE2_LOAD, SSE2_STORE, SSE2_STRIPE, SSE2_SCRAMBLE)
 
-__attribute__((target("avx2")))
-static inline __m256i stripe_avx2(__m256i a, const uint8_t *d, const uint8_t *s) {
+#define AVX2 __attribute__((target("avx2")))
+
+AVX2 static inline __m256i lane_avx2(__m256i a, const uint8_t *d, const uint8_t *s) {
     __m256i value = _mm256_loadu_si256((const __m256i *)d);
     __m256i keyed = _mm256_xor_si256(value, _mm256_loadu_si256((const __m256i *)s));
-    __m256i product = _mm256_mul_epu32(keyed, _mm256_srli_epi64(keyed, 32));
-    return _mm256_add_epi64(a, _mm256_add_epi64(
-        product, _mm256_shuffle_epi32(value, _MM_SHUFFLE(1, 0, 3, 2))));
+    __m256i product = _mm256_mul_epu32(keyed,
+                                       _mm256_shuffle_epi32(keyed, _MM_SHUFFLE(0, 3, 0, 1)));
+    __m256i swapped = _mm256_shuffle_epi32(value, _MM_SHUFFLE(1, 0, 3, 2));
+    return _mm256_add_epi64(a, _mm256_add_epi64(product, swapped));
 }
 
-__attribute__((target("avx2")))
-static inline __m256i scramble_avx2(__m256i a, const uint8_t *s) {
+AVX2 static inline __m256i scramble_lane_avx2(__m256i a, const uint8_t *s) {
     const __m256i prime = _mm256_set1_epi32((int)P32_1);
     a = _mm256_xor_si256(_mm256_xor_si256(a, _mm256_srli_epi64(a, 47)),
                          _mm256_loadu_si256((const __m256i *)s));
-    __m256i high = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), prime);
+    __m256i high = _mm256_mul_epu32(_mm256_shuffle_epi32(a, _MM_SHUFFLE(0, 3, 0, 1)), prime);
     return _mm256_add_epi64(_mm256_mul_epu32(a, prime), _mm256_slli_epi64(high, 32));
 }
 
-__attribute__((target("avx2")))
-static void consume_avx2(uint64_t *acc, uint32_t *in_block, const uint8_t *p, size_t n) {
-    const uint8_t *key = SECRET + SECRET_BYTES - STRIPE;
-    __m256i a0 = _mm256_loadu_si256((const __m256i *)acc);
-    __m256i a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
-    uint32_t k = *in_block;
-    for (size_t j = 0; j < n; j++, p += STRIPE) {
-        const uint8_t *s = SECRET + 8 * k;
-        __builtin_prefetch(p + PREFETCH_AHEAD);
-        a0 = stripe_avx2(a0, p, s);
-        a1 = stripe_avx2(a1, p + 32, s + 32);
-        if (++k == STRIPES_PER_BLOCK) {
-            a0 = scramble_avx2(a0, key);
-            a1 = scramble_avx2(a1, key + 32);
-            k = 0;
-        }
-    }
-    _mm256_storeu_si256((__m256i *)acc, a0);
-    _mm256_storeu_si256((__m256i *)(acc + 4), a1);
-    *in_block = k;
-}
+#define AVX2_LOAD(a, acc)                                                                  \
+    for (int i = 0; i < 2; i++)                                                            \
+        a[i] = _mm256_loadu_si256((const __m256i *)(acc + 4 * i))
+#define AVX2_STORE(acc, a)                                                                 \
+    for (int i = 0; i < 2; i++)                                                            \
+        _mm256_storeu_si256((__m256i *)(acc + 4 * i), a[i])
+#define AVX2_STRIPE(a, d, s)                                                               \
+    for (int i = 0; i < 2; i++)                                                            \
+        a[i] = lane_avx2(a[i], (d) + 32 * i, (s) + 32 * i)
+#define AVX2_SCRAMBLE(a)                                                                   \
+    for (int i = 0; i < 2; i++)                                                            \
+        a[i] = scramble_lane_avx2(a[i], SECRET + SECRET_BYTES - STRIPE + 32 * i)
+DEFINE_CONSUME(consume_avx2, AVX2, __m256i, 2, AVX2_LOAD, AVX2_STORE, AVX2_STRIPE,
+               AVX2_SCRAMBLE)
 
 #endif
 
