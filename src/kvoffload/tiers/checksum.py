@@ -4,8 +4,8 @@ Every block in a lower tier carries the XXH3-64 (seed 0) of its header fields fo
 payload (``kvoffload.tiers.framing``). Two implementations give the same digests:
 
 * ``NATIVE``: the C extension ``kvoffload.tiers._checksum`` (built by ``setup.py`` where a C
-  compiler exists). It hashes without holding the GIL (an AVX2 or SSE2 stripe loop where
-  the CPU has one), and its ``read_frame`` / ``write_frame`` (the disk tier's read and
+  compiler exists). It hashes without holding the GIL (an AVX-512, AVX2 or SSE2 stripe
+  loop where the CPU has one), and its ``read_frame`` / ``write_frame`` (the disk tier's read and
   write of one block file) and ``read_hashed`` / ``write_hashed`` move a whole payload
   between a file and memory in one call without the GIL, hashing each piece right after it
   is read (or right before it is written) while it is still in the CPU cache: one pass
@@ -227,8 +227,8 @@ class _NativeChecksums:
         self._lib.write_frame(fd, fields, payload, header_bytes, PIECE_BYTES)
 
     def kernels(self) -> tuple[str, ...]:
-        """The stripe loops this CPU runs (``scalar``, then ``sse2`` and ``avx2`` on x86-64
-        CPUs that have them)."""
+        """The stripe loops this CPU runs (``scalar``, then ``sse2``, ``avx2`` and
+        ``avx512`` on x86-64 CPUs that have them)."""
         return tuple(self._lib.kernels())
 
     def kernel(self) -> str:
