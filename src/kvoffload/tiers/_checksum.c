@@ -14,6 +14,8 @@
  *   pwrite_hashed(fd, src, offset, state, piece)
  *   read_frame(dir_fd, name, header, dest, hashed, piece) -> (outcome, detail, digest)
  *   write_frame(fd, fields, payload, header_bytes, piece)
+ *   store_frame(dir_fd, tmp, final, fields, payload, header_bytes, piece, sync)
+ *       -> (stage, errno)
  *   kernel() -> str, use_kernel(name), kernels() -> tuple    (the stripe loop in use)
  *
  * ``pread_hashed`` fills ``dest`` from ``fd`` at ``offset`` with ``pread``, ``piece`` bytes
@@ -24,8 +26,8 @@
  * for the whole call; ``xxh3_update`` releases it for buffers of XXH_GIL_MIN_BYTES or more.
  * A state must not be used by two threads at once.
  *
- * ``read_frame`` and ``write_frame`` are the disk tier's whole read and write of one block
- * file in one call without the GIL (``kvoffload.tiers.checksum`` documents them, and holds
+ * ``read_frame`` and ``store_frame`` are the disk tier's whole read and (atomic) write of
+ * one block file in one call without the GIL (``kvoffload.tiers.checksum`` documents them, and holds
  * the Python equivalents they must agree with).
  *
  * Streaming: a stripe (64 bytes) is accumulated only once at least one byte follows it, so
@@ -698,6 +700,35 @@ static PyObject *py_read_frame(PyObject *self, PyObject *args) {
     return Py_BuildValue("iLK", outcome, detail, (unsigned long long)digest);
 }
 
+/* Write a frame without a MAC into ``fd``: the payload at ``header_bytes``, hashed piece
+ * by piece, then ``fields + le64(checksum) + zeros`` at 0; 0 or the errno. No GIL needed. */
+static int write_frame_fd(int fd, const Py_buffer *fields, const Py_buffer *payload,
+                          size_t header_bytes, size_t piece) {
+    uint8_t header[4096];
+    xxh3_state st;
+    state_init(&st);
+    state_update(&st, fields->buf, (size_t)fields->len);
+    int error = write_hashed(fd, payload->buf, (size_t)payload->len, (long long)header_bytes,
+                             &st, piece);
+    if (error)
+        return error;
+    uint64_t digest = state_digest(&st);
+    memset(header, 0, header_bytes);
+    memcpy(header, fields->buf, (size_t)fields->len);
+    for (int i = 0; i < 8; i++)
+        header[fields->len + i] = (uint8_t)(digest >> (8 * i));
+    return write_hashed(fd, header, header_bytes, 0, NULL, header_bytes);
+}
+
+static int check_frame_args(const Py_buffer *fields, Py_ssize_t header_bytes, Py_ssize_t piece) {
+    if (header_bytes < fields->len + 8 || header_bytes > 4096 || piece <= 0) {
+        PyErr_Format(PyExc_ValueError, "header_bytes must be in [len(fields) + 8, 4096] and "
+                     "piece > 0, got %zd, %zd", header_bytes, piece);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_write_frame(PyObject *self, PyObject *args) {
     int fd, error = 0;
     Py_buffer fields, payload;
@@ -705,28 +736,13 @@ static PyObject *py_write_frame(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iy*y*nn:write_frame", &fd, &fields, &payload, &header_bytes,
                           &piece))
         return NULL;
-    if (header_bytes < fields.len + 8 || header_bytes > 4096 || piece <= 0) {
+    if (check_frame_args(&fields, header_bytes, piece) < 0) {
         PyBuffer_Release(&fields);
         PyBuffer_Release(&payload);
-        PyErr_Format(PyExc_ValueError, "header_bytes must be in [len(fields) + 8, 4096] and "
-                     "piece > 0, got %zd, %zd", header_bytes, piece);
         return NULL;
     }
-    uint8_t header[4096];
-    xxh3_state st;
     Py_BEGIN_ALLOW_THREADS
-    state_init(&st);
-    state_update(&st, fields.buf, (size_t)fields.len);
-    error = write_hashed(fd, payload.buf, (size_t)payload.len, header_bytes, &st,
-                         (size_t)piece);
-    if (!error) {
-        uint64_t digest = state_digest(&st);
-        memset(header, 0, (size_t)header_bytes);
-        memcpy(header, fields.buf, (size_t)fields.len);
-        for (int i = 0; i < 8; i++)
-            header[fields.len + i] = (uint8_t)(digest >> (8 * i));
-        error = write_hashed(fd, header, (size_t)header_bytes, 0, NULL, (size_t)header_bytes);
-    }
+    error = write_frame_fd(fd, &fields, &payload, (size_t)header_bytes, (size_t)piece);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&fields);
     PyBuffer_Release(&payload);
@@ -735,6 +751,66 @@ static PyObject *py_write_frame(PyObject *self, PyObject *args) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     Py_RETURN_NONE;
+}
+
+/* Stages of store_frame (kvoffload.tiers.checksum names them): where it stopped. */
+enum { STORE_DONE = 0, STORE_CREATE, STORE_WRITE, STORE_RENAME, STORE_SYNC_DIR };
+
+static int close_checked(int fd) {
+    /* Linux closes the fd whatever close returns; EINTR is not a write error there. */
+    return close(fd) < 0 && errno != EINTR ? errno : 0;
+}
+
+/* The disk tier's whole atomic store of one block file, without the GIL: create ``tmp`` in
+ * ``dir_fd`` exclusively (O_CREAT | O_EXCL | O_NOFOLLOW; a leftover of that name is removed
+ * and creation retried once), write the frame (write_frame_fd), fsync it when ``sync``,
+ * close it, rename it over ``final`` in the same directory, then fsync the directory when
+ * ``sync``. On a failure before the rename the temporary file is removed. Returns
+ * ``(stage, errno)``: (STORE_DONE, 0), or the stage that failed and its errno. */
+static PyObject *py_store_frame(PyObject *self, PyObject *args) {
+    int dir_fd, sync, stage = STORE_DONE, error = 0;
+    const char *tmp, *final;
+    Py_buffer fields, payload;
+    Py_ssize_t header_bytes, piece;
+    if (!PyArg_ParseTuple(args, "issy*y*nnp:store_frame", &dir_fd, &tmp, &final, &fields,
+                          &payload, &header_bytes, &piece, &sync))
+        return NULL;
+    if (check_frame_args(&fields, header_bytes, piece) < 0) {
+        PyBuffer_Release(&fields);
+        PyBuffer_Release(&payload);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
+    int fd = openat(dir_fd, tmp, flags, 0644);
+    if (fd < 0 && errno == EEXIST && unlinkat(dir_fd, tmp, 0) == 0)
+        fd = openat(dir_fd, tmp, flags, 0644);
+    if (fd < 0) {
+        stage = STORE_CREATE;
+        error = errno;
+    } else {
+        error = write_frame_fd(fd, &fields, &payload, (size_t)header_bytes, (size_t)piece);
+        if (!error && sync && fsync(fd) < 0)
+            error = errno;
+        int closed = close_checked(fd);
+        if (!error)
+            error = closed;
+        if (error) {
+            stage = STORE_WRITE;
+        } else if (renameat(dir_fd, tmp, dir_fd, final) < 0) {
+            stage = STORE_RENAME;
+            error = errno;
+        } else if (sync && fsync(dir_fd) < 0) {
+            stage = STORE_SYNC_DIR;
+            error = errno;
+        }
+        if (stage == STORE_WRITE || stage == STORE_RENAME)
+            unlinkat(dir_fd, tmp, 0);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&fields);
+    PyBuffer_Release(&payload);
+    return Py_BuildValue("ii", stage, error);
 }
 
 static PyObject *py_kernel(PyObject *self, PyObject *unused) {
@@ -783,6 +859,9 @@ static PyMethodDef METHODS[] = {
      "bytes, read both, hashing header[:hashed] and dest; (outcome, detail, digest)."},
     {"write_frame", py_write_frame, METH_VARARGS,
      "Write payload at header_bytes hashed, then fields + le64(checksum) + zeros at 0."},
+    {"store_frame", py_store_frame, METH_VARARGS,
+     "Create tmp in dir_fd exclusively, write the frame, fsync if sync, rename it over final, "
+     "fsync the directory if sync; (stage, errno)."},
     {"kernel", py_kernel, METH_NOARGS, "The stripe loop in use."},
     {"kernels", py_kernels, METH_NOARGS, "The stripe loops this CPU runs."},
     {"use_kernel", py_use_kernel, METH_VARARGS, "Switch the stripe loop (for tests)."},

@@ -5,11 +5,11 @@ payload (``kvoffload.tiers.framing``). Two implementations give the same digests
 
 * ``NATIVE``: the C extension ``kvoffload.tiers._checksum`` (built by ``setup.py`` where a C
   compiler exists). It hashes without holding the GIL (an AVX-512, AVX2 or SSE2 stripe
-  loop where the CPU has one), and its ``read_frame`` / ``write_frame`` (the disk tier's read and
-  write of one block file) and ``read_hashed`` / ``write_hashed`` move a whole payload
-  between a file and memory in one call without the GIL, hashing each piece right after it
-  is read (or right before it is written) while it is still in the CPU cache: one pass
-  over the bytes from memory, and I/O threads never wait for each other.
+  loop where the CPU has one), and its ``read_frame`` / ``store_frame`` (the disk tier's
+  read and atomic write of one block file) and ``read_hashed`` / ``write_hashed`` move a
+  whole payload between a file and memory in one call without the GIL, hashing each piece
+  right after it is read (or right before it is written) while it is still in the CPU
+  cache: one pass over the bytes from memory, and I/O threads never wait for each other.
 * ``PYTHON``: the ``xxhash`` package for the digest (which releases the GIL for buffers over
   64 KiB) and ``os.preadv`` / ``os.pwrite`` loops in Python for the I/O.
 
@@ -19,10 +19,12 @@ payload (``kvoffload.tiers.framing``). Two implementations give the same digests
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import stat
+from collections.abc import Callable
 from types import ModuleType
 from typing import Protocol
 
@@ -50,7 +52,14 @@ another size (``detail``: its size), shorter than its size said while read, a re
 Frame = tuple[int, int, int]
 """``(outcome, detail, checksum)`` of ``Checksums.read_frame``."""
 
+STORED, CREATE_FAILED, WRITE_FAILED, RENAME_FAILED, SYNC_DIR_FAILED = range(5)
+"""Stages of ``Checksums.store_frame``: stored, or the step that failed -- creating the
+temporary file, writing (or fsync-ing, or closing) it, renaming it, fsync-ing the
+directory after the rename (the block file is then in place, complete, but maybe not
+durable)."""
+
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class Digest(Protocol):
@@ -98,6 +107,17 @@ class Checksums(Protocol):
         ``fields + checksum (little-endian uint64) + zeros`` up to ``header_bytes``, the
         checksum being the XXH3-64 of ``fields`` followed by ``payload``. ``OSError`` as
         the writes raise it."""
+        ...
+
+    def store_frame(self, dir_fd: int, tmp: str, final: str, fields: bytes,
+                    payload: BytesLike, *, header_bytes: int, sync: bool) -> tuple[int, int]:
+        """The disk tier's atomic store of one block file: create ``tmp`` in ``dir_fd``
+        exclusively (``O_CREAT | O_EXCL | O_NOFOLLOW``; a leftover of that name is removed
+        and creation retried once), ``write_frame`` into it, ``fsync`` it when ``sync``,
+        close it, rename it over ``final`` in ``dir_fd``, then ``fsync`` ``dir_fd`` when
+        ``sync``. A failure before the rename removes ``tmp``. Returns ``(stage, errno)``:
+        ``(STORED, 0)`` or the stage that failed (``CREATE_FAILED``...) and its errno;
+        raises nothing for I/O errors (``ValueError`` for a header too small)."""
         ...
 
 
@@ -174,6 +194,47 @@ class _PythonChecksums:
             written += os.pwrite(fd, header[written:], written)
 
 
+    def store_frame(self, dir_fd: int, tmp: str, final: str, fields: bytes,
+                    payload: BytesLike, *, header_bytes: int, sync: bool) -> tuple[int, int]:
+        _check_header_bytes(fields, header_bytes)
+        return atomic_store(dir_fd, tmp, final,
+                            lambda fd: self.write_frame(fd, fields, payload, header_bytes),
+                            sync=sync)
+
+
+def atomic_store(dir_fd: int, tmp: str, final: str, write: Callable[[int], None], *,
+                 sync: bool) -> tuple[int, int]:
+    """``Checksums.store_frame``'s steps in Python, ``write(fd)`` filling the new file:
+    the same ``(stage, errno)``, the same clean-up."""
+    try:
+        try:
+            fd = os.open(tmp, _TMP_FLAGS, 0o644, dir_fd=dir_fd)
+        except FileExistsError:
+            os.unlink(tmp, dir_fd=dir_fd)
+            fd = os.open(tmp, _TMP_FLAGS, 0o644, dir_fd=dir_fd)
+    except OSError as exc:
+        return CREATE_FAILED, exc.errno or errno.EIO
+    stage = WRITE_FAILED
+    try:
+        try:
+            write(fd)
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        stage = RENAME_FAILED
+        os.replace(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        stage = SYNC_DIR_FAILED
+        if sync:
+            os.fsync(dir_fd)
+    except OSError as exc:
+        if stage != SYNC_DIR_FAILED:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+        return stage, exc.errno or errno.EIO
+    return STORED, 0
+
+
 def _check_header_bytes(fields: bytes, header_bytes: int) -> None:
     if not len(fields) + 8 <= header_bytes <= 4096:
         raise ValueError(f"header_bytes must be in [len(fields) + 8, 4096], got "
@@ -225,6 +286,12 @@ class _NativeChecksums:
                     header_bytes: int) -> None:
         _check_header_bytes(fields, header_bytes)
         self._lib.write_frame(fd, fields, payload, header_bytes, PIECE_BYTES)
+
+    def store_frame(self, dir_fd: int, tmp: str, final: str, fields: bytes,
+                    payload: BytesLike, *, header_bytes: int, sync: bool) -> tuple[int, int]:
+        stage, error = self._lib.store_frame(dir_fd, tmp, final, fields, payload, header_bytes,
+                                             PIECE_BYTES, sync)
+        return int(stage), int(error)
 
     def kernels(self) -> tuple[str, ...]:
         """The stripe loops this CPU runs (``scalar``, then ``sse2``, ``avx2`` and

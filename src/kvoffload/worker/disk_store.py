@@ -1,8 +1,10 @@
 """``DiskStore``: one rank's block files in the disk tier's directory.
 
 Each block is one file, ``header + payload`` (``kvoffload.tiers.framing``), at
-``kvoffload.tiers.naming.block_path``. Writes are atomic: the bytes go to a temporary file
-in the same directory (written straight from the host slot, no copy), optionally
+``kvoffload.tiers.naming.block_path``. The store owns the directories (lock, rank and
+fan-out directories, epoch, purge); each block file is stored and read in one call of
+``kvoffload.worker.disk_frames``. Writes are atomic: the bytes go to a temporary file in
+the same directory (written straight from the host slot, no copy), optionally
 ``fsync``-ed, then renamed over the final name (and the directory entry ``fsync``-ed), so
 a crash leaves the old file, the new one, or a temporary file -- never a torn block under a
 block's name. Temporary files a crash left behind are removed when a store opens.
@@ -11,9 +13,9 @@ Reads open the file, check its size, read the header, then the payload straight 
 host slot, and verify everything the header promises. The checksum is computed on the way
 (``kvoffload.tiers.checksum``): each piece of the payload is hashed right after it is read,
 or right before it is written, while still in the CPU cache -- with the native extension
-in one call per block that never holds the GIL. A damaged file (wrong size, magic, rank,
-layout, key or checksum -- or, with a MAC key, a MAC that does not verify) is deleted and
-read as a miss. Running out of space (``ENOSPC``) or any other
+the whole store or read of a block is one call that never holds the GIL. A damaged file
+(wrong size, magic, rank, layout, key or checksum -- or, with a MAC key, a MAC that does
+not verify) is deleted and read as a miss. Running out of space (``ENOSPC``) or any other
 write error fails that block cleanly: the temporary file is removed, nothing else changes.
 
 What the directory is trusted with. Only the directory the configuration names
@@ -67,32 +69,18 @@ from kvoffload.tiers.checksum import (
     NOT_REGULAR,
     OPEN_ERROR,
     READ_ERROR,
-    SHORT,
-    WRONG_SIZE,
     Checksums,
     checksums,
 )
-from kvoffload.tiers.framing import (
-    FIELDS_BYTES,
-    FINGERPRINT_BYTES,
-    HEADER_BYTES,
-    BytesLike,
-    MacKey,
-    check_header,
-    check_payload,
-    header_fields,
-    new_digest,
-    seal,
-)
+from kvoffload.tiers.framing import FINGERPRINT_BYTES, BytesLike, MacKey, header_fields
 from kvoffload.tiers.naming import BLOCK_SUFFIX, TMP_SUFFIX, rank_dir
 from kvoffload.worker.block_store import BlockStore, StoreError
+from kvoffload.worker.disk_frames import read_block, store_block
 from kvoffload.worker.disk_fs import (
     DirectoryLock,
     Refused,
-    create_exclusive,
     open_subdir,
     unlink_quietly,
-    write_all,
     write_file,
 )
 
@@ -219,25 +207,23 @@ class DiskStore(BlockStore):
     # -- internals ----------------------------------------------------------------------
 
     def _put(self, key: bytes, payload: BytesLike) -> bool:
-        name = key.hex()
-        final = name + BLOCK_SUFFIX
-        tmp = f"{final}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+        final = key.hex() + BLOCK_SUFFIX
         data = memoryview(payload).cast("B")
-        fan = -1
         try:
-            fan, fd = self._create_tmp(name[:2], tmp)  # may re-read the epoch: first
-            try:
-                self._write_frame(fd, key, data)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final, src_dir_fd=fan, dst_dir_fd=fan)
-            if self.fsync:
-                os.fsync(fan)
+            for attempt in (0, 1):
+                fan = self._writable_fan(final[:2])  # may re-read the epoch: first
+                fields = header_fields(self._fp, self.rank, key, data.nbytes)
+                try:
+                    store_block(self._checksums, fan, final, fields, data,
+                                mac_key=self._mac_key, sync=self.fsync)
+                    break
+                except FileNotFoundError:
+                    if attempt:
+                        raise
+                    with self._fans_lock:  # the fan-out directory went: look it up again
+                        if self._fans.get(final[:2]) == fan:
+                            self._retired.append(self._fans.pop(final[:2]))
         except (OSError, ValueError) as exc:  # ValueError: a key too long to frame
-            if fan >= 0:
-                unlink_quietly(tmp, fan)
             self._count(write_errors=1)
             self._warn("disk tier: could not write block %s (%s); the block is not stored",
                        key.hex()[:16], exc)
@@ -245,41 +231,17 @@ class DiskStore(BlockStore):
         self._count(writes=1, written_bytes=data.nbytes)
         return True
 
-    def _write_frame(self, fd: int, key: bytes, data: memoryview) -> None:
-        """Write ``header + data`` into the new file ``fd``. Without a MAC key in one call
-        (``write_frame``: the payload hashed piece by piece on its way out, then the
-        header); the MAC needs the checksum first, so with a key the payload is hashed,
-        MAC'd, then written."""
-        fields = header_fields(self._fp, self.rank, key, data.nbytes)
-        if self._mac_key is None:
-            self._checksums.write_frame(fd, fields, data, HEADER_BYTES)
-            return
-        digest = new_digest(fields, self._checksums)
-        digest.update(data)
-        header = seal(fields, digest.intdigest(), data, mac_key=self._mac_key)
-        write_all(fd, [memoryview(header), data])
-
-    def _create_tmp(self, sub: str, tmp: str) -> tuple[int, int]:
-        """``(fan-out fd, fd of a new temporary file tmp in it)``; ``OSError`` if it cannot
-        be made (``Refused`` for a symlink in the fan-out's place, warned about once).
-        A fan-out or rank directory removed under the store is made again."""
-        for attempt in (0, 1):
-            try:
-                fan = self._fan_fd(sub, create=True)
-            except FileNotFoundError:  # the rank directory went (removed by hand)
-                self._reopen_rank_dir()
-                fan = self._fan_fd(sub, create=True)
-            if fan is None:
-                raise Refused(0, "refused fan-out directory", os.path.join(self.directory, sub))
-            try:
-                return fan, create_exclusive(tmp, fan)
-            except FileNotFoundError:
-                if attempt:
-                    raise
-                with self._fans_lock:  # the fan-out directory went: look it up again
-                    if self._fans.get(sub) == fan:
-                        self._retired.append(self._fans.pop(sub))
-        raise AssertionError("unreachable")  # pragma: no cover
+    def _writable_fan(self, sub: str) -> int:
+        """The fd of fan-out directory ``sub``, made if missing (a rank directory removed
+        under the store is made again); ``Refused`` for a symlink in its place."""
+        try:
+            fan = self._fan_fd(sub, create=True)
+        except FileNotFoundError:  # the rank directory went (removed by hand)
+            self._reopen_rank_dir()
+            fan = self._fan_fd(sub, create=True)
+        if fan is None:
+            raise Refused(0, "refused fan-out directory", os.path.join(self.directory, sub))
+        return fan
 
     def _reopen_rank_dir(self) -> None:
         """Open (make) ``rank<r>`` again. Fds other threads may still use are retired, not
@@ -310,36 +272,27 @@ class DiskStore(BlockStore):
         if fan is None:
             self._count(misses=1)
             return False
-        header = bytearray(HEADER_BYTES)
-        outcome, detail, checksum = self._checksums.read_frame(
-            fan, name + BLOCK_SUFFIX, header, dest, FIELDS_BYTES)
+        outcome, detail, problem = read_block(
+            self._checksums, fan, name + BLOCK_SUFFIX, dest, fingerprint=self._fp,
+            rank=self.rank, key=key, mac_key=self._mac_key)
+        if outcome == FRAME_READ:
+            self._count(reads=1, read_bytes=dest.nbytes)
+            return True
         if outcome == NO_FILE:
             self._count(misses=1)
             return False
-        if outcome == FRAME_READ:
-            problem = check_header(header, dest.nbytes, self._fp, self.rank, key) or \
-                check_payload(header, checksum, dest, mac_key=self._mac_key)
-            if problem is None:
-                self._count(reads=1, read_bytes=dest.nbytes)
-                return True
         path = os.path.join(self.directory, name[:2], name + BLOCK_SUFFIX)
         if outcome == OPEN_ERROR and detail == errno.ELOOP:  # O_NOFOLLOW met a symlink
             self._refuse(path, "a symbolic link")
-            return False
-        if outcome == NOT_REGULAR:
+        elif outcome == NOT_REGULAR:
             self._refuse(path, "not a regular file")
-            return False
-        if outcome in (OPEN_ERROR, READ_ERROR):
+        elif outcome in (OPEN_ERROR, READ_ERROR):
             self._warn("disk tier: cannot %s %s (%s)", "open" if outcome == OPEN_ERROR
                        else "read", path, os.strerror(detail))
-            return False
-        if outcome == WRONG_SIZE:
-            problem = f"{detail} bytes, expected {HEADER_BYTES + dest.nbytes} (truncated?)"
-        elif outcome == SHORT:
-            problem = "shorter than its size said (truncated while read)"
-        unlink_quietly(name + BLOCK_SUFFIX, fan)
-        self._count(rejected=1)
-        self._warn("disk tier: dropped block file %s: %s", path, problem)
+        else:  # damaged, truncated, another size: never served, dropped
+            unlink_quietly(name + BLOCK_SUFFIX, fan)
+            self._count(rejected=1)
+            self._warn("disk tier: dropped block file %s: %s", path, problem)
         return False
 
     def _fan_fd(self, sub: str, *, create: bool) -> int | None:
