@@ -7,8 +7,10 @@ every header and checksum on the way back into the slots), as ``DEMOTE`` jobs (s
 ``PROMOTE`` jobs (load). The reference moves the same bytes with the same number of
 threads and the same batching, doing only the raw operation:
 
-* disk store: ``open``/``write``/``close`` of one file per block (plus ``fsync`` when the
-  tier fsyncs); disk load: ``open``/``readinto``/``close`` of those files;
+* disk store: ``open``/``write``/``close`` of one new file per block (plus, when the tier
+  fsyncs, ``fsync`` of the file and of its directory: the same durability as the tier's
+  block, whose name too must reach the disk); disk load: ``open``/``readinto``/``close``
+  of those files;
 * remote store: pipelined ``SET`` of the bare payloads; remote load: pipelined ``GET``.
 
 The remote tier is measured twice: against one standalone server (``remote``: one
@@ -208,11 +210,14 @@ def timed(fn: Callable[[], None]) -> float:
 
 def raw_disk_write(directory: str, payloads: list[memoryview], threads: int,
                    fsync: bool) -> Callable[[], None]:
+    """One new file per block; with ``fsync``, durable as the tier's are: the file and
+    then its directory entry (a new file's name survives a crash only once its directory
+    is fsync-ed), once per block."""
     os.makedirs(directory, exist_ok=True)
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
 
     def one(i: int) -> None:
-        fd = os.open(os.path.join(directory, f"{i}.raw"), os.O_WRONLY | os.O_CREAT |
-                     os.O_TRUNC, 0o644)
+        fd = os.open(f"{i}.raw", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=dir_fd)
         try:
             view = payloads[i]
             while view.nbytes:
@@ -221,10 +226,15 @@ def raw_disk_write(directory: str, payloads: list[memoryview], threads: int,
                 os.fsync(fd)
         finally:
             os.close(fd)
+        if fsync:
+            os.fsync(dir_fd)
 
     def run() -> None:
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(one, range(len(payloads))))
+        try:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(one, range(len(payloads))))
+        finally:
+            os.close(dir_fd)
 
     return run
 

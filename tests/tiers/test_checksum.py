@@ -21,7 +21,7 @@ import pytest
 import xxhash
 
 from kvoffload.tiers import checksum as cs
-from kvoffload.tiers.checksum import NATIVE, PIECE_BYTES, PYTHON, Checksums
+from kvoffload.tiers.checksum import NATIVE, PIECE_BYTES, PYTHON, WRITE_PIECE_BYTES, Checksums
 from kvoffload.tiers.framing import FIELDS_BYTES, HEADER_BYTES, MAC_BYTES, MacKey, header_fields
 from kvoffload.tiers.naming import BLOCK_SUFFIX
 from kvoffload.worker.disk_store import DiskStore
@@ -31,7 +31,7 @@ IMPLEMENTATIONS = [PYTHON] + ([NATIVE] if NATIVE is not None else [])
 LENGTHS = [*range(0, 300), 511, 512, 513, 1023, 1024, 1025, 1087, 1088, 1089, 2047, 2048,
            4096, 16383, 16384, 16385, 65535, 65536, 65537, PIECE_BYTES - 1, PIECE_BYTES,
            PIECE_BYTES + 1, 3 * PIECE_BYTES + 123]
-DATA = random.Random(7).randbytes(4 * PIECE_BYTES)
+DATA = random.Random(7).randbytes(2 * WRITE_PIECE_BYTES + 4 * PIECE_BYTES)
 MAC_START = HEADER_BYTES - MAC_BYTES
 
 
@@ -122,7 +122,8 @@ def test_the_extension_refuses_what_is_not_a_state() -> None:
 # -- hashed reads and writes -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("size", [0, 1, 97, PIECE_BYTES - 1, PIECE_BYTES, 2 * PIECE_BYTES + 5])
+@pytest.mark.parametrize("size", [0, 1, 97, PIECE_BYTES - 1, PIECE_BYTES, 2 * PIECE_BYTES + 5,
+                                  WRITE_PIECE_BYTES, 2 * WRITE_PIECE_BYTES + 7])
 def test_hashed_writes_and_reads_move_and_hash_the_same_bytes(
         impl: Checksums, tmp_path: Path, size: int) -> None:
     payload = DATA[:size]
@@ -143,7 +144,7 @@ def test_hashed_writes_and_reads_move_and_hash_the_same_bytes(
 
 
 @pytest.mark.parametrize("size", [0, 5, PIECE_BYTES - HEADER_BYTES, PIECE_BYTES + 1,
-                                  3 * PIECE_BYTES + 77])
+                                  3 * PIECE_BYTES + 77, 2 * WRITE_PIECE_BYTES + 9])
 def test_both_implementations_write_and_read_identical_frames(tmp_path: Path, size: int) -> None:
     fields = header_fields(bytes(range(16)), 3, b"key-" * 4, size)
     payload = DATA[:size]
@@ -169,6 +170,57 @@ def test_both_implementations_write_and_read_identical_frames(tmp_path: Path, si
                 assert frame == (cs.FRAME_READ, 0, expected_checksum)
                 assert bytes(header) + dest.tobytes() == content
     finally:
+        os.close(dir_fd)
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_store_frame_writes_the_frame_atomically_and_leaves_no_temporary_file(
+        tmp_path: Path, sync: bool) -> None:
+    size = WRITE_PIECE_BYTES + 3 * PIECE_BYTES + 5
+    fields = header_fields(bytes(range(16)), 1, b"k" * 20, size)
+    payload = DATA[:size]
+    checksum = xxhash.xxh3_64_intdigest(fields + payload)
+    expected = (fields + checksum.to_bytes(8, "little") + bytes(HEADER_BYTES - FIELDS_BYTES - 8)
+                + payload)
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for impl in IMPLEMENTATIONS:
+            final, tmp = f"{impl.name}.blk", f"{impl.name}.tmp"
+            (tmp_path / final).write_bytes(b"an older block")  # replaced whole
+            (tmp_path / tmp).write_bytes(b"left by a crash")  # removed, then made anew
+            assert impl.store_frame(dir_fd, tmp, final, fields, payload,
+                                    header_bytes=HEADER_BYTES, sync=sync) == (cs.STORED, 0)
+            assert (tmp_path / final).read_bytes() == expected, impl.name
+            assert not (tmp_path / tmp).exists()
+    finally:
+        os.close(dir_fd)
+
+
+def test_store_frame_reports_the_failing_step_and_removes_its_temporary_file(
+        tmp_path: Path) -> None:
+    fields = header_fields(bytes(16), 0, b"k", 3)
+    (tmp_path / "a-directory.blk").mkdir()
+    (tmp_path / "a-directory.blk" / "inside").write_bytes(b"x")  # rename cannot replace it
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    gone = os.open(tmp_path / "a-directory.blk", os.O_RDONLY | os.O_DIRECTORY)
+    os.unlink(tmp_path / "a-directory.blk" / "inside")
+    os.rmdir(tmp_path / "a-directory.blk")  # ``gone`` now names a removed directory
+    (tmp_path / "a-directory.blk").mkdir()
+    (tmp_path / "a-directory.blk" / "inside").write_bytes(b"x")
+    try:
+        for impl in IMPLEMENTATIONS:
+            stage = impl.store_frame(gone, "t.tmp", "f.blk", fields, b"abc",
+                                     header_bytes=HEADER_BYTES, sync=False)
+            assert stage == (cs.CREATE_FAILED, errno.ENOENT), impl.name
+            stage = impl.store_frame(dir_fd, "t.tmp", "a-directory.blk", fields, b"abc",
+                                     header_bytes=HEADER_BYTES, sync=True)
+            assert stage[0] == cs.RENAME_FAILED and stage[1] in (errno.EISDIR, errno.ENOTEMPTY)
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["a-directory.blk"]
+            with pytest.raises(ValueError, match="header_bytes"):
+                impl.store_frame(dir_fd, "t.tmp", "f.blk", fields, b"abc",
+                                 header_bytes=FIELDS_BYTES, sync=False)
+    finally:
+        os.close(gone)
         os.close(dir_fd)
 
 

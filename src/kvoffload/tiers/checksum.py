@@ -39,8 +39,14 @@ DISABLE_ENV = "KVOFFLOAD_NATIVE_CHECKSUM"
 """Set to ``0`` to checksum with the ``xxhash`` package even where the extension is built."""
 
 PIECE_BYTES = 256 << 10
-"""Bytes per read or write in ``read_hashed`` / ``write_hashed``: each piece is hashed while
-still in cache."""
+"""Bytes per read in ``read_hashed`` / ``read_frame``: each piece is hashed right after it
+lands, while still in cache."""
+WRITE_PIECE_BYTES = 1 << 20
+"""Bytes per write in ``write_hashed`` / ``write_frame`` / ``store_frame``: each piece is
+hashed right before it is written, still in the L2 cache then. Larger than a read piece:
+every ``write`` call into the page cache costs the file system a fixed amount (its inode
+times, a journal handle), and 1 MiB pieces measured 5-10 % less CPU per stored byte than
+256 KiB ones (``benchmarks/tier_throughput.py``, ``docs/tiers.md``)."""
 
 
 FRAME_READ, NO_FILE, OPEN_ERROR, NOT_REGULAR, WRONG_SIZE, SHORT, READ_ERROR = range(7)
@@ -145,8 +151,8 @@ class _PythonChecksums:
 
     def write_hashed(self, fd: int, src: BytesLike, offset: int, digest: Digest) -> None:
         view = memoryview(src).cast("B")
-        for start in range(0, view.nbytes, PIECE_BYTES):
-            piece = view[start:start + PIECE_BYTES]
+        for start in range(0, view.nbytes, WRITE_PIECE_BYTES):
+            piece = view[start:start + WRITE_PIECE_BYTES]
             digest.update(piece)
             written = 0
             while written < piece.nbytes:
@@ -274,7 +280,7 @@ class _NativeChecksums:
         return bool(read == dest.nbytes)
 
     def write_hashed(self, fd: int, src: BytesLike, offset: int, digest: Digest) -> None:
-        self._lib.pwrite_hashed(fd, src, offset, _state(digest), PIECE_BYTES)
+        self._lib.pwrite_hashed(fd, src, offset, _state(digest), WRITE_PIECE_BYTES)
 
     def read_frame(self, dir_fd: int, name: str, header: bytearray, dest: memoryview,
                    hashed: int) -> Frame:
@@ -285,12 +291,12 @@ class _NativeChecksums:
     def write_frame(self, fd: int, fields: bytes, payload: BytesLike,
                     header_bytes: int) -> None:
         _check_header_bytes(fields, header_bytes)
-        self._lib.write_frame(fd, fields, payload, header_bytes, PIECE_BYTES)
+        self._lib.write_frame(fd, fields, payload, header_bytes, WRITE_PIECE_BYTES)
 
     def store_frame(self, dir_fd: int, tmp: str, final: str, fields: bytes,
                     payload: BytesLike, *, header_bytes: int, sync: bool) -> tuple[int, int]:
         stage, error = self._lib.store_frame(dir_fd, tmp, final, fields, payload, header_bytes,
-                                             PIECE_BYTES, sync)
+                                             WRITE_PIECE_BYTES, sync)
         return int(stage), int(error)
 
     def kernels(self) -> tuple[str, ...]:
