@@ -326,13 +326,13 @@ def _positions(size: int, *, mac: bool) -> list[int]:
     a key ignores by design: ``kvoffload.tiers.framing``), and payload bytes at its start,
     around piece and stripe boundaries, and at its end."""
     header = [p for p in range(HEADER_BYTES) if mac or not MAC_START <= p < HEADER_BYTES]
-    payload = [0, 1, 63, 64, 1023, 1024, PIECE_BYTES - 1, PIECE_BYTES, size // 2, size - 64,
-               size - 1]
+    payload = [0, 1, 63, 64, 1023, 1024, PIECE_BYTES - 1, PIECE_BYTES, WRITE_PIECE_BYTES - 1,
+               WRITE_PIECE_BYTES, size // 2, size - 64, size - 1]
     return header + sorted({HEADER_BYTES + p for p in payload if 0 <= p < size})
 
 
 @pytest.mark.parametrize("mac", [False, True], ids=["no-mac", "mac"])
-@pytest.mark.parametrize("size", [100, PIECE_BYTES + 3000])
+@pytest.mark.parametrize("size", [100, PIECE_BYTES + 3000, WRITE_PIECE_BYTES + PIECE_BYTES + 9])
 def test_a_damaged_byte_anywhere_in_a_block_file_is_a_miss(
         impl: Checksums, tmp_path: Path, size: int, mac: bool) -> None:
     store = DiskStore(str(tmp_path), "ns", 0, bytes(range(16)), fsync=False, using=impl,
