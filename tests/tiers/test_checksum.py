@@ -22,7 +22,14 @@ import xxhash
 
 from kvoffload.tiers import checksum as cs
 from kvoffload.tiers.checksum import NATIVE, PIECE_BYTES, PYTHON, WRITE_PIECE_BYTES, Checksums
-from kvoffload.tiers.framing import FIELDS_BYTES, HEADER_BYTES, MAC_BYTES, MacKey, header_fields
+from kvoffload.tiers.framing import (
+    FIELDS_BYTES,
+    HEADER_BYTES,
+    MAC_BYTES,
+    MAC_OFFSET,
+    MacKey,
+    header_fields,
+)
 from kvoffload.tiers.naming import BLOCK_SUFFIX
 from kvoffload.worker.disk_store import DiskStore
 
@@ -32,7 +39,6 @@ LENGTHS = [*range(0, 300), 511, 512, 513, 1023, 1024, 1025, 1087, 1088, 1089, 20
            4096, 16383, 16384, 16385, 65535, 65536, 65537, PIECE_BYTES - 1, PIECE_BYTES,
            PIECE_BYTES + 1, 3 * PIECE_BYTES + 123]
 DATA = random.Random(7).randbytes(2 * WRITE_PIECE_BYTES + 4 * PIECE_BYTES)
-MAC_START = HEADER_BYTES - MAC_BYTES
 
 
 def test_the_checksum_extension_is_built_where_required() -> None:
@@ -79,7 +85,7 @@ def test_every_stripe_loop_gives_xxhash_digests_for_every_length(kernel: str) ->
 def test_every_split_of_the_input_gives_the_same_digest(kernel: str) -> None:
     assert NATIVE is not None
     rnd = random.Random(11)
-    steps = [1, 3, 16, 63, 64, 65, 98, 122, 200, 255, 256, 257, 1000, 1024, 5000, 70000]
+    steps = [1, 3, 16, 63, 64, 65, 98, 122, 128, 200, 255, 256, 257, 1000, 1024, 5000, 70000]
     for _ in range(300):
         n = rnd.choice([rnd.randrange(0, 3000), rnd.randrange(0, len(DATA))])
         view, digest, at = memoryview(DATA), NATIVE.new(), 0
@@ -325,7 +331,8 @@ def _positions(size: int, *, mac: bool) -> list[int]:
     """Every header byte (without a MAC key, all but the MAC field, which a reader without
     a key ignores by design: ``kvoffload.tiers.framing``), and payload bytes at its start,
     around piece and stripe boundaries, and at its end."""
-    header = [p for p in range(HEADER_BYTES) if mac or not MAC_START <= p < HEADER_BYTES]
+    header = [p for p in range(HEADER_BYTES)
+              if mac or not MAC_OFFSET <= p < MAC_OFFSET + MAC_BYTES]
     payload = [0, 1, 63, 64, 1023, 1024, PIECE_BYTES - 1, PIECE_BYTES, WRITE_PIECE_BYTES - 1,
                WRITE_PIECE_BYTES, size // 2, size - 64, size - 1]
     return header + sorted({HEADER_BYTES + p for p in payload if 0 <= p < size})
@@ -361,5 +368,25 @@ def test_a_damaged_byte_anywhere_in_a_block_file_is_a_miss(
         path.write_bytes(pristine)  # and the intact file is still served
         assert store.get_into([(key, dest)]) == [True]
         assert dest.tobytes() == payload.tobytes()
+    finally:
+        store.close()
+
+
+def test_a_block_in_the_previous_format_is_dropped_never_served(
+        impl: Checksums, tmp_path: Path) -> None:
+    """Format 2 (a 122-byte header, the payload unaligned) is read as damaged and removed."""
+    store = DiskStore(str(tmp_path), "ns", 0, bytes(range(16)), fsync=False, using=impl)
+    try:
+        key, payload = bytes(range(32, 48)), DATA[:5000]
+        fields = bytearray(header_fields(bytes(range(16)), 0, key, len(payload)))
+        fields[4:6] = (2).to_bytes(2, "little")
+        checksum = xxhash.xxh3_64_intdigest(bytes(fields) + payload)
+        old = bytes(fields) + checksum.to_bytes(8, "little") + bytes(MAC_BYTES) + payload
+        path = tmp_path / "ns" / "rank0" / key.hex()[:2] / f"{key.hex()}{BLOCK_SUFFIX}"
+        path.parent.mkdir(parents=True)
+        path.write_bytes(old)
+        assert store.get_into([(key, memoryview(bytearray(len(payload))))]) == [False]
+        assert store.stats.rejected == 1
+        assert not path.exists()
     finally:
         store.close()

@@ -33,7 +33,7 @@ from kvoffload.tiers.config import (
     add_cli_arguments,
     read_mac_key,
 )
-from kvoffload.tiers.framing import HEADER_BYTES, MAC_BYTES, MacKey, encode_header
+from kvoffload.tiers.framing import HEADER_BYTES, MAC_BYTES, MAC_OFFSET, MacKey, encode_header
 from kvoffload.tiers.naming import block_path, namespace, remote_key
 from kvoffload.worker.block_store import BlockStore, TierUnavailable
 from kvoffload.worker.tier_io import build_stores
@@ -161,10 +161,11 @@ def test_a_forged_mac_field_is_dropped_too(tmp_path: Path, redis_srv: RedisServe
     put(stores["remote"], BLOCK)
     client = redis_srv.client()
     genuine = client.get(remote_key(NS, 0, BLOCK))  # type: ignore[attr-defined]
-    genuine_mac = genuine[HEADER_BYTES - MAC_BYTES:HEADER_BYTES]
+    genuine_mac = genuine[MAC_OFFSET:MAC_OFFSET + MAC_BYTES]
     evil = b"\x00" * len(PAYLOAD)
     for mac in (os.urandom(MAC_BYTES), genuine_mac):
-        header = encode_header(FP, 0, TARGET, evil)[:-MAC_BYTES] + mac
+        sealed = encode_header(FP, 0, TARGET, evil)
+        header = sealed[:MAC_OFFSET] + mac + sealed[MAC_OFFSET + MAC_BYTES:HEADER_BYTES]
         client.set(remote_key(NS, 0, TARGET), header + evil)  # type: ignore[attr-defined]
         assert get(stores["remote"], TARGET) is None
         assert client.exists(remote_key(NS, 0, TARGET)) == 0  # type: ignore[attr-defined]
@@ -368,7 +369,7 @@ def test_the_key_survives_pickling_and_compares_by_value() -> None:
 def test_framing_with_a_key() -> None:
     key = MacKey(SECRET)
     header = encode_header(FP, 0, BLOCK, PAYLOAD, mac_key=key)
-    assert len(header) == HEADER_BYTES == 122
+    assert len(header) == HEADER_BYTES == 128  # 64-byte aligned payload (format 3)
     assert framing.check(header, PAYLOAD, FP, 0, BLOCK, mac_key=key) is None
     assert framing.check(header, PAYLOAD, FP, 0, BLOCK) is None  # no key: checksum only
     flipped = bytearray(PAYLOAD)
