@@ -27,8 +27,9 @@
  * A state must not be used by two threads at once.
  *
  * ``read_frame`` and ``store_frame`` are the disk tier's whole read and (atomic) write of
- * one block file in one call without the GIL (``kvoffload.tiers.checksum`` documents them, and holds
- * the Python equivalents they must agree with).
+ * one block file in one call without the GIL (``kvoffload.tiers.checksum`` documents them
+ * and holds the Python equivalents they must agree with; ``write_frame`` is the write of
+ * ``store_frame`` into an open file).
  *
  * Streaming: a stripe (64 bytes) is accumulated only once at least one byte follows it, so
  * the stripes held back are exactly those XXH3 treats specially at the end (the last block
