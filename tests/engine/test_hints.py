@@ -4,6 +4,7 @@ from a workload request's ``controls`` to the planner in the reference engine.""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from engine_kit import make_engine, req, tiny_preset, toks
@@ -84,7 +85,7 @@ def test_a_workload_requests_controls_reach_the_planner() -> None:
         assert engine.planner is not None
         real = engine.planner.set_controls
 
-        def spy(request: object, given: RequestControls) -> None:
+        def spy(request: object, given: RequestControls, real: Any = real) -> None:
             seen[request.request_id] = given  # type: ignore[attr-defined]
             real(request, given)  # type: ignore[arg-type]
 
