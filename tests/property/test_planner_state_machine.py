@@ -4,10 +4,12 @@ Each run draws a hybrid layout (1-4 groups mixing full attention, sliding window
 block_size_factor 1-4, 1-4 workers, a small host capacity and engine pool), then a random
 sequence of engine events: new requests sharing prefixes, steps with chunked prefill and
 decode, preemptions, aborts, worker reports that come late, reordered, split across ranks
-or failed, and cache resets. The simulated engine checks every rule after every step
-(``support.sim_engine``): loaded and read blocks hold exactly the right data, no block is
-overwritten while a job uses it, hits are aligned and capped, deferrals are bounded, and
-after a drain nothing is pinned, fenced or pending.
+or failed, and cache resets. Requests carry random client hints (``continues``: none, true
+or false; a session id from a small set, so that later requests find theirs seen), which
+may change what is stored but never what a hit loads. The simulated engine checks every
+rule after every step (``support.sim_engine``): loaded and read blocks hold exactly the
+right data, no block is overwritten while a job uses it, hits are aligned and capped,
+deferrals are bounded, and after a drain nothing is pinned, fenced or pending.
 
 KVOFFLOAD_HYPOTHESIS_EXAMPLES raises the example count for a long run.
 """
@@ -22,12 +24,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvoffload.config import OffloadConfig
-from kvoffload.planner.contract import RequestControls
+from kvoffload.planner.contract import NO_CONTROLS, RequestControls
 from support.sim_engine import SimEngine
 from support.strategies import draw_groups
 
 EXAMPLES = int(os.environ.get("KVOFFLOAD_HYPOTHESIS_EXAMPLES", "60"))
 STEPS = int(os.environ.get("KVOFFLOAD_HYPOTHESIS_STEPS", "60"))
+
+HINTS = st.sampled_from([None, None, True, False])
+"""A request's ``continues`` hint: mostly none."""
+SESSIONS = st.sampled_from([None, "s1", "s2"])
+"""A request's session id."""
 
 
 @st.composite
@@ -57,22 +64,28 @@ class PlannerMachine(RuleBasedStateMachine):
           extra=st.integers(0, 12),
           out=st.integers(0, 8),
           max_store=st.one_of(st.none(), st.none(), st.integers(0, 40)),
-          max_load=st.one_of(st.none(), st.none(), st.integers(0, 40)))
+          max_load=st.one_of(st.none(), st.none(), st.integers(0, 40)),
+          continues=HINTS, session=SESSIONS)
     def new_request(self, prefix: int, shared: int, extra: int, out: int, *,
-                    max_store: int | None, max_load: int | None) -> None:
+                    max_store: int | None, max_load: int | None, continues: bool | None,
+                    session: str | None) -> None:
         tokens = self.prefixes[prefix][:shared] + [self.rng.randrange(50) for _ in range(extra)]
         if not tokens:
             tokens = [1]
-        self.engine.add_request(tokens, out, RequestControls(max_store, max_load))
+        self.engine.add_request(tokens, out, RequestControls(max_store, max_load,
+                                                             continues, session))
 
     @precondition(lambda self: bool(self.engine.requests))
-    @rule(data=st.data(), extra=st.integers(0, 6), out=st.integers(0, 4))
-    def follow_up(self, data: st.DataObject, extra: int, out: int) -> None:
+    @rule(data=st.data(), extra=st.integers(0, 6), out=st.integers(0, 4),
+          continues=HINTS, session=SESSIONS)
+    def follow_up(self, data: st.DataObject, extra: int, out: int, continues: bool | None,
+                  session: str | None) -> None:
         """A next turn: an earlier request's whole context plus new tokens."""
         earlier = data.draw(st.sampled_from(sorted(self.engine.requests)))
         tokens = self.engine.requests[earlier].tokens + [self.rng.randrange(50)
                                                          for _ in range(extra)]
-        self.engine.add_request(tokens, out)
+        controls = RequestControls(continues=continues, session_id=session)
+        self.engine.add_request(tokens, out, controls if controls.has_hints else NO_CONTROLS)
 
     @rule(chunk=st.integers(1, 24), fraction=st.sampled_from([0.0, 0.3, 0.7, 1.0]),
           fail=st.sampled_from([0.0, 0.0, 0.2]))

@@ -10,10 +10,11 @@ On top, every window block or Mamba state the planner asks the tier to store mus
 that can serve a hit under the policy's own rule: some aligned hit point whose window (or
 state) needs the block must be one the admission calls likely (the prompt's end, a point
 after the prompt, a multiple of the learned granule just before the prompt's end, or a
-learned miss point), or, stored provisionally, the window or state of the request's resume
-point (the last aligned point of a prefill still inside its prompt), unless the tier had
-free room when it was admitted (then the policy admits everything, as store-everything
-would).
+learned miss point; a request's client hint ``continues`` makes the points from the
+prompt's end on likely, or not, as ``docs/policy.md`` says), or, stored provisionally, the
+window or state of the request's resume point (the last aligned point of a prefill still
+inside its prompt), unless the tier had free room when it was admitted (then the policy
+admits everything, as store-everything would).
 """
 
 from __future__ import annotations
@@ -82,12 +83,16 @@ class AdmissionAudit:
         self._store_inner = store
         engine.tier.prepare_store = self._prepare_store  # type: ignore[method-assign]
 
-    def _likely(self, point: int, hashes: Sequence[BlockHash], prompt: int) -> bool:
-        """The rule, restated from the policy's documented parameters."""
+    def _likely(self, point: int, hashes: Sequence[BlockHash], prompt: int,
+                continues: bool | None) -> bool:
+        """The rule, restated from the policy's documented parameters and the request's
+        client hint (``continues``)."""
         last = prompt - 1
         if point > prompt:
+            if continues is not None:
+                return continues
             return self.admission.turn_ends_hit  # learned (tests/core/test_admission.py)
-        if point in (prompt, last // self.alignment * self.alignment):
+        if continues is not False and point in (prompt, last // self.alignment * self.alignment):
             return True
         granule = self.admission.granule
         points = self.admission.granule_points
@@ -97,11 +102,11 @@ class AdmissionAudit:
         return 0 <= index < len(hashes) and hashes[index] in self.admission._learned
 
     def _admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
-               num_prompt_tokens: int) -> Admit:
+               num_prompt_tokens: int, continues: bool | None = None) -> Admit:
         room = self.has_room()
-        result = self._admit_inner(group, block, hashes, num_prompt_tokens)
+        result = self._admit_inner(group, block, hashes, num_prompt_tokens, continues)
         points = list(_hit_points(group, block, self.alignment))
-        likely = any(self._likely(p, hashes, num_prompt_tokens) for p in points)
+        likely = any(self._likely(p, hashes, num_prompt_tokens, continues) for p in points)
         expected = Admit.YES if likely else Admit.SPARE_ROOM if room else Admit.NO
         assert result is expected, (
             f"group {group.index} block {block}: {result.name}, the rule says "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvoffload.engine.hf_config import is_model_path, resolve_model
+from kvoffload.engine.hints import with_hints
 from kvoffload.engine.model_presets import PRESETS
 from kvoffload.engine.replay import Arrival
 from kvoffload.engine.simulation import Mode, SimulationConfig
@@ -20,6 +21,7 @@ from kvoffload.engine.timing import TimingModel
 from kvoffload.engine.workloads import (
     BUILTIN_WORKLOADS,
     DEFAULT_WORKLOAD,
+    MOONCAKE_BLOCK_TOKENS,
     WorkloadRequest,
     builtin_workload,
     count_trace_lines,
@@ -262,6 +264,9 @@ class WorkloadSpec:
     seed: int
     sessions: int | None = None
     """The built-in workload's size (``builtin_workload``'s ``size``); None: its default."""
+    hint_accuracy: float | None = None
+    """Give each request client hints drawn from the workload's future with this accuracy
+    (``kvoffload.engine.hints``; seeded by ``seed``); None: no hints."""
 
     @property
     def label(self) -> str:
@@ -269,20 +274,33 @@ class WorkloadSpec:
 
     def label_for(self, seeds: Sequence[int]) -> str:
         """The label of figures taken over ``seeds`` (a mean when there are several)."""
+        hints = ("" if self.hint_accuracy is None
+                 else f", hints {self.hint_accuracy:.0%} accurate")
         if self.trace is not None:
-            return f"trace {self.trace.name}" + (f" (first {self.limit})" if self.limit else "")
+            return (f"trace {self.trace.name}" + (f" (first {self.limit})" if self.limit
+                                                  else "") + hints)
         size = (f", {self.sessions} {size_unit(self.name)}" if self.sessions is not None
                 else "")
         seed = (f"seed {seeds[0]}" if len(seeds) == 1
                 else f"mean of seeds {', '.join(map(str, seeds))}")
-        return f"{self.name}{size} ({seed})" + (f", first {self.limit}" if self.limit else "")
+        return (f"{self.name}{size} ({seed})" + (f", first {self.limit}" if self.limit else "")
+                + hints)
 
     def load(self) -> Sequence[WorkloadRequest] | TraceStream:
+        """The requests; with ``hint_accuracy``, a list of them carrying hints (a trace is
+        read whole: the hints need its future)."""
         if self.trace is not None:
             open_trace_file(self.trace).close()  # a TraceError says what the path is
-            return TraceStream(self.trace, self.limit)
+            stream = TraceStream(self.trace, self.limit)
+            if self.hint_accuracy is None:
+                return stream
+            # The trace's last, partial hash block is never shared: compare at its blocks.
+            return with_hints(stream, self.hint_accuracy, self.seed, MOONCAKE_BLOCK_TOKENS)
         requests = builtin_workload(self.name, self.seed, self.sessions)
-        return requests[:self.limit] if self.limit is not None else requests
+        requests = requests[:self.limit] if self.limit is not None else requests
+        if self.hint_accuracy is None:
+            return requests
+        return with_hints(requests, self.hint_accuracy, self.seed)
 
     def count(self) -> int:
         if self.trace is None:
@@ -319,8 +337,21 @@ def workload_spec(args: argparse.Namespace, seed: int) -> WorkloadSpec:
         if args.sessions > MAX_SESSIONS:
             raise UsageError(f"--sessions: at most {MAX_SESSIONS:,} (got {args.sessions:,}); "
                              "replay a trace for more traffic (--trace FILE)")
+    accuracy = getattr(args, "hint_accuracy", None)
+    if accuracy is not None and not 0.0 <= accuracy <= 1.0:
+        raise UsageError(f"--hint-accuracy: a share in [0, 1] (got {accuracy}); leave it "
+                         "out for no hints")
     return WorkloadSpec(args.workload or DEFAULT_WORKLOAD, args.trace, args.limit, seed,
-                        args.sessions)
+                        args.sessions, accuracy)
+
+
+def add_hint_option(parser: argparse.ArgumentParser) -> None:
+    """``--hint-accuracy P``: client hints drawn from the workload's future
+    (``kvoffload.engine.hints``), each right with probability P."""
+    parser.add_argument("--hint-accuracy", type=float, default=None, metavar="P",
+                        help="give each request the client hints 'conversation continues' "
+                             "(right with probability P, 0..1, drawn from the workload's "
+                             "own future) and its session id; default: no hints")
 
 
 def simulation_config(args: argparse.Namespace, *, preset: str, policy: str,

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from kvoffload.cli.common import (
     WorkloadSpec,
     add_engine_options,
+    add_hint_option,
     add_output_options,
     add_workload_options,
     check_policy,
@@ -118,6 +119,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                             f"{ROUTER_HELP[Router.ROUND_ROBIN]}; 'prefix': "
                             f"{ROUTER_HELP[Router.PREFIX]}")
     add_workload_options(parser, default_limit=None)
+    add_hint_option(parser)
     add_engine_options(parser)
     add_output_options(parser)
     parser.set_defaults(run=run)

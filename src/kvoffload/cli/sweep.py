@@ -14,6 +14,7 @@ from kvoffload.cli.common import (
     UsageError,
     WorkloadSpec,
     add_engine_options,
+    add_hint_option,
     add_output_options,
     add_workload_options,
     check_policy,
@@ -301,6 +302,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument("--seeds", default="0", help="comma-separated workload seeds "
                         "(built-in workloads; default 0)")
     add_workload_options(parser, default_limit=None)
+    add_hint_option(parser)
     add_engine_options(parser)
     add_output_options(parser)
     parser.set_defaults(run=run)

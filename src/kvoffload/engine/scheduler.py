@@ -229,7 +229,11 @@ class ReferenceEngine:
         return len(self.waiting) + len(self.running) + len(self.loading)
 
     def add_request(self, request: EngineRequest) -> None:
-        """Queue a request for admission (at the back of the waiting queue)."""
+        """Queue a request for admission (at the back of the waiting queue); its
+        workload's ``controls``, if any, go to the planner first."""
+        controls = request.source.controls
+        if controls is not None and self.planner is not None:
+            self.planner.set_controls(request, controls)
         request.status = Status.WAITING
         self._scheduler.waiting.append(request)
 

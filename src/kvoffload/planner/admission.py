@@ -66,6 +66,12 @@ follows the rules above), so that once memory is short it goes before any block 
 hit needs. Without this, the window blocks and states stored while the tier was
 filling stayed as long as their prefixes, and outnumbered those at likely hit points (on
 the shared trace, 41 % of Gemma 3's window blocks held at 30 % capacity).
+
+Hints. A request may say whether its conversation continues (``continues``, from
+``RequestControls``): True makes its prompt's end and the points after it hit points
+whatever was learned; False makes neither a hit point (the granule multiples and learned
+points still are, and so are the full-attention blocks, which are not asked). None: the
+rules above.
 """
 
 from __future__ import annotations
@@ -110,10 +116,11 @@ class AdmissionPolicy(ABC):
 
     @abstractmethod
     def admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
-              num_prompt_tokens: int) -> Admit:
+              num_prompt_tokens: int, continues: bool | None = None) -> Admit:
         """Whether offloaded block ``block`` of ``group`` is worth storing, and why.
 
-        ``hashes`` are the request's chained hashes at ``hash_block_size`` granularity.
+        ``hashes`` are the request's chained hashes at ``hash_block_size`` granularity;
+        ``continues`` is the request's hint (module doc: hints), None for none.
         """
 
     def learn_miss(self, hashes: Sequence[BlockHash], point_tokens: int) -> None:
@@ -153,9 +160,9 @@ class AdmissionPolicy(ABC):
         return 0
 
     def hit_point_between(self, start: int, stop: int, hashes: Sequence[BlockHash],
-                          num_prompt_tokens: int) -> bool:
+                          num_prompt_tokens: int, continues: bool | None = None) -> bool:
         """Whether a likely hit point lies in ``[start, stop)`` (tokens). Default: no."""
-        del start, stop, hashes, num_prompt_tokens
+        del start, stop, hashes, num_prompt_tokens, continues
         return False
 
     @staticmethod
@@ -238,14 +245,16 @@ class HitPointAdmission(AdmissionPolicy):
         return range(first, last + 1, self._alignment)
 
     def is_hit_point(self, point: int, hashes: Sequence[BlockHash],
-                     num_prompt_tokens: int) -> bool:
-        """Whether ``point`` (aligned, in tokens) is a likely hit point of this request."""
+                     num_prompt_tokens: int, continues: bool | None = None) -> bool:
+        """Whether ``point`` (aligned, in tokens) is a likely hit point of this request,
+        whose hint is ``continues`` (module doc: hints)."""
         if point > num_prompt_tokens:
-            return self.turn_ends_hit
+            return self.turn_ends_hit if continues is None else continues
         # The prompt's end point: a repeat of the prompt hits at most one token short of
         # its end; a prompt extending it hits at its end (when that is a hit point).
         last = num_prompt_tokens - 1
-        if point in (num_prompt_tokens, last // self._alignment * self._alignment):
+        if continues is not False and point in (
+                num_prompt_tokens, last // self._alignment * self._alignment):
             return True
         g = self.granule
         if point % g == 0 and last // g * g - point < self._granule_points * g:
@@ -354,9 +363,9 @@ class HitPointAdmission(AdmissionPolicy):
                 self._granule_points = self._initial_granule_points
 
     def admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
-              num_prompt_tokens: int) -> Admit:
+              num_prompt_tokens: int, continues: bool | None = None) -> Admit:
         for point in self._points(group, block):
-            if self.is_hit_point(point, hashes, num_prompt_tokens):
+            if self.is_hit_point(point, hashes, num_prompt_tokens, continues):
                 return Admit.YES
         return Admit.SPARE_ROOM if self._has_room() else Admit.NO
 
@@ -414,9 +423,9 @@ class HitPointAdmission(AdmissionPolicy):
         return frontier // self._alignment * self._alignment
 
     def hit_point_between(self, start: int, stop: int, hashes: Sequence[BlockHash],
-                          num_prompt_tokens: int) -> bool:
+                          num_prompt_tokens: int, continues: bool | None = None) -> bool:
         first = start + -start % self._alignment
-        return any(self.is_hit_point(p, hashes, num_prompt_tokens)
+        return any(self.is_hit_point(p, hashes, num_prompt_tokens, continues)
                    for p in range(first, stop, self._alignment))
 
     def demote_on_finish(self, group: ResolvedGroup, stored_from: int, stored_to: int,

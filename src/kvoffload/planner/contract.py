@@ -45,10 +45,30 @@ class RequestControls:
             nothing, for a request whose context must not outlive it. None: no cap.
         max_load_tokens: load at most this many tokens beyond the engine's own prefix hit;
             0 loads nothing. None: no cap.
+        continues: what the client knows of the conversation's future, a hint to the
+            hit-point policies (``hybrid``, ``value``; ``lru`` and ``arc`` ignore it).
+            True: a later request will continue this one, so its end state is kept: the
+            ends of its prompt and of its turn are hit points (their window blocks and
+            Mamba states are stored, not spare, not demoted when it finishes). False: it
+            will not, so only what other requests may share is stored: the prompt's end
+            and the points after it are not hit points (their window blocks and states
+            are spare while the tier has room, else not stored); full-attention blocks,
+            granule points and points learned from misses stay. None: the policy learns
+            whether turn ends are hit points, as without hints.
+        session_id: the conversation or agent session the request belongs to. A hit-point
+            policy remembers the sessions it saw (the last 65536): a request whose session
+            an earlier request had is taken as continuing (``continues=True``) unless it
+            says ``continues`` itself; the first request of a session is learned as
+            without hints.
+
+    Hints change only what is stored and kept, never what a hit may load: a load still
+    reads only blocks the tier holds whole.
     """
 
     max_store_tokens: int | None = None
     max_load_tokens: int | None = None
+    continues: bool | None = None
+    session_id: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_store_tokens", "max_load_tokens"):
@@ -57,6 +77,16 @@ class RequestControls:
                                       or value < 0):
                 raise ValueError(f"{name} must be a whole number >= 0 or None, "
                                  f"got {value!r}")
+        if self.continues is not None and type(self.continues) is not bool:
+            raise ValueError(f"continues must be True, False or None, got {self.continues!r}")
+        sid = self.session_id
+        if sid is not None and (type(sid) is not str or not sid):
+            raise ValueError(f"session_id must be a non-empty string or None, got {sid!r}")
+
+    @property
+    def has_hints(self) -> bool:
+        """Whether the request says something of its future (``continues``, ``session_id``)."""
+        return self.continues is not None or self.session_id is not None
 
     def store_end(self, offloadable: int) -> int:
         """The last token a store may cover when ``offloadable`` tokens are computed."""

@@ -353,11 +353,11 @@ class Planner:
         return False
 
     def set_controls(self, request: RequestInfo, controls: RequestControls) -> None:
-        """Apply the request's own limits (``RequestControls``) from now on.
+        """Apply the request's own limits and hints (``RequestControls``) from now on.
 
         Call it before the request's first lookup, so that nothing beyond the caps is
-        stored or loaded; a later call applies to what comes after it. Stores issued
-        before are not undone.
+        stored or loaded and its session id is seen there; a later call applies to what
+        comes after it. Stores issued before are not undone.
         """
         st = self._requests.get(request.request_id)
         if st is None:

@@ -12,6 +12,9 @@ store, and keeps per request what that decided:
 * **spare blocks**: admitted only because the tier had room, demoted when the request ends;
 * **decode blocks** no hit at the end of the turn can use, demoted when the request ends.
 
+Client hints (``RequestControls.continues``, ``session_id``) steer the admission per
+request (``continues_hint``); without them it learns as before.
+
 With a ``PrefixValuer`` (the ``value`` policy) it also sends value hints (compute saved
 per byte) for every key a request stores, and runs the insertion duel
 (``kvoffload.planner.insertion``), storing cold requests' blocks cold while bimodal
@@ -20,6 +23,7 @@ insertion is ahead.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
@@ -49,16 +53,19 @@ class _HitPointSelection(StoreSelection):
     """One store's admission verdicts, with the blocks stored for the resume point
     (``provisional``) and for free room only (``spare``)."""
 
-    def __init__(self, admission: HitPointAdmission, st: RequestState, resume: int) -> None:
+    def __init__(self, admission: HitPointAdmission, st: RequestState, resume: int,
+                 continues: bool | None) -> None:
         self._admission = admission
         self._hashes = st.request.block_hashes
         self._prompt = st.request.num_prompt_tokens
+        self._continues = continues
         self.resume = resume
         self.provisional: list[Provisional] = []
         self.spare: list[OffloadKey] = []
 
     def admit(self, group: ResolvedGroup, block: int, key: OffloadKey) -> bool:
-        verdict = self._admission.admit(group, block, self._hashes, self._prompt)
+        verdict = self._admission.admit(group, block, self._hashes, self._prompt,
+                                        self._continues)
         if verdict is Admit.YES:
             return True
         if self.resume and self._admission.admit_for_resume(group, block, self.resume):
@@ -78,6 +85,9 @@ class HitPointStorePolicy(StorePolicy):
         admission: the hit-point rules.
         valuer: value hints and the insertion duel when given (the ``value`` policy).
     """
+
+    MAX_SESSIONS = 1 << 16
+    """Session ids remembered (least recent forgotten), for ``continues_hint``."""
 
     def __init__(self, context: StorePolicyContext, admission: HitPointAdmission,
                  valuer: PrefixValuer | None = None) -> None:
@@ -101,6 +111,17 @@ class HitPointStorePolicy(StorePolicy):
         self._full_charge_per_token = sum(self._charge[g.index] / g.offloaded_block_size
                                           for g in self._groups if g.window_blocks is None)
         self._insertion = self._new_insertion()
+        self._sessions: OrderedDict[str, None] = OrderedDict()
+        """Session ids of requests looked up so far, least recent first."""
+
+    def continues_hint(self, st: RequestState) -> bool | None:
+        """The request's hint to the admission: its own ``continues``; else True when an
+        earlier request had its ``session_id`` (a later turn of a session seen before);
+        else None (learned)."""
+        continues = st.controls.continues
+        if continues is None and st.policy.session_seen:
+            return True
+        return continues
 
     def _new_insertion(self) -> InsertionDuel | None:
         """A fresh insertion duel at the tier's budget (value hints only)."""
@@ -129,6 +150,14 @@ class HitPointStorePolicy(StorePolicy):
     def first_lookup(self, st: RequestState, num_computed_tokens: int, hit_end: int) -> None:
         pst = st.policy
         pst.first_hit_tokens = hit_end
+        session = st.controls.session_id
+        if session is not None:
+            sessions = self._sessions
+            pst.session_seen = session in sessions
+            sessions[session] = None
+            sessions.move_to_end(session)
+            if len(sessions) > self.MAX_SESSIONS:
+                sessions.popitem(last=False)
         duel = self._insertion
         if duel is None:
             return
@@ -161,7 +190,7 @@ class HitPointStorePolicy(StorePolicy):
         resume = self._admission.resume_point(offloadable, st.request.num_prompt_tokens)
         if resume and self._step_end_states and resume not in st.state_ends:
             resume = 0  # no Mamba state there: the last resume point stays the one
-        return _HitPointSelection(self._admission, st, resume)
+        return _HitPointSelection(self._admission, st, resume, self.continues_hint(st))
 
     def stored(self, st: RequestState, selection: StoreSelection,
                candidates: Sequence[OffloadKey], stored: Sequence[OffloadKey]) -> None:
@@ -244,7 +273,8 @@ class HitPointStorePolicy(StorePolicy):
         stop)``, the resume point is the deepest one a hit there can use."""
         request = st.request
         return self._step_end_states and self._admission.hit_point_between(
-            st.policy.resume_point, stop, request.block_hashes, request.num_prompt_tokens)
+            st.policy.resume_point, stop, request.block_hashes, request.num_prompt_tokens,
+            self.continues_hint(st))
 
     def _demote(self, keys: list[OffloadKey]) -> None:
         """Tell the tier (and the insertion duel's directories) that no likely hit uses

@@ -72,6 +72,8 @@ class PolicyRequestState:
 
     first_hit_tokens: int = 0
     """Tokens of the prompt already cached (engine or tier) at the first lookup."""
+    session_seen: bool = False
+    """An earlier request had this request's ``session_id`` (hit-point policies)."""
     resume_point: int = 0
     """The prefill point (tokens) whose windows and states ``resume_keys`` hold."""
     resume_keys: list[tuple[int, int, OffloadKey]] = field(default_factory=list)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from kvoffload.keys import BlockHash, BlockHasher, HashContext
+from kvoffload.planner.contract import RequestControls
 
 TokenIds: TypeAlias = "array[int]"
 """A compact sequence of token ids (``array('i')``); treat it as read-only."""
@@ -68,6 +69,9 @@ class WorkloadRequest:
         parent_id: the request whose prompt and output this prompt extends (the previous
             turn, or the agent step it branched from); a closed-loop replayer may hold
             this request until the parent finished.
+        controls: what the request's client asks of the cache and tells it (caps and
+            hints, ``RequestControls``), set on the planner when the engine receives it;
+            None: nothing.
     """
 
     request_id: str
@@ -79,6 +83,7 @@ class WorkloadRequest:
     cache_salt: str | None = None
     output_tokens: array[int] | None = None
     parent_id: str | None = None
+    controls: RequestControls | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", as_token_ids(self.prompt))
