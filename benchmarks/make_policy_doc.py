@@ -5,6 +5,12 @@ workload, host capacity from 1 % to 50 % of each preset's store-everything worki
     .venv/bin/python benchmarks/make_policy_doc.py                 # run the sweeps, write
     .venv/bin/python benchmarks/make_policy_doc.py --limit 4000    # more trace requests
     .venv/bin/python benchmarks/make_policy_doc.py --from-json     # re-render saved data
+    .venv/bin/python benchmarks/make_policy_doc.py --add-policies oracle   # add a series
+
+``--add-policies`` runs only the (policy, workload, preset) series missing from the saved
+data, at the saved working sets and trace limit, and merges them in, keeping every other
+series. A series is named by its label: a policy name, or ``value+hints90`` for ``value``
+with client hints drawn at 90 % accuracy (a simulator that has ``hint_accuracy``).
 
 Every run goes through ``kvoffload.cli.sweep.run_sweep`` (what ``kvoffload sweep`` runs), in
 accounting mode with per-group byte accounting (``--host-accounting bytes``). The raw
@@ -19,7 +25,7 @@ import json
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +39,7 @@ from kvoffload.cli.sweep import (
     run_sweep,
 )
 from kvoffload.engine.model_presets import PRESETS as PRESET_SPECS
-from kvoffload.engine.simulation import Mode, SimulationConfig, auto_block_size
+from kvoffload.engine.simulation import Mode, SimulationConfig, auto_block_size, resolve
 from kvoffload.engine.workloads.mooncake import read_mooncake_trace
 from kvoffload.engine.workloads.reuse import continuation_report, format_report, quantile
 
@@ -43,7 +49,10 @@ TRACE = Path(os.environ.get("KVOFFLOAD_TRACE", ROOT.parent / "shared" / "traces"
 DOCS = ROOT / "docs"
 DATA = DOCS / "policy_data.json"
 PRESETS = ("gpt-oss-20b", "gemma3-27b", "nemotron-h-8b", "llama3-8b")
-POLICIES = ("lru", "arc", "value")
+POLICIES = ("lru", "arc", "value", "oracle")
+"""The series of a full run, in the order tables and plots show them."""
+HINT_SERIES = "value+hints"
+"""Series label prefix of ``value`` with hints drawn at an accuracy (``value+hints90``)."""
 FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 1.0)
 """Host capacities as shares of the store-everything working set: 1-50 % for the curves,
 60-100 % so the memory to reach 90 % of the unbounded hit rate can be measured (40 and
@@ -73,18 +82,50 @@ def preset_config(preset: str, trace: bool) -> SimulationConfig:
         decode_tokens_per_step=16, baseline=False, host_accounting="bytes")
 
 
-def sweep(workload: str, limit: int | None, preset: str) -> dict[str, Any]:
-    """One workload's grid for one preset (run in a worker process); plain data."""
+def series_config(config: SimulationConfig, label: str) -> SimulationConfig:
+    """The simulation a series label names: a policy, or ``value+hintsNN`` (``value`` with
+    hints drawn at NN % accuracy, where the simulator has ``hint_accuracy``)."""
+    if label.startswith(HINT_SERIES):
+        accuracy = int(label[len(HINT_SERIES):]) / 100
+        if "hint_accuracy" not in {f.name for f in fields(SimulationConfig)}:
+            raise SystemExit(f"{label}: this simulator has no hint_accuracy")
+        return replace(config, eviction_policy="value",
+                       **{"hint_accuracy": accuracy})  # type: ignore[arg-type]
+    return replace(config, eviction_policy=label)
+
+
+def sweep(workload: str, limit: int | None, preset: str,
+          policies: tuple[str, ...] = POLICIES,
+          working_set: float | None = None) -> dict[str, Any]:
+    """One workload's grid for one preset (run in a worker process); plain data.
+
+    With ``working_set`` (the saved reference's), the capacities are its ``FRACTIONS``
+    and no reference run is made (the added series land on the saved grid)."""
     trace = TRACE if workload == "mooncake" else None
     spec = WorkloadSpec("agentic", trace, limit, 0,
                         None if trace is not None else AGENTIC_SESSIONS)
     references: dict[str, Reference] = {}
     started = time.perf_counter()
-    points = run_sweep(preset_config(preset, trace is not None), spec, presets=(preset,),
-                       policies=POLICIES, capacities=(),
-                       seeds=(0,) if trace is not None else AGENTIC_SEEDS,
-                       fractions=FRACTIONS, references=references)
-    label = spec.label_for((0,) if trace is not None else AGENTIC_SEEDS)
+    base = preset_config(preset, trace is not None)
+    seeds = (0,) if trace is not None else AGENTIC_SEEDS
+    points: list[SweepPoint] = []
+    plain = tuple(p for p in policies if not p.startswith(HINT_SERIES))
+    groups = ([(plain, base)] if plain else []) + [
+        ((p,), series_config(base, p)) for p in policies if p.startswith(HINT_SERIES)]
+    for labels, config in groups:
+        runs = tuple(config.eviction_policy for _ in labels) if len(labels) == 1 else labels
+        if working_set is None:
+            got = run_sweep(config, spec, presets=(preset,), policies=runs, capacities=(),
+                            seeds=seeds, fractions=FRACTIONS, references=references)
+        else:
+            floor = resolve(base, base.layout())[0].host_slot_bytes
+            caps = {max(floor, int(f * working_set)): f for f in FRACTIONS}
+            got = [replace(p, capacity_fraction=caps[p.host_capacity_bytes])
+                   for p in run_sweep(config, spec, presets=(preset,), policies=runs,
+                                      capacities=sorted(caps), seeds=seeds)]
+        named = dict(zip(runs, labels, strict=True))
+        points += [replace(p, policy=named[p.policy]) for p in got]
+    label = spec.label_for(seeds)
     return {"workload": label, "limit": limit, "wall_s": time.perf_counter() - started,
             "references": {k: r.to_dict() for k, r in references.items()},
             "points": [p.to_dict() for p in points]}
@@ -96,6 +137,34 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
             "wall_s": sum(p["wall_s"] for p in parts),
             "references": {k: v for p in parts for k, v in p["references"].items()},
             "points": [point for p in parts for point in p["points"]]}
+
+
+def add_series(data: dict[str, Any], labels: tuple[str, ...],
+               presets: tuple[str, ...]) -> None:
+    """Run every (series, workload, preset) of ``labels`` x ``presets`` that ``data`` lacks,
+    at its saved working sets and limits, and merge the points in (``--add-policies``).
+    Each series' run time is kept under ``series_wall_s``."""
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        jobs = {}
+        for workload in ("mooncake", "agentic"):  # the trace first: it runs longest
+            saved = data[workload]
+            for preset in presets:
+                have = {p["policy"] for p in saved["points"] if p["preset"] == preset}
+                missing = tuple(label for label in labels if label not in have)
+                ref = saved["references"].get(preset)
+                if missing and ref is not None:
+                    jobs[workload, preset, missing] = pool.submit(
+                        sweep, workload, saved["limit"], preset, missing,
+                        ref["working_set_bytes"])
+        for (workload, preset, missing), job in jobs.items():
+            part = job.result()
+            saved = data[workload]
+            saved["points"] += part["points"]
+            walls = saved.setdefault("series_wall_s", {})
+            for label in missing:
+                walls[label] = walls.get(label, 0.0) + part["wall_s"] / len(missing)
+            print(f"{workload} {preset}: added {', '.join(missing)} "
+                  f"({part['wall_s'] / 60:.1f} min)", flush=True)
 
 
 def load_points(data: dict[str, Any]) -> tuple[list[SweepPoint], dict[str, Reference]]:
@@ -505,9 +574,17 @@ def main() -> None:
                         help="comma-separated presets (default: all four)")
     parser.add_argument("--from-json", action="store_true",
                         help=f"re-render from {DATA.relative_to(ROOT)} without running")
+    parser.add_argument("--add-policies", metavar="LABELS",
+                        help="comma-separated series (oracle, value+hints90, ...) to run "
+                             "where the saved data lacks them, merged into it")
     args = parser.parse_args()
     if args.from_json:
         data = json.loads(DATA.read_text())
+    elif args.add_policies:
+        data = json.loads(DATA.read_text())
+        add_series(data, tuple(p for p in args.add_policies.split(",") if p),
+                   tuple(p for p in args.presets.split(",") if p))
+        DATA.write_text(json.dumps(data, indent=1))
     else:
         presets = tuple(p for p in args.presets.split(",") if p)
         with ProcessPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
