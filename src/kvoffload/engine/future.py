@@ -14,7 +14,8 @@ held. Definitions (``t`` in tokens; ``A`` the configuration's hit alignment):
   shared), capped at the planner's largest hit (the prompt, minus its last token when a
   window or Mamba group recomputes it) and rounded down to a multiple of ``A``: where a
   lookup of ``r`` would end if nothing had been evicted. Requests are "earlier" and
-  "later" in workload order (the order given).
+  "later" in workload order: the order given, which is arrival order (the replay reads
+  a workload in order); ``index_of`` numbers them so.
 * ``r`` *uses* the keys a load of tokens ``[0, d(r))`` reads (``PrefixLookup.hit_keys``):
   every full-attention block, the last window of a sliding-window group, the state at
   ``d(r)`` of a Mamba group.
@@ -46,8 +47,8 @@ NO_USE = 1 << 62
 class WorkloadFuture:
     """The future of one workload under one offload configuration (module docstring).
 
-    Build it with ``WorkloadFuture.build``; requests are numbered by their position in the
-    workload (``index_of``).
+    Build it with ``WorkloadFuture.build``; requests are numbered in workload
+    order (``index_of``).
     """
 
     def __init__(self, requests: Sequence[WorkloadRequest], config: OffloadConfig,
@@ -119,7 +120,7 @@ class WorkloadFuture:
     @classmethod
     def build(cls, requests: Sequence[WorkloadRequest], config: OffloadConfig,
               hash_seed: str = "kvoffload", unstored_tail: int = 0) -> WorkloadFuture:
-        """The future of ``requests`` (in workload order) under ``config``;
+        """The future of ``requests`` under ``config``;
         ``unstored_tail``: output tokens at the end of a request that are never stored
         (the engine computes no KV for its last decode step's tokens)."""
         return cls(requests, config, hash_seed, unstored_tail)
