@@ -70,6 +70,17 @@ HIT_GOALS = {"gpt-oss-20b": 2.0, "gemma3-27b": 3.0, "nemotron-h-8b": 1.5}
 """Goal: at 2 % capacity, the value policy's host hit rate at least this multiple of LRU's."""
 MAX_LOSS_POINTS = 0.5
 """Goal: at no capacity below LRU's host hit rate by more than this many points."""
+ORACLE_MEMORY_GOAL = 1.3
+"""Goal: ``value``'s memory to reach 90 % of the unbounded hit rate, at most this multiple
+of the oracle's."""
+ORACLE_HIT_GOAL = 0.8
+"""Goal: ``value``'s host hit rate at least this share of the oracle's at every capacity
+in ``ORACLE_HIT_RANGE``."""
+ORACLE_HIT_RANGE = (0.05, 0.5)
+HINTED_SERIES = "value+hints90"
+HINTED_MEMORY_GOAL = 1.1
+"""Goal: with 90 %-accurate client hints, ``value`` within this multiple of the oracle's
+memory."""
 
 
 def preset_config(preset: str, trace: bool) -> SimulationConfig:
@@ -174,6 +185,12 @@ def load_points(data: dict[str, Any]) -> tuple[list[SweepPoint], dict[str, Refer
     return points, refs
 
 
+def series(points: list[SweepPoint]) -> list[str]:
+    """The series in ``points``: ``POLICIES`` first, then any others (hint series) by name."""
+    present = {p.policy for p in points}
+    return [p for p in POLICIES if p in present] + sorted(present - set(POLICIES))
+
+
 def curve(points: list[SweepPoint], preset: str, policy: str) -> list[SweepPoint]:
     return sorted((p for p in points if p.preset == preset and p.policy == policy),
                   key=lambda p: p.capacity_fraction)
@@ -190,14 +207,14 @@ def plot(points: list[SweepPoint], refs: dict[str, Reference], title: str,
     fig, axes = plt.subplots(2, len(presets), figsize=(4.2 * len(presets), 7.4),
                              squeeze=False)
     styles = {"lru": ("tab:blue", "-"), "arc": ("tab:orange", "--"),
-              "value": ("tab:green", "-")}
+              "value": ("tab:green", "-"), "oracle": ("black", ":")}
     for col, preset in enumerate(presets):
         top, bottom = axes[0][col], axes[1][col]
-        for policy in POLICIES:
+        for policy in series(points):
             pts = curve(points, preset, policy)
             if not pts:
                 continue
-            color, line = styles.get(policy, ("black", ":"))
+            color, line = styles.get(policy, ("tab:purple", "-."))
             xs = [100 * p.capacity_fraction for p in pts]
             top.plot(xs, [100 * p.host_hit_rate for p in pts], color=color, linestyle=line,
                      marker="o", label=policy)
@@ -230,7 +247,7 @@ def result_rows(points: list[SweepPoint]) -> list[str]:
             "TTFT mean | speed-up |", "|---|---|---|---|---|---|---|---|"]
     for preset in PRESETS:
         for fraction in FRACTIONS:
-            for policy in POLICIES:
+            for policy in series(points):
                 for p in curve(points, preset, policy):
                     if p.capacity_fraction != fraction:
                         continue
@@ -294,14 +311,96 @@ def goal_rows(points: list[SweepPoint], refs: dict[str, Reference]) -> list[str]
     return rows
 
 
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a is not None and b else "n/a"
+
+
+def distance_rows(points: list[SweepPoint], refs: dict[str, Reference]) -> list[str]:
+    """``value`` against the oracle: memory to reach 90 % of the unbounded hit rate as a
+    multiple of the oracle's, and the host hit rate at each capacity as a share of the
+    oracle's (the oracle's own rate in brackets)."""
+    shown = [f for f in FRACTIONS if f <= ORACLE_HIT_RANGE[1]]
+    rows = ["| preset | memory vs oracle | "
+            + " | ".join(f"hit at {100 * f:g} %" for f in shown) + " |",
+            "|---|---|" + "---|" * len(shown)]
+    for preset in PRESETS:
+        ref = refs.get(preset)
+        if ref is None or not curve(points, preset, "oracle"):
+            continue
+        target = 0.9 * ref.host_hit_rate
+        value = memory_to_reach(curve(points, preset, "value"), target)
+        oracle = memory_to_reach(curve(points, preset, "oracle"), target)
+        cells = []
+        for f in shown:
+            v, o = at(points, preset, "value", f), at(points, preset, "oracle", f)
+            if v is None or o is None:
+                cells.append("-")
+            elif o.host_hit_rate == 0:
+                cells.append("both 0" if v.host_hit_rate == 0
+                             else f"oracle 0 ({100 * v.host_hit_rate:.2f} %)")
+            else:
+                cells.append(f"{v.host_hit_rate / o.host_hit_rate:.2f} "
+                             f"({100 * o.host_hit_rate:.2f} %)")
+        rows.append(f"| {preset} | {_ratio(value, oracle)} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def oracle_goal_rows(points: list[SweepPoint], refs: dict[str, Reference]) -> list[str]:
+    """The goals against the oracle, measured, and whether each is met."""
+    rows = []
+    for preset in PRESETS:
+        ref = refs.get(preset)
+        if ref is None or not curve(points, preset, "oracle"):
+            continue
+        target = 0.9 * ref.host_hit_rate
+        oracle = memory_to_reach(curve(points, preset, "oracle"), target)
+        value = memory_to_reach(curve(points, preset, "value"), target)
+        if value is not None and oracle is not None:
+            ratio = value / oracle
+            rows.append(f"| {preset} | memory to 90 % of unbounded ≤ {ORACLE_MEMORY_GOAL:g} × "
+                        f"the oracle's | {format_bytes(value)} vs {format_bytes(oracle)} = "
+                        f"{ratio:.2f}x | {'yes' if ratio <= ORACLE_MEMORY_GOAL else 'no'} |")
+        else:
+            rows.append(f"| {preset} | memory to 90 % of unbounded ≤ {ORACLE_MEMORY_GOAL:g} × "
+                        f"the oracle's | value {format_bytes(value) if value else 'not reached'}"
+                        f", oracle {format_bytes(oracle) if oracle else 'not reached'} | "
+                        f"{'yes' if value is not None else 'no'} |")
+        shares = []
+        for o in curve(points, preset, "oracle"):
+            f = o.capacity_fraction
+            v = at(points, preset, "value", f)
+            if v is None or not ORACLE_HIT_RANGE[0] <= f <= ORACLE_HIT_RANGE[1]:
+                continue
+            if o.host_hit_rate > 0:
+                shares.append((v.host_hit_rate / o.host_hit_rate, f))
+        if shares:
+            worst, where = min(shares)
+            rows.append(f"| {preset} | host hit ≥ {ORACLE_HIT_GOAL:g} × the oracle's from "
+                        f"{100 * ORACLE_HIT_RANGE[0]:g} to {100 * ORACLE_HIT_RANGE[1]:g} % | "
+                        f"lowest {worst:.2f}x (at {100 * where:g} %) | "
+                        f"{'yes' if worst >= ORACLE_HIT_GOAL else 'no'} |")
+        hinted = memory_to_reach(curve(points, preset, HINTED_SERIES), target)
+        if not curve(points, preset, HINTED_SERIES):
+            measured, met = "not measured", "not measured"
+        elif hinted is not None and oracle is not None:
+            measured = (f"{format_bytes(hinted)} vs {format_bytes(oracle)} = "
+                        f"{hinted / oracle:.2f}x")
+            met = "yes" if hinted / oracle <= HINTED_MEMORY_GOAL else "no"
+        else:
+            measured, met = "not reached", "no"
+        rows.append(f"| {preset} | with 90 %-accurate hints, memory ≤ {HINTED_MEMORY_GOAL:g} × "
+                    f"the oracle's | {measured} | {met} |")
+    return rows
+
+
 def workload_section(name: str, data: dict[str, Any], image: str) -> list[str]:
     points, refs = load_points(data)
     requests = points[0].requests if points else 0
     lines = [f"## {name}", "",
              f"{data['workload']}: {requests} requests per run"
              f"{' on average' if 'mean of seeds' in data['workload'] else ''} "
-             f"({data['wall_s'] / 60:.0f} min of "
-             "simulation for the whole grid).", "",
+             f"({(data['wall_s'] + sum(data.get('series_wall_s', {}).values())) / 60:.0f}"
+             " min of simulation for the whole grid).", "",
              "Store-everything working set and unbounded hit rate (LRU, 1 PiB of host "
              "memory, nothing evicted):", "",
              "| preset | working set | host hit, unbounded | engine + host, unbounded |",
@@ -311,8 +410,19 @@ def workload_section(name: str, data: dict[str, Any], image: str) -> list[str]:
         if ref:
             lines.append(f"| {preset} | {format_bytes(ref.working_set_bytes)} | "
                          f"{100 * ref.host_hit_rate:.2f} % | {100 * ref.hit_rate:.2f} % |")
-    lines += ["", f"![{name}](img/{image})", "", "### Goals", "", *goal_rows(points, refs),
-              "", "### Memory to reach 90 % of the unbounded hit rate", "", "```",
+    distance = oracle_goal_rows(points, refs)
+    goals = goal_rows(points, refs)
+    goals += distance
+    lines += ["", f"![{name}](img/{image})", "", "### Goals", "", *goals, ""]
+    if distance:
+        lines += ["### Distance to the oracle", "",
+                  "`value` against the oracle: its host memory to reach 90 % of the "
+                  "unbounded hit rate as a multiple of the oracle's, and its host hit rate at "
+                  "each capacity (share of the working set) as a share of the oracle's (the "
+                  "oracle's own host hit rate in brackets). Above 1, `value` did better than "
+                  "the oracle, which is a heuristic bound (see \"The oracle\" above).", "",
+                  *distance_rows(points, refs), ""]
+    lines += ["### Memory to reach 90 % of the unbounded hit rate", "", "```",
               format_rows(goal_table(points, refs)), "```", "", "### Every point", "",
               *result_rows(points), ""]
     return lines

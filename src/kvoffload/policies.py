@@ -17,13 +17,13 @@ name       eviction                    store policy
 ``value``  compute saved per byte      hit points, learned granule, value hints, the
                                        insertion duel
 ``oracle`` furthest next use per byte  only what a later request hits (simulator only:
-                                       ``kvoffload.policies_oracle``)
+                                       ``kvoffload.engine.oracle``)
 =========  ==========================  ==============================================
 
 ``oracle`` is a *reference* entry: it knows the future of the workload it replays, so
 ``cache_policy("oracle")`` (and an ``OffloadConfig`` or vLLM configuration naming it)
 raises ``ConfigError``; the simulator binds it to a workload's future for one run
-(``policies_oracle.bind_oracle``). ``cache_policy_names()`` leaves reference entries out
+(``engine.oracle.bind_oracle``). ``cache_policy_names()`` leaves reference entries out
 unless asked for them.
 
 ``register_cache_policy`` adds one; a policy registered with an eviction only stores every
@@ -132,7 +132,7 @@ def cache_policy(name: str, field: str = "eviction_policy") -> CachePolicy:
 
 
 ORACLE = "oracle"
-"""The simulator-only reference policy (``kvoffload.policies_oracle``)."""
+"""The simulator-only reference policy (``kvoffload.engine.oracle``)."""
 
 BUILTIN_NAMES = frozenset({"lru", "arc", "hybrid", "value", ORACLE})
 

@@ -14,6 +14,7 @@ import pytest
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.engine.future import NO_USE, WorkloadFuture
+from kvoffload.engine.oracle import OracleRun
 from kvoffload.engine.simulation import Mode, SimulationConfig, build_engine, resolve, run_one
 from kvoffload.engine.workloads.generators import builtin_workload
 from kvoffload.engine.workloads.request import WorkloadRequest, derive_tokens
@@ -28,7 +29,6 @@ from kvoffload.policies import (
     drop_cache_policy,
     register_cache_policy,
 )
-from kvoffload.policies_oracle import OracleRun
 from kvoffload.tiers.eviction.base import BlockState, Victims
 from kvoffload.tiers.eviction.oracle import OraclePolicy
 

@@ -21,10 +21,10 @@ from hypothesis.stateful import initialize, precondition, rule
 from test_planner_state_machine import EXAMPLES, STEPS, PlannerMachine, layouts
 
 from kvoffload.engine.future import WorkloadFuture
+from kvoffload.engine.oracle import bind_oracle
 from kvoffload.engine.workloads.request import WorkloadRequest
 from kvoffload.planner.contract import RequestControls
 from kvoffload.planner.oracle import OracleStorePolicy
-from kvoffload.policies_oracle import bind_oracle
 from kvoffload.tiers.eviction.oracle import OraclePolicy
 from support.sim_engine import SimEngine
 

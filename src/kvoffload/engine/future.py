@@ -1,5 +1,5 @@
 """What a workload's future holds, read off its requests before a replay: the oracle's
-knowledge (``kvoffload.policies_oracle``).
+knowledge (``kvoffload.engine.oracle``).
 
 ``WorkloadFuture`` hashes every request of a workload exactly as the reference engine does
 (``keys.BlockHasher`` at the configuration's hash block size, the request's cache salt) and

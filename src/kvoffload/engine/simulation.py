@@ -60,7 +60,7 @@ KERNEL_BLOCK_ALIGNMENT = 16
 
 
 def is_oracle(policy: str) -> bool:
-    """Whether ``policy`` names the simulator-only oracle (``kvoffload.policies_oracle``)."""
+    """Whether ``policy`` names the simulator-only oracle (``kvoffload.engine.oracle``)."""
     return policy == ORACLE
 
 
@@ -383,13 +383,13 @@ def run_one(config: SimulationConfig, workload: Iterable[WorkloadRequest], *,
 
     Under the ``oracle`` policy the workload is read into a list first and its future
     (``engine.future.WorkloadFuture``) built from it; the run binds the oracle to that
-    future (``policies_oracle.bind_oracle``). Without offloading the policy is unused."""
+    future (``engine.oracle.bind_oracle``). Without offloading the policy is unused."""
     if is_oracle(config.eviction_policy):
         if not offload:
             return run_one(replace(config, eviction_policy="lru"), workload, offload=False,
                            progress=progress)
         from kvoffload.engine.future import WorkloadFuture
-        from kvoffload.policies_oracle import bind_oracle
+        from kvoffload.engine.oracle import bind_oracle
 
         requests = list(workload)
         future = WorkloadFuture.build(requests, resolve(config, config.layout())[1],

@@ -1,4 +1,4 @@
-"""The oracle's store policy (``kvoffload.policies_oracle``): window blocks and Mamba
+"""The oracle's store policy (``kvoffload.engine.oracle``): window blocks and Mamba
 states only where a later request hits.
 
 Full-attention blocks are stored as under every policy. A window block or Mamba state of
@@ -21,7 +21,7 @@ from kvoffload.planner.store_policy import StorePolicy, StoreSelection
 
 
 class OracleRun(Protocol):
-    """What the store policy asks of the oracle's run (``policies_oracle.OracleRun``)."""
+    """What the store policy asks of the oracle's run (``engine.oracle.OracleRun``)."""
 
     def start(self, request_id: str) -> int:
         """Mark the request started; return its index in the workload."""

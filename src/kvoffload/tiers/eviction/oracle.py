@@ -1,4 +1,4 @@
-"""Eviction by the future (the ``oracle`` reference; ``kvoffload.policies_oracle``).
+"""Eviction by the future (the ``oracle`` reference; ``kvoffload.engine.oracle``).
 
 ``OraclePolicy`` evicts the idle key whose next use lies furthest ahead, weighted by its
 bytes: the victim maximises ``(next use - now) x bytes``, where ``now`` is the first
@@ -31,7 +31,7 @@ from kvoffload.tiers.eviction.base import BlockState, EvictionPolicy, Victims
 
 
 class OracleClock(Protocol):
-    """What the oracle's eviction asks of the future (``policies_oracle.OracleRun``)."""
+    """What the oracle's eviction asks of the future (``engine.oracle.OracleRun``)."""
 
     @property
     def now(self) -> int:
