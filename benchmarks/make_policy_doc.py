@@ -6,6 +6,7 @@ workload, host capacity from 1 % to 50 % of each preset's store-everything worki
     .venv/bin/python benchmarks/make_policy_doc.py --limit 4000    # more trace requests
     .venv/bin/python benchmarks/make_policy_doc.py --from-json     # re-render saved data
     .venv/bin/python benchmarks/make_policy_doc.py --add-policies oracle   # add a series
+    .venv/bin/python benchmarks/make_policy_doc.py --add-policies oracle --replace  # rerun it
 
 ``--add-policies`` runs only the (policy, workload, preset) series missing from the saved
 data, at the saved working sets and trace limit, and merges them in, keeping every other
@@ -687,13 +688,23 @@ def main() -> None:
     parser.add_argument("--add-policies", metavar="LABELS",
                         help="comma-separated series (oracle, value+hints90, ...) to run "
                              "where the saved data lacks them, merged into it")
+    parser.add_argument("--replace", action="store_true",
+                        help="with --add-policies: drop the saved series of those labels "
+                             "first and run them again")
     args = parser.parse_args()
     if args.from_json:
         data = json.loads(DATA.read_text())
     elif args.add_policies:
         data = json.loads(DATA.read_text())
-        add_series(data, tuple(p for p in args.add_policies.split(",") if p),
-                   tuple(p for p in args.presets.split(",") if p))
+        labels = tuple(p for p in args.add_policies.split(",") if p)
+        presets = tuple(p for p in args.presets.split(",") if p)
+        if args.replace:
+            for saved in data.values():
+                saved["points"] = [p for p in saved["points"] if p["policy"] not in labels
+                                   or p["preset"] not in presets]
+                for label in labels:
+                    saved.get("series_wall_s", {}).pop(label, None)
+        add_series(data, labels, presets)
         DATA.write_text(json.dumps(data, indent=1))
     else:
         presets = tuple(p for p in args.presets.split(",") if p)

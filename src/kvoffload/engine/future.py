@@ -33,12 +33,43 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_right
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import cast
 
 from kvoffload.config import OffloadConfig
 from kvoffload.engine.workloads.request import TOKEN_TYPECODE, WorkloadRequest
 from kvoffload.keys import BlockHash, BlockHasher, OffloadKey, make_offload_key
+
+
+class _EnginePrefixCache:
+    """The engine's own prefix cache as the future models it: an LRU of ``blocks`` hash
+    blocks, touched by each request's known tokens in workload order (0: none)."""
+
+    def __init__(self, blocks: int) -> None:
+        self._blocks = blocks
+        self._lru: OrderedDict[BlockHash, None] = OrderedDict()
+
+    def hit(self, chain: Sequence[BlockHash], limit: int) -> int:
+        """Hash blocks of ``chain``'s longest prefix held, at most ``limit``."""
+        held = 0
+        if self._blocks:
+            for h in chain[:limit]:
+                if h not in self._lru:
+                    break
+                held += 1
+        return held
+
+    def touch(self, chain: Sequence[BlockHash]) -> None:
+        if not self._blocks:
+            return
+        lru = self._lru
+        for h in chain:
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > self._blocks:
+            lru.popitem(last=False)
+
 
 NO_USE = 1 << 62
 """``next_use`` of a key no later request uses."""
@@ -52,26 +83,29 @@ class WorkloadFuture:
     """
 
     def __init__(self, requests: Sequence[WorkloadRequest], config: OffloadConfig,
-                 hash_seed: str = "kvoffload", unstored_tail: int = 0) -> None:
+                 hash_seed: str = "kvoffload", unstored_tail: int = 0,
+                 engine_tokens: int = 0) -> None:
         ids = [r.request_id for r in requests]
         self._index = {rid: i for i, rid in enumerate(ids)}
         if len(self._index) != len(ids):
             raise ValueError("workload request ids must be unique")
         self.alignment = config.hit_alignment
         recompute_last = config.has_windowed_group
-        groups = config.resolved
+        self._groups = config.resolved
+        self._suffixes = [make_offload_key(BlockHash(b""), g.index) for g in self._groups]
         hasher = BlockHasher(config.hash_block_size, seed=hash_seed)
         hbs = self._hbs = config.hash_block_size
         seen: set[BlockHash] = set()
         sure: set[BlockHash] = set()
+        engine = _EnginePrefixCache(engine_tokens // hbs)
         self._chains: list[list[BlockHash]] = []
         self._known: list[int] = []
         self._hit_end: list[int] = []
         self._uses: dict[OffloadKey, list[int]] = {}
+        self._engine_uses: dict[OffloadKey, list[int]] = {}
         self._depth: dict[OffloadKey, int] = {}
         self._used_by: list[list[OffloadKey]] = []
         self._hit_points: dict[BlockHash, list[int]] = {}
-        suffixes = [make_offload_key(BlockHash(b""), g.index) for g in groups]
         for r, request in enumerate(requests):
             tokens = request.prompt
             if request.output_tokens is not None:
@@ -81,30 +115,40 @@ class WorkloadFuture:
             max_end = len(request.prompt) - (1 if recompute_last else 0)
             ends = sorted({self._shared(chain, max_end, seen),
                            self._shared(chain, max_end, sure)} - {0})
-            used: dict[OffloadKey, None] = {}
             for end in ends:
                 self._hit_points.setdefault(chain[end // hbs - 1], []).append(r)
-            if ends:
-                for g, suffix in zip(groups, suffixes, strict=True):
-                    obs, hpb = g.offloaded_block_size, g.hashes_per_block
-                    if g.window_blocks is None:
-                        blocks: Sequence[int] = range(ends[-1] // obs)
-                    else:
-                        blocks = sorted({j for end in ends for j in range(
-                            max(0, end // obs - g.window_blocks), end // obs)})
-                    for j in blocks:
-                        key = cast("OffloadKey", chain[(j + 1) * hpb - 1] + suffix)
-                        self._uses.setdefault(key, []).append(r)
-                        self._depth[key] = (j + 1) * obs
-                        used[key] = None
+            served = bool(ends) and ends[-1] <= engine.hit(chain, max_end // hbs) * hbs
+            self._used_by.append(self._record_uses(r, chain, ends, served))
             stored = len(tokens) - (unstored_tail if request.output_tokens is not None
                                     else 0)
             seen.update(chain)
+            engine.touch(chain)
             sure.update(chain[:max(len(request.prompt), stored) // hbs])
             self._chains.append(chain)
             self._known.append(len(tokens))
             self._hit_end.append(ends[-1] if ends else 0)
-            self._used_by.append(list(used))
+
+    def _record_uses(self, r: int, chain: Sequence[BlockHash], ends: Sequence[int],
+                     served: bool) -> list[OffloadKey]:
+        """Record the keys request ``r``'s hit reads (ending at any of ``ends``,
+        ascending; the engine serves them all when ``served``); return them."""
+        used: dict[OffloadKey, None] = {}
+        if not ends:
+            return []
+        uses = self._engine_uses if served else self._uses
+        for g, suffix in zip(self._groups, self._suffixes, strict=True):
+            obs, hpb = g.offloaded_block_size, g.hashes_per_block
+            if g.window_blocks is None:
+                blocks: Sequence[int] = range(ends[-1] // obs)
+            else:
+                blocks = sorted({j for end in ends for j in range(
+                    max(0, end // obs - g.window_blocks), end // obs)})
+            for j in blocks:
+                key = cast("OffloadKey", chain[(j + 1) * hpb - 1] + suffix)
+                uses.setdefault(key, []).append(r)
+                self._depth[key] = (j + 1) * obs
+                used[key] = None
+        return list(used)
 
     def _shared(self, chain: Sequence[BlockHash], max_end: int,
                 cached: set[BlockHash]) -> int:
@@ -119,11 +163,13 @@ class WorkloadFuture:
 
     @classmethod
     def build(cls, requests: Sequence[WorkloadRequest], config: OffloadConfig,
-              hash_seed: str = "kvoffload", unstored_tail: int = 0) -> WorkloadFuture:
+              hash_seed: str = "kvoffload", unstored_tail: int = 0,
+              engine_tokens: int = 0) -> WorkloadFuture:
         """The future of ``requests`` under ``config``;
         ``unstored_tail``: output tokens at the end of a request that are never stored
-        (the engine computes no KV for its last decode step's tokens)."""
-        return cls(requests, config, hash_seed, unstored_tail)
+        (the engine computes no KV for its last decode step's tokens); ``engine_tokens``:
+        the engine's own prefix cache, modelled (``engine_uses``; 0: not modelled)."""
+        return cls(requests, config, hash_seed, unstored_tail, engine_tokens)
 
     def __len__(self) -> int:
         return len(self._hit_end)
@@ -142,8 +188,13 @@ class WorkloadFuture:
         return self._used_by[r]
 
     def uses(self, key: OffloadKey) -> Sequence[int]:
-        """The requests that use ``key``, ascending (empty if none)."""
+        """The requests that read ``key`` from a tier, ascending (empty if none)."""
         return self._uses.get(key, ())
+
+    def engine_uses(self, key: OffloadKey) -> Sequence[int]:
+        """The requests whose hit reads ``key`` from the engine's own prefix cache, as
+        modelled (ascending; empty if none): not in ``uses``."""
+        return self._engine_uses.get(key, ())
 
     def depth(self, key: OffloadKey) -> int:
         """Tokens of the prefix that ends with ``key``'s block (0 for a key no request

@@ -23,6 +23,7 @@ registers a one-run entry bound to it.
 from __future__ import annotations
 
 import itertools
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -35,6 +36,10 @@ from kvoffload.tiers.eviction.base import EvictionPolicy
 from kvoffload.tiers.eviction.oracle import OraclePolicy
 
 _RUNS = itertools.count(1)
+
+ENGINE_ONLY = NO_USE // 2
+"""``OracleRun.next_use`` of a key only the engine's own prefix cache is modelled to
+serve: after every key a tier serves (``NO_USE`` is larger still)."""
 
 
 class OracleRun:
@@ -64,27 +69,29 @@ class OracleRun:
         return index
 
     def next_use(self, key: OffloadKey) -> int:
-        """The first request not started yet that uses ``key``; ``NO_USE`` if none."""
-        for r in self.future.uses(key)[self._first(key):]:
-            if not self._started[r]:
-                return r
-        return NO_USE
+        """The first request not started yet that reads ``key`` from a tier; for a key
+        only the modelled engine prefix cache serves from now on, ``ENGINE_ONLY`` plus the
+        first such request (after every key a tier serves, before keys nobody reads);
+        ``NO_USE`` if no request reads it."""
+        found = self._pending(self.future.uses(key), -1)
+        if found is not None:
+            return found
+        found = self._pending(self.future.engine_uses(key), -1)
+        return NO_USE if found is None else ENGINE_ONLY + found
 
-    def _first(self, key: OffloadKey) -> int:
-        uses = self.future.uses(key)
-        lo, hi = 0, len(uses)
-        while lo < hi:  # the first use at or after now (all before it started)
-            mid = (lo + hi) // 2
-            if uses[mid] < self._now:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
+    def _pending(self, uses: Sequence[int], other_than: int) -> int | None:
+        """The first of ``uses`` (ascending) not started yet and not ``other_than``."""
+        for r in uses[bisect_left(uses, self._now):]:
+            if not self._started[r] and r != other_than:
+                return r
+        return None
 
     def used_later(self, key: OffloadKey, by_other_than: int) -> bool:
-        """Whether a request not started yet, other than ``by_other_than``, uses ``key``."""
-        return any(not self._started[r] and r != by_other_than
-                   for r in self.future.uses(key)[self._first(key):])
+        """Whether a request not started yet, other than ``by_other_than``, reads ``key``
+        (from a tier, or from the engine's prefix cache as modelled: a window block or
+        state is kept where the model may be wrong)."""
+        return (self._pending(self.future.uses(key), by_other_than) is not None
+                or self._pending(self.future.engine_uses(key), by_other_than) is not None)
 
     def depth(self, key: OffloadKey) -> int:
         return self.future.depth(key)

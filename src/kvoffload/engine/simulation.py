@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from kvoffload.config import OffloadConfig
+from kvoffload.config import GroupKind, OffloadConfig
 from kvoffload.engine.executors import AccountingExecutor, TransferExecutor
 from kvoffload.engine.hf_config import resolve_model
 from kvoffload.engine.model_presets import ModelLayout, ModelPreset
@@ -392,8 +392,16 @@ def run_one(config: SimulationConfig, workload: Iterable[WorkloadRequest], *,
         from kvoffload.engine.oracle import bind_oracle
 
         requests = list(workload)
-        future = WorkloadFuture.build(requests, resolve(config, config.layout())[1],
-                                      unstored_tail=config.decode_tokens_per_step)
+        layout = config.layout()
+        caps, offload_config = resolve(config, layout)
+        # Block ids are shared by the groups: a prefix holds one per group per block. An
+        # engine caches a Mamba state only where a step ended on its boundary, which the
+        # future cannot tell: with a Mamba group its prefix cache is not modelled.
+        engine_tokens = 0 if any(g.spec.kind is GroupKind.MAMBA for g in layout.groups) \
+            else (caps.engine_blocks - 1) * layout.block_size // len(layout.groups)
+        future = WorkloadFuture.build(requests, offload_config,
+                                      unstored_tail=config.decode_tokens_per_step,
+                                      engine_tokens=engine_tokens)
         with bind_oracle(future) as bound:
             return run_one(replace(config, eviction_policy=bound), requests,
                            progress=progress)
