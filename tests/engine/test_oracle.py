@@ -87,6 +87,22 @@ def test_future_counts_given_outputs_and_not_the_last_decode_step() -> None:
     assert WorkloadFuture.build([given, nxt], config, unstored_tail=4).reach(0) >= 16
 
 
+def test_future_counts_a_hit_the_modelled_engine_cache_serves_as_the_engines() -> None:
+    config = _config(FULL)
+    base = list(range(100, 116))
+    requests = [_request("a", base), _request("b", [*base, 1, 2, 3, 4, 5]),
+                _request("c", [7] * 40), _request("d", [*base, 9, 9, 9, 9, 9])]
+    key = make_offload_key(BlockHasher(4).hashes(base)[0], 0)
+    # An engine of 48 tokens still holds a's 16 when b comes: b reads them from it. c's 40
+    # tokens push a's out, so d reads them from a tier.
+    future = WorkloadFuture.build(requests, config, engine_tokens=48)
+    assert future.engine_uses(key) == [1] and future.uses(key) == [3]
+    assert future.hit_end(1) == 16 and future.hit_end(3) == 16
+    # Not modelled: every hit is a tier's.
+    plain = WorkloadFuture.build(requests, config)
+    assert list(plain.uses(key)) == [1, 3] and not plain.engine_uses(key)
+
+
 def test_future_rejects_repeated_ids() -> None:
     with pytest.raises(ValueError, match="unique"):
         WorkloadFuture.build([_request("a", [1] * 8), _request("a", [2] * 8)], _config(FULL))
