@@ -394,6 +394,55 @@ def oracle_goal_rows(points: list[SweepPoint], refs: dict[str, Reference]) -> li
     return rows
 
 
+def oracle_distance(points: list[SweepPoint], refs: dict[str, Reference], preset: str
+                    ) -> tuple[float | None, tuple[float, float] | None]:
+    """``value``'s memory to 90 % of the unbounded hit rate over the oracle's (None if
+    either is not reached), and its lowest host hit share of the oracle's in
+    ``ORACLE_HIT_RANGE`` with where (None if the oracle has no hit there)."""
+    ref = refs[preset]
+    target = 0.9 * ref.host_hit_rate
+    value = memory_to_reach(curve(points, preset, "value"), target)
+    oracle = memory_to_reach(curve(points, preset, "oracle"), target)
+    shares = [(v.host_hit_rate / o.host_hit_rate, o.capacity_fraction)
+              for o in curve(points, preset, "oracle")
+              if ORACLE_HIT_RANGE[0] <= o.capacity_fraction <= ORACLE_HIT_RANGE[1]
+              and o.host_hit_rate > 0
+              and (v := at(points, preset, "value", o.capacity_fraction)) is not None]
+    return (value / oracle if value is not None and oracle else None,
+            min(shares) if shares else None)
+
+
+def oracle_summary(data: dict[str, Any]) -> list[str]:
+    """What the distance tables say, per workload, with every missed goal and by how much."""
+    lines = []
+    for key, name in (("mooncake", "On the trace"), ("agentic", "On the agentic workload")):
+        points, refs = load_points(data[key])
+        rows = [(preset, *oracle_distance(points, refs, preset)) for preset in PRESETS
+                if preset in refs and curve(points, preset, "oracle")]
+        if not rows:
+            continue
+        memory = ", ".join(f"{m:.2f}x ({p})" if m is not None else f"not reached ({p})"
+                           for p, m, _ in rows)
+        hits = ", ".join(f"{h[0]:.2f}x ({p}, at {100 * h[1]:g} %)" for p, _, h in rows
+                         if h is not None)
+        missed = [f"{p} {m:.2f}x" for p, m, _ in rows
+                  if m is not None and m > ORACLE_MEMORY_GOAL]
+        short = [f"{p} {h[0]:.2f}x at {100 * h[1]:g} %" for p, _, h in rows
+                 if h is not None and h[0] < ORACLE_HIT_GOAL]
+        lines.append(
+            f"{name}, `value` needs {memory} the oracle's memory to reach 90 % of the "
+            f"unbounded hit rate, and its lowest host hit rate from "
+            f"{100 * ORACLE_HIT_RANGE[0]:g} to {100 * ORACLE_HIT_RANGE[1]:g} % of the working "
+            f"set is {hits} of the oracle's. "
+            + (f"The memory goal (at most {ORACLE_MEMORY_GOAL:g}x) is missed by "
+               f"{', '.join(missed)}. " if missed else
+               f"The memory goal (at most {ORACLE_MEMORY_GOAL:g}x) is met on every preset. ")
+            + (f"The hit goal (at least {ORACLE_HIT_GOAL:g}x) is missed by "
+               f"{', '.join(short)}." if short else
+               f"The hit goal (at least {ORACLE_HIT_GOAL:g}x) is met on every preset."))
+    return lines
+
+
 def workload_section(name: str, data: dict[str, Any], image: str) -> list[str]:
     points, refs = load_points(data)
     requests = points[0].requests if points else 0
@@ -619,6 +668,42 @@ layer counts and pads pages to match), so the connector's slot accounting charge
 block its bytes. For an engine whose groups differ in size, byte accounting is modelled
 in the simulator until the arena packs groups by size.
 
+## The oracle
+
+`--policy oracle` (in `kvoffload simulate`, `sweep` and `plan`) is a reference, not a
+policy a deployment can run: it knows the future of the workload it replays, so the
+library's `OffloadConfig` and the vLLM connector refuse it with a `ConfigError` that says
+so. Before the replay, `kvoffload.engine.future` hashes every request as the engine does
+and finds, for each, where its hit would end against an unbounded cache of everything
+the requests before it held (its prompt's longest prefix that an earlier request's
+tokens contain, capped and rounded as the planner caps and rounds a hit), and which keys
+that hit reads: every full-attention block, the last window, the Mamba state at the hit.
+A request's output counts only where the workload gives it (the agentic workload's
+outputs are in its next prompts; the trace's are not), less its last decode step, whose
+KV the engine never computes; where that makes two points possible, both count. The
+engine's own prefix cache is modelled too, as an LRU of the engine's blocks touched by
+each request in turn: a hit it would serve whole is the engine's, not a tier's (except
+with a Mamba group, whose states the engine caches only where a step ended on a block
+boundary, which the future cannot tell). The oracle then
+
+* stores full-attention blocks as every policy does, and a window block or Mamba state
+  only where a request that has not started yet reads it;
+* evicts the idle key whose next read lies furthest ahead, weighted by its bytes: the
+  victim maximises (next read - now) x bytes, counted in requests, where a key only the
+  engine's cache is modelled to serve ranks after every key a tier serves, and a key no
+  later request reads goes first. This is Belady's rule with sizes. With keys of different
+  sizes, and hits that need a whole prefix, finding the best victims is NP-hard, so the
+  oracle is a heuristic bound, not the optimum.
+
+It runs through the same planner, engine and byte accounting as every other policy; all
+it learns from the replay is which requests have started. What it does not know is where
+its models are wrong: when the engine's cache really serves a hit (the model ignores the
+blocks running requests hold, and the order in which the scheduler admits them), and
+when a request is preempted (it keeps no resume points). Where `value` beats it, a ratio
+above 1 in "Distance to the oracle" says so: the bound is loose there.
+
+ORACLE_SUMMARY
+
 ## Reading the results
 
 * *Host hit* counts prompt tokens loaded from host memory when a request first starts.
@@ -649,8 +734,8 @@ are over its first LIMIT requests (of TRACE_REQUESTS; `--limit` sets it). The fi
 mostly the engine's warm-up: there host memory at 1-5 % of the working set serves a few
 dozen hits over the whole run, so those points move with single requests. For each workload and
 preset it first runs store-everything LRU with unbounded host memory: its peak host
-memory is the *working set*, its host hit rate the *unbounded hit rate*. Then LRU, ARC
-and `value` run at PERCENTS % of that working set (the points above 50 % are there so the
+memory is the *working set*, its host hit rate the *unbounded hit rate*. Then LRU, ARC,
+`value` and the oracle run at PERCENTS % of that working set (the points above 50 % are there so the
 memory to reach 90 % of the unbounded hit rate can be read between close points), in the
 same `run_sweep` call that `kvoffload sweep --capacity-fraction` uses. *Host hit* is the share
 of prompt tokens loaded from host memory (the engine's own prefix cache is the same for
@@ -662,7 +747,7 @@ loaded bytes at 25 GB/s). The same comparison by hand:
 kvoffload sweep --preset gpt-oss-20b,gemma3-27b,llama3-8b \\
     --block-size 64 --block-size-factor 4 \\
     --trace ../shared/traces/mooncake_conversation_trace.jsonl --limit LIMIT \\
-    --policy lru,arc,value --capacity-fraction FRACTIONS \\
+    --policy lru,arc,value,oracle --capacity-fraction FRACTIONS \\
     --host-accounting bytes
 kvoffload sweep --preset nemotron-h-8b ...same options without --block-size...
 kvoffload sweep --workload agentic --sessions SESSIONS --seeds SEEDS ...same options...
@@ -671,6 +756,13 @@ kvoffload sweep --workload agentic --sessions SESSIONS --seeds SEEDS ...same opt
 Attention-only presets run with engine blocks of 64 tokens offloaded four at a time
 (256-token host blocks); Nemotron-H runs at vLLM's page-matching block size. The engine
 holds 1M tokens for the trace and 32k tokens for the agentic workload.
+
+A full run takes over an hour on two cores. `--add-policies oracle` runs only the series
+the saved data lacks (per policy, workload and preset, at the saved working sets) and
+merges them into `docs/policy_data.json`; `--replace` runs them again; `--from-json`
+renders. A series is named by its label, so `value` with client hints drawn at 90 %
+accuracy is added as `--add-policies value+hints90` (on a simulator that has
+`hint_accuracy`), and the goal row for hints reads it.
 """
 
 
@@ -729,7 +821,8 @@ def main() -> None:
              .replace("PERCENTS", ", ".join(percents[:-1]) + " and " + percents[-1])
              .replace("FRACTIONS", ",".join(f"{f:g}" for f in FRACTIONS))
              .replace("SESSIONS", str(AGENTIC_SESSIONS))
-             .replace("SEEDS", ",".join(map(str, AGENTIC_SEEDS)))]
+             .replace("SEEDS", ",".join(map(str, AGENTIC_SEEDS)))
+             .replace("ORACLE_SUMMARY", "\n\n".join(oracle_summary(data)))]
     for key, name in (("mooncake", "Mooncake conversation trace"),
                       ("agentic", "Built-in agentic workload")):
         points, refs = load_points(data[key])
