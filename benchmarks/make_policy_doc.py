@@ -5,6 +5,13 @@ workload, host capacity from 1 % to 50 % of each preset's store-everything worki
     .venv/bin/python benchmarks/make_policy_doc.py                 # run the sweeps, write
     .venv/bin/python benchmarks/make_policy_doc.py --limit 4000    # more trace requests
     .venv/bin/python benchmarks/make_policy_doc.py --from-json     # re-render saved data
+    .venv/bin/python benchmarks/make_policy_doc.py --add-policies oracle   # add a series
+    .venv/bin/python benchmarks/make_policy_doc.py --add-policies oracle --replace  # rerun it
+
+``--add-policies`` runs only the (policy, workload, preset) series missing from the saved
+data, at the saved working sets and trace limit, and merges them in, keeping every other
+series. A series is named by its label: a policy name, or ``value+hints90`` for ``value``
+with client hints drawn at 90 % accuracy (a simulator that has ``hint_accuracy``).
 
 Every run goes through ``kvoffload.cli.sweep.run_sweep`` (what ``kvoffload sweep`` runs), in
 accounting mode with per-group byte accounting (``--host-accounting bytes``). The raw
@@ -19,7 +26,7 @@ import json
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +40,7 @@ from kvoffload.cli.sweep import (
     run_sweep,
 )
 from kvoffload.engine.model_presets import PRESETS as PRESET_SPECS
-from kvoffload.engine.simulation import Mode, SimulationConfig, auto_block_size
+from kvoffload.engine.simulation import Mode, SimulationConfig, auto_block_size, resolve
 from kvoffload.engine.workloads.mooncake import read_mooncake_trace
 from kvoffload.engine.workloads.reuse import continuation_report, format_report, quantile
 
@@ -43,7 +50,10 @@ TRACE = Path(os.environ.get("KVOFFLOAD_TRACE", ROOT.parent / "shared" / "traces"
 DOCS = ROOT / "docs"
 DATA = DOCS / "policy_data.json"
 PRESETS = ("gpt-oss-20b", "gemma3-27b", "nemotron-h-8b", "llama3-8b")
-POLICIES = ("lru", "arc", "value")
+POLICIES = ("lru", "arc", "value", "oracle")
+"""The series of a full run, in the order tables and plots show them."""
+HINT_SERIES = "value+hints"
+"""Series label prefix of ``value`` with hints drawn at an accuracy (``value+hints90``)."""
 FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 1.0)
 """Host capacities as shares of the store-everything working set: 1-50 % for the curves,
 60-100 % so the memory to reach 90 % of the unbounded hit rate can be measured (40 and
@@ -61,6 +71,17 @@ HIT_GOALS = {"gpt-oss-20b": 2.0, "gemma3-27b": 3.0, "nemotron-h-8b": 1.5}
 """Goal: at 2 % capacity, the value policy's host hit rate at least this multiple of LRU's."""
 MAX_LOSS_POINTS = 0.5
 """Goal: at no capacity below LRU's host hit rate by more than this many points."""
+ORACLE_MEMORY_GOAL = 1.3
+"""Goal: ``value``'s memory to reach 90 % of the unbounded hit rate, at most this multiple
+of the oracle's."""
+ORACLE_HIT_GOAL = 0.8
+"""Goal: ``value``'s host hit rate at least this share of the oracle's at every capacity
+in ``ORACLE_HIT_RANGE``."""
+ORACLE_HIT_RANGE = (0.05, 0.5)
+HINTED_SERIES = "value+hints90"
+HINTED_MEMORY_GOAL = 1.1
+"""Goal: with 90 %-accurate client hints, ``value`` within this multiple of the oracle's
+memory."""
 
 
 def preset_config(preset: str, trace: bool) -> SimulationConfig:
@@ -73,18 +94,50 @@ def preset_config(preset: str, trace: bool) -> SimulationConfig:
         decode_tokens_per_step=16, baseline=False, host_accounting="bytes")
 
 
-def sweep(workload: str, limit: int | None, preset: str) -> dict[str, Any]:
-    """One workload's grid for one preset (run in a worker process); plain data."""
+def series_config(config: SimulationConfig, label: str) -> SimulationConfig:
+    """The simulation a series label names: a policy, or ``value+hintsNN`` (``value`` with
+    hints drawn at NN % accuracy, where the simulator has ``hint_accuracy``)."""
+    if label.startswith(HINT_SERIES):
+        accuracy = int(label[len(HINT_SERIES):]) / 100
+        if "hint_accuracy" not in {f.name for f in fields(SimulationConfig)}:
+            raise SystemExit(f"{label}: this simulator has no hint_accuracy")
+        return replace(config, eviction_policy="value",
+                       **{"hint_accuracy": accuracy})  # type: ignore[arg-type]
+    return replace(config, eviction_policy=label)
+
+
+def sweep(workload: str, limit: int | None, preset: str,
+          policies: tuple[str, ...] = POLICIES,
+          working_set: float | None = None) -> dict[str, Any]:
+    """One workload's grid for one preset (run in a worker process); plain data.
+
+    With ``working_set`` (the saved reference's), the capacities are its ``FRACTIONS``
+    and no reference run is made (the added series land on the saved grid)."""
     trace = TRACE if workload == "mooncake" else None
     spec = WorkloadSpec("agentic", trace, limit, 0,
                         None if trace is not None else AGENTIC_SESSIONS)
     references: dict[str, Reference] = {}
     started = time.perf_counter()
-    points = run_sweep(preset_config(preset, trace is not None), spec, presets=(preset,),
-                       policies=POLICIES, capacities=(),
-                       seeds=(0,) if trace is not None else AGENTIC_SEEDS,
-                       fractions=FRACTIONS, references=references)
-    label = spec.label_for((0,) if trace is not None else AGENTIC_SEEDS)
+    base = preset_config(preset, trace is not None)
+    seeds = (0,) if trace is not None else AGENTIC_SEEDS
+    points: list[SweepPoint] = []
+    plain = tuple(p for p in policies if not p.startswith(HINT_SERIES))
+    groups = ([(plain, base)] if plain else []) + [
+        ((p,), series_config(base, p)) for p in policies if p.startswith(HINT_SERIES)]
+    for labels, config in groups:
+        runs = tuple(config.eviction_policy for _ in labels) if len(labels) == 1 else labels
+        if working_set is None:
+            got = run_sweep(config, spec, presets=(preset,), policies=runs, capacities=(),
+                            seeds=seeds, fractions=FRACTIONS, references=references)
+        else:
+            floor = resolve(base, base.layout())[0].host_slot_bytes
+            caps = {max(floor, int(f * working_set)): f for f in FRACTIONS}
+            got = [replace(p, capacity_fraction=caps[p.host_capacity_bytes])
+                   for p in run_sweep(config, spec, presets=(preset,), policies=runs,
+                                      capacities=sorted(caps), seeds=seeds)]
+        named = dict(zip(runs, labels, strict=True))
+        points += [replace(p, policy=named[p.policy]) for p in got]
+    label = spec.label_for(seeds)
     return {"workload": label, "limit": limit, "wall_s": time.perf_counter() - started,
             "references": {k: r.to_dict() for k, r in references.items()},
             "points": [p.to_dict() for p in points]}
@@ -98,11 +151,45 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
             "points": [point for p in parts for point in p["points"]]}
 
 
+def add_series(data: dict[str, Any], labels: tuple[str, ...],
+               presets: tuple[str, ...]) -> None:
+    """Run every (series, workload, preset) of ``labels`` x ``presets`` that ``data`` lacks,
+    at its saved working sets and limits, and merge the points in (``--add-policies``).
+    Each series' run time is kept under ``series_wall_s``."""
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        jobs = {}
+        for workload in ("mooncake", "agentic"):  # the trace first: it runs longest
+            saved = data[workload]
+            for preset in presets:
+                have = {p["policy"] for p in saved["points"] if p["preset"] == preset}
+                missing = tuple(label for label in labels if label not in have)
+                ref = saved["references"].get(preset)
+                if missing and ref is not None:
+                    jobs[workload, preset, missing] = pool.submit(
+                        sweep, workload, saved["limit"], preset, missing,
+                        ref["working_set_bytes"])
+        for (workload, preset, missing), job in jobs.items():
+            part = job.result()
+            saved = data[workload]
+            saved["points"] += part["points"]
+            walls = saved.setdefault("series_wall_s", {})
+            for label in missing:
+                walls[label] = walls.get(label, 0.0) + part["wall_s"] / len(missing)
+            print(f"{workload} {preset}: added {', '.join(missing)} "
+                  f"({part['wall_s'] / 60:.1f} min)", flush=True)
+
+
 def load_points(data: dict[str, Any]) -> tuple[list[SweepPoint], dict[str, Reference]]:
     names = {f.name for f in fields(SweepPoint)}
     points = [SweepPoint(**{k: v for k, v in p.items() if k in names}) for p in data["points"]]
     refs = {k: Reference(**v) for k, v in data["references"].items()}
     return points, refs
+
+
+def series(points: list[SweepPoint]) -> list[str]:
+    """The series in ``points``: ``POLICIES`` first, then any others (hint series) by name."""
+    present = {p.policy for p in points}
+    return [p for p in POLICIES if p in present] + sorted(present - set(POLICIES))
 
 
 def curve(points: list[SweepPoint], preset: str, policy: str) -> list[SweepPoint]:
@@ -121,14 +208,14 @@ def plot(points: list[SweepPoint], refs: dict[str, Reference], title: str,
     fig, axes = plt.subplots(2, len(presets), figsize=(4.2 * len(presets), 7.4),
                              squeeze=False)
     styles = {"lru": ("tab:blue", "-"), "arc": ("tab:orange", "--"),
-              "value": ("tab:green", "-")}
+              "value": ("tab:green", "-"), "oracle": ("black", ":")}
     for col, preset in enumerate(presets):
         top, bottom = axes[0][col], axes[1][col]
-        for policy in POLICIES:
+        for policy in series(points):
             pts = curve(points, preset, policy)
             if not pts:
                 continue
-            color, line = styles.get(policy, ("black", ":"))
+            color, line = styles.get(policy, ("tab:purple", "-."))
             xs = [100 * p.capacity_fraction for p in pts]
             top.plot(xs, [100 * p.host_hit_rate for p in pts], color=color, linestyle=line,
                      marker="o", label=policy)
@@ -161,7 +248,7 @@ def result_rows(points: list[SweepPoint]) -> list[str]:
             "TTFT mean | speed-up |", "|---|---|---|---|---|---|---|---|"]
     for preset in PRESETS:
         for fraction in FRACTIONS:
-            for policy in POLICIES:
+            for policy in series(points):
                 for p in curve(points, preset, policy):
                     if p.capacity_fraction != fraction:
                         continue
@@ -225,14 +312,149 @@ def goal_rows(points: list[SweepPoint], refs: dict[str, Reference]) -> list[str]
     return rows
 
 
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a is not None and b else "n/a"
+
+
+def distance_rows(points: list[SweepPoint], refs: dict[str, Reference]) -> list[str]:
+    """``value`` against the oracle: memory to reach 90 % of the unbounded hit rate as a
+    multiple of the oracle's, and the host hit rate at each capacity as a share of the
+    oracle's (the oracle's own rate in brackets)."""
+    shown = [f for f in FRACTIONS if f <= ORACLE_HIT_RANGE[1]]
+    rows = ["| preset | memory vs oracle | "
+            + " | ".join(f"hit at {100 * f:g} %" for f in shown) + " |",
+            "|---|---|" + "---|" * len(shown)]
+    for preset in PRESETS:
+        ref = refs.get(preset)
+        if ref is None or not curve(points, preset, "oracle"):
+            continue
+        target = 0.9 * ref.host_hit_rate
+        value = memory_to_reach(curve(points, preset, "value"), target)
+        oracle = memory_to_reach(curve(points, preset, "oracle"), target)
+        cells = []
+        for f in shown:
+            v, o = at(points, preset, "value", f), at(points, preset, "oracle", f)
+            if v is None or o is None:
+                cells.append("-")
+            elif o.host_hit_rate == 0:
+                cells.append("both 0" if v.host_hit_rate == 0
+                             else f"oracle 0 ({100 * v.host_hit_rate:.2f} %)")
+            else:
+                cells.append(f"{v.host_hit_rate / o.host_hit_rate:.2f} "
+                             f"({100 * o.host_hit_rate:.2f} %)")
+        rows.append(f"| {preset} | {_ratio(value, oracle)} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def oracle_goal_rows(points: list[SweepPoint], refs: dict[str, Reference]) -> list[str]:
+    """The goals against the oracle, measured, and whether each is met."""
+    rows = []
+    for preset in PRESETS:
+        ref = refs.get(preset)
+        if ref is None or not curve(points, preset, "oracle"):
+            continue
+        target = 0.9 * ref.host_hit_rate
+        oracle = memory_to_reach(curve(points, preset, "oracle"), target)
+        value = memory_to_reach(curve(points, preset, "value"), target)
+        if value is not None and oracle is not None:
+            ratio = value / oracle
+            rows.append(f"| {preset} | memory to 90 % of unbounded ≤ {ORACLE_MEMORY_GOAL:g} × "
+                        f"the oracle's | {format_bytes(value)} vs {format_bytes(oracle)} = "
+                        f"{ratio:.2f}x | {'yes' if ratio <= ORACLE_MEMORY_GOAL else 'no'} |")
+        else:
+            rows.append(f"| {preset} | memory to 90 % of unbounded ≤ {ORACLE_MEMORY_GOAL:g} × "
+                        f"the oracle's | value {format_bytes(value) if value else 'not reached'}"
+                        f", oracle {format_bytes(oracle) if oracle else 'not reached'} | "
+                        f"{'yes' if value is not None else 'no'} |")
+        shares = []
+        for o in curve(points, preset, "oracle"):
+            f = o.capacity_fraction
+            v = at(points, preset, "value", f)
+            if v is None or not ORACLE_HIT_RANGE[0] <= f <= ORACLE_HIT_RANGE[1]:
+                continue
+            if o.host_hit_rate > 0:
+                shares.append((v.host_hit_rate / o.host_hit_rate, f))
+        if shares:
+            worst, where = min(shares)
+            rows.append(f"| {preset} | host hit ≥ {ORACLE_HIT_GOAL:g} × the oracle's from "
+                        f"{100 * ORACLE_HIT_RANGE[0]:g} to {100 * ORACLE_HIT_RANGE[1]:g} % | "
+                        f"lowest {worst:.2f}x (at {100 * where:g} %) | "
+                        f"{'yes' if worst >= ORACLE_HIT_GOAL else 'no'} |")
+        hinted = memory_to_reach(curve(points, preset, HINTED_SERIES), target)
+        if not curve(points, preset, HINTED_SERIES):
+            measured, met = "not measured", "not measured"
+        elif hinted is not None and oracle is not None:
+            measured = (f"{format_bytes(hinted)} vs {format_bytes(oracle)} = "
+                        f"{hinted / oracle:.2f}x")
+            met = "yes" if hinted / oracle <= HINTED_MEMORY_GOAL else "no"
+        else:
+            measured, met = "not reached", "no"
+        rows.append(f"| {preset} | with 90 %-accurate hints, memory ≤ {HINTED_MEMORY_GOAL:g} × "
+                    f"the oracle's | {measured} | {met} |")
+    return rows
+
+
+def oracle_distance(points: list[SweepPoint], refs: dict[str, Reference], preset: str
+                    ) -> tuple[float | None, tuple[float, float] | None]:
+    """``value``'s memory to 90 % of the unbounded hit rate over the oracle's (None if
+    either is not reached), and its lowest host hit share of the oracle's in
+    ``ORACLE_HIT_RANGE`` with where (None if the oracle has no hit there)."""
+    ref = refs[preset]
+    target = 0.9 * ref.host_hit_rate
+    value = memory_to_reach(curve(points, preset, "value"), target)
+    oracle = memory_to_reach(curve(points, preset, "oracle"), target)
+    shares = [(v.host_hit_rate / o.host_hit_rate, o.capacity_fraction)
+              for o in curve(points, preset, "oracle")
+              if ORACLE_HIT_RANGE[0] <= o.capacity_fraction <= ORACLE_HIT_RANGE[1]
+              and o.host_hit_rate > 0
+              and (v := at(points, preset, "value", o.capacity_fraction)) is not None]
+    return (value / oracle if value is not None and oracle else None,
+            min(shares) if shares else None)
+
+
+def oracle_summary(data: dict[str, Any]) -> list[str]:
+    """What the distance tables say, per workload, with every missed goal and by how much."""
+    lines = []
+    for key, name in (("mooncake", "On the trace"), ("agentic", "On the agentic workload")):
+        points, refs = load_points(data[key])
+        rows = [(preset, *oracle_distance(points, refs, preset)) for preset in PRESETS
+                if preset in refs and curve(points, preset, "oracle")]
+        if not rows:
+            continue
+        memory = ", ".join(f"{m:.2f}x ({p})" if m is not None else f"not reached ({p})"
+                           for p, m, _ in rows)
+        hits = ", ".join(f"{h[0]:.2f}x ({p}, at {100 * h[1]:g} %)" for p, _, h in rows
+                         if h is not None)
+        missed = [f"{p} {m:.2f}x" for p, m, _ in rows
+                  if m is not None and m > ORACLE_MEMORY_GOAL]
+        short = [f"{p} {h[0]:.2f}x at {100 * h[1]:g} %" for p, _, h in rows
+                 if h is not None and h[0] < ORACLE_HIT_GOAL]
+        lines.append(
+            f"{name}, `value` needs {memory} the oracle's memory to reach 90 % of the "
+            f"unbounded hit rate, and its lowest host hit rate from "
+            f"{100 * ORACLE_HIT_RANGE[0]:g} to {100 * ORACLE_HIT_RANGE[1]:g} % of the working "
+            f"set is {hits} of the oracle's. "
+            + (f"The memory goal (at most {ORACLE_MEMORY_GOAL:g}x) is missed by "
+               f"{', '.join(missed)}. " if missed else
+               f"The memory goal (at most {ORACLE_MEMORY_GOAL:g}x) is met on every preset. ")
+            + (f"The hit goal (at least {ORACLE_HIT_GOAL:g}x) is missed by "
+               f"{', '.join(short)}." if short else
+               f"The hit goal (at least {ORACLE_HIT_GOAL:g}x) is met on every preset."))
+    if not lines:
+        lines.append("The oracle's series are not in `docs/policy_data.json` yet, so the "
+                     "distance to it is not measured here: `benchmarks/make_policy_doc.py "
+                     "--add-policies oracle` runs them and renders this page with them.")
+    return lines
+
+
 def workload_section(name: str, data: dict[str, Any], image: str) -> list[str]:
     points, refs = load_points(data)
     requests = points[0].requests if points else 0
     lines = [f"## {name}", "",
              f"{data['workload']}: {requests} requests per run"
              f"{' on average' if 'mean of seeds' in data['workload'] else ''} "
-             f"({data['wall_s'] / 60:.0f} min of "
-             "simulation for the whole grid).", "",
+             f"({(data['wall_s'] + sum(data.get('series_wall_s', {}).values())) / 60:.0f}"
+             " min of simulation for the whole grid).", "",
              "Store-everything working set and unbounded hit rate (LRU, 1 PiB of host "
              "memory, nothing evicted):", "",
              "| preset | working set | host hit, unbounded | engine + host, unbounded |",
@@ -242,8 +464,19 @@ def workload_section(name: str, data: dict[str, Any], image: str) -> list[str]:
         if ref:
             lines.append(f"| {preset} | {format_bytes(ref.working_set_bytes)} | "
                          f"{100 * ref.host_hit_rate:.2f} % | {100 * ref.hit_rate:.2f} % |")
-    lines += ["", f"![{name}](img/{image})", "", "### Goals", "", *goal_rows(points, refs),
-              "", "### Memory to reach 90 % of the unbounded hit rate", "", "```",
+    distance = oracle_goal_rows(points, refs)
+    goals = goal_rows(points, refs)
+    goals += distance
+    lines += ["", f"![{name}](img/{image})", "", "### Goals", "", *goals, ""]
+    if distance:
+        lines += ["### Distance to the oracle", "",
+                  "`value` against the oracle: its host memory to reach 90 % of the "
+                  "unbounded hit rate as a multiple of the oracle's, and its host hit rate at "
+                  "each capacity (share of the working set) as a share of the oracle's (the "
+                  "oracle's own host hit rate in brackets). Above 1, `value` did better than "
+                  "the oracle, which is a heuristic bound (see \"The oracle\" above).", "",
+                  *distance_rows(points, refs), ""]
+    lines += ["### Memory to reach 90 % of the unbounded hit rate", "", "```",
               format_rows(goal_table(points, refs)), "```", "", "### Every point", "",
               *result_rows(points), ""]
     return lines
@@ -439,6 +672,42 @@ layer counts and pads pages to match), so the connector's slot accounting charge
 block its bytes. For an engine whose groups differ in size, byte accounting is modelled
 in the simulator until the arena packs groups by size.
 
+## The oracle
+
+`--policy oracle` (in `kvoffload simulate`, `sweep` and `plan`) is a reference, not a
+policy a deployment can run: it knows the future of the workload it replays, so the
+library's `OffloadConfig` and the vLLM connector refuse it with a `ConfigError` that says
+so. Before the replay, `kvoffload.engine.future` hashes every request as the engine does
+and finds, for each, where its hit would end against an unbounded cache of everything
+the requests before it held (its prompt's longest prefix that an earlier request's
+tokens contain, capped and rounded as the planner caps and rounds a hit), and which keys
+that hit reads: every full-attention block, the last window, the Mamba state at the hit.
+A request's output counts only where the workload gives it (the agentic workload's
+outputs are in its next prompts; the trace's are not), less its last decode step, whose
+KV the engine never computes; where that makes two points possible, both count. The
+engine's own prefix cache is modelled too, as an LRU of the engine's blocks touched by
+each request in turn: a hit it would serve whole is the engine's, not a tier's (except
+with a Mamba group, whose states the engine caches only where a step ended on a block
+boundary, which the future cannot tell). The oracle then
+
+* stores full-attention blocks as every policy does, and a window block or Mamba state
+  only where a request that has not started yet reads it;
+* evicts the idle key whose next read lies furthest ahead, weighted by its bytes: the
+  victim maximises (next read - now) x bytes, counted in requests, where a key only the
+  engine's cache is modelled to serve ranks after every key a tier serves, and a key no
+  later request reads goes first. This is Belady's rule with sizes. With keys of different
+  sizes, and hits that need a whole prefix, finding the best victims is NP-hard, so the
+  oracle is a heuristic bound, not the optimum.
+
+It runs through the same planner, engine and byte accounting as every other policy; all
+it learns from the replay is which requests have started. What it does not know is where
+its models are wrong: when the engine's cache really serves a hit (the model ignores the
+blocks running requests hold, and the order in which the scheduler admits them), and
+when a request is preempted (it keeps no resume points). Where `value` beats it, a ratio
+above 1 in "Distance to the oracle" says so: the bound is loose there.
+
+ORACLE_SUMMARY
+
 ## Reading the results
 
 * *Host hit* counts prompt tokens loaded from host memory when a request first starts.
@@ -469,8 +738,8 @@ are over its first LIMIT requests (of TRACE_REQUESTS; `--limit` sets it). The fi
 mostly the engine's warm-up: there host memory at 1-5 % of the working set serves a few
 dozen hits over the whole run, so those points move with single requests. For each workload and
 preset it first runs store-everything LRU with unbounded host memory: its peak host
-memory is the *working set*, its host hit rate the *unbounded hit rate*. Then LRU, ARC
-and `value` run at PERCENTS % of that working set (the points above 50 % are there so the
+memory is the *working set*, its host hit rate the *unbounded hit rate*. Then LRU, ARC,
+`value` and the oracle run at PERCENTS % of that working set (the points above 50 % are there so the
 memory to reach 90 % of the unbounded hit rate can be read between close points), in the
 same `run_sweep` call that `kvoffload sweep --capacity-fraction` uses. *Host hit* is the share
 of prompt tokens loaded from host memory (the engine's own prefix cache is the same for
@@ -482,7 +751,7 @@ loaded bytes at 25 GB/s). The same comparison by hand:
 kvoffload sweep --preset gpt-oss-20b,gemma3-27b,llama3-8b \\
     --block-size 64 --block-size-factor 4 \\
     --trace ../shared/traces/mooncake_conversation_trace.jsonl --limit LIMIT \\
-    --policy lru,arc,value --capacity-fraction FRACTIONS \\
+    --policy lru,arc,value,oracle --capacity-fraction FRACTIONS \\
     --host-accounting bytes
 kvoffload sweep --preset nemotron-h-8b ...same options without --block-size...
 kvoffload sweep --workload agentic --sessions SESSIONS --seeds SEEDS ...same options...
@@ -491,6 +760,13 @@ kvoffload sweep --workload agentic --sessions SESSIONS --seeds SEEDS ...same opt
 Attention-only presets run with engine blocks of 64 tokens offloaded four at a time
 (256-token host blocks); Nemotron-H runs at vLLM's page-matching block size. The engine
 holds 1M tokens for the trace and 32k tokens for the agentic workload.
+
+A full run takes over an hour on two cores. `--add-policies oracle` runs only the series
+the saved data lacks (per policy, workload and preset, at the saved working sets) and
+merges them into `docs/policy_data.json`; `--replace` runs them again; `--from-json`
+renders. A series is named by its label, so `value` with client hints drawn at 90 %
+accuracy is added as `--add-policies value+hints90` (on a simulator that has
+`hint_accuracy`), and the goal row for hints reads it.
 """
 
 
@@ -505,9 +781,27 @@ def main() -> None:
                         help="comma-separated presets (default: all four)")
     parser.add_argument("--from-json", action="store_true",
                         help=f"re-render from {DATA.relative_to(ROOT)} without running")
+    parser.add_argument("--add-policies", metavar="LABELS",
+                        help="comma-separated series (oracle, value+hints90, ...) to run "
+                             "where the saved data lacks them, merged into it")
+    parser.add_argument("--replace", action="store_true",
+                        help="with --add-policies: drop the saved series of those labels "
+                             "first and run them again")
     args = parser.parse_args()
     if args.from_json:
         data = json.loads(DATA.read_text())
+    elif args.add_policies:
+        data = json.loads(DATA.read_text())
+        labels = tuple(p for p in args.add_policies.split(",") if p)
+        presets = tuple(p for p in args.presets.split(",") if p)
+        if args.replace:
+            for saved in data.values():
+                saved["points"] = [p for p in saved["points"] if p["policy"] not in labels
+                                   or p["preset"] not in presets]
+                for label in labels:
+                    saved.get("series_wall_s", {}).pop(label, None)
+        add_series(data, labels, presets)
+        DATA.write_text(json.dumps(data, indent=1))
     else:
         presets = tuple(p for p in args.presets.split(",") if p)
         with ProcessPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
@@ -531,7 +825,8 @@ def main() -> None:
              .replace("PERCENTS", ", ".join(percents[:-1]) + " and " + percents[-1])
              .replace("FRACTIONS", ",".join(f"{f:g}" for f in FRACTIONS))
              .replace("SESSIONS", str(AGENTIC_SESSIONS))
-             .replace("SEEDS", ",".join(map(str, AGENTIC_SEEDS)))]
+             .replace("SEEDS", ",".join(map(str, AGENTIC_SEEDS)))
+             .replace("ORACLE_SUMMARY", "\n\n".join(oracle_summary(data)))]
     for key, name in (("mooncake", "Mooncake conversation trace"),
                       ("agentic", "Built-in agentic workload")):
         points, refs = load_points(data[key])

@@ -56,6 +56,28 @@ DOC_PRESETS = ("llama3-8b", "gpt-oss-20b", "gemma3-27b", "nemotron-h-8b")
 """The presets the page sweeps: dense, sliding window, interleaved windows, Mamba hybrid."""
 
 
+ORACLE = (
+    "`--policy oracle` (in `simulate`, `sweep` and `plan`) runs the reference that knows "
+    "the future of the workload it replays: it stores window blocks and Mamba states only"
+    " where a later request hits, and evicts the key whose next use lies furthest ahead "
+    "per byte. It goes through the same planner, engine and byte accounting as every "
+    "other policy, so a sweep shows how far a policy is from what foresight would give "
+    "(`docs/policy.md`, \"Distance to the oracle\"). It is a heuristic bound, and a "
+    "reference only: a deployment (`OffloadConfig`, the vLLM connector) cannot select it.")
+"""The simulator-only reference policy, in a sentence or three."""
+
+HINTS = (
+    "`--hint-accuracy P` (`simulate` and `sweep`) gives every request the client hints a "
+    "vLLM client sends in `kv_transfer_params` (`docs/vllm.md`, \"Hints from clients\"): "
+    "whether its conversation continues, taken from the workload's own future "
+    "(`kvoffload.engine.hints`: a later prompt contains its whole prompt, compared at "
+    "16-token blocks, or at a trace's 512-token hash blocks, whose last partial block is "
+    "never shared) and right with probability P (a seeded draw per request, "
+    "`--seed`/`--seeds`), and its session id where the workload has one. The trace is then "
+    "read whole before the run. Unset: no hints.")
+"""What ``--hint-accuracy`` gives the requests of a run."""
+
+
 def preset_config(name: str, limit: int) -> SimulationConfig:
     mamba = PRESETS[name].mamba is not None
     return SimulationConfig(
@@ -308,6 +330,10 @@ def render(points: list[SweepPoint], result: object, limit: int, elapsed: float)
         "",
         "(`--block-size 64` applies to every preset in that command; the table above runs "
         f"Nemotron-H at its page-matching block size {auto_block_size(PRESETS['nemotron-h-8b'])}.)",
+        "",
+        HINTS,
+        "",
+        ORACLE,
         "",
         *MODELS,
         "## Trace format",

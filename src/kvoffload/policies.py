@@ -16,7 +16,15 @@ name       eviction                    store policy
 ``hybrid`` LRU (honours demotion)      hit points (``selective.HitPointStorePolicy``)
 ``value``  compute saved per byte      hit points, learned granule, value hints, the
                                        insertion duel
+``oracle`` furthest next use per byte  only what a later request hits (simulator only:
+                                       ``kvoffload.engine.oracle``)
 =========  ==========================  ==============================================
+
+``oracle`` is a *reference* entry: it knows the future of the workload it replays, so
+``cache_policy("oracle")`` (and an ``OffloadConfig`` or vLLM configuration naming it)
+raises ``ConfigError``; the simulator binds it to a workload's future for one run
+(``engine.oracle.bind_oracle``). ``cache_policy_names()`` leaves reference entries out
+unless asked for them.
 
 ``register_cache_policy`` adds one; a policy registered with an eviction only stores every
 block (the null ``StorePolicy``), which its entry says.
@@ -57,11 +65,14 @@ class CachePolicy:
         name: what ``eviction_policy`` says to select it.
         eviction: builds the tier's eviction policy for a capacity in slots.
         store: builds the planner's store policy.
+        reference_only: non-empty for a reference no configuration may select (why);
+            ``cache_policy`` raises ``ConfigError`` with it.
     """
 
     name: str
     eviction: EvictionFactory
     store: StoreFactory = store_everything
+    reference_only: str = ""
 
 
 _REGISTRY: dict[str, CachePolicy] = {}
@@ -86,10 +97,20 @@ def register_cache_policy(name: str, eviction: EvictionFactory,
     return entry
 
 
-def cache_policy_names() -> tuple[str, ...]:
-    """Every registered name, sorted."""
+def drop_cache_policy(name: str) -> None:
+    """Remove the entry registered as ``name`` (absent: nothing happens). Built-in
+    entries may not be dropped (``ValueError``)."""
+    if name in BUILTIN_NAMES:
+        raise ValueError(f"cache policy {name!r} is built in")
+    _REGISTRY.pop(name, None)
+
+
+def cache_policy_names(references: bool = False) -> tuple[str, ...]:
+    """Every registered name a configuration may select, sorted; with ``references``,
+    the reference entries (``oracle``) too."""
     _ensure_builtins()
-    return tuple(sorted(_REGISTRY))
+    return tuple(sorted(name for name, entry in _REGISTRY.items()
+                        if references or not entry.reference_only))
 
 
 def cache_policy(name: str, field: str = "eviction_policy") -> CachePolicy:
@@ -102,10 +123,25 @@ def cache_policy(name: str, field: str = "eviction_policy") -> CachePolicy:
     if entry is None:
         known = ", ".join(repr(n) for n in cache_policy_names())
         raise ConfigError(field, f"unknown policy {name!r}", f"Use one of: {known}.")
+    if entry.reference_only:
+        known = ", ".join(repr(n) for n in cache_policy_names())
+        raise ConfigError(field, entry.reference_only,
+                          f"Run it in the simulator (kvoffload simulate/sweep --policy "
+                          f"{name}); a deployment uses one of: {known}.")
     return entry
 
 
+ORACLE = "oracle"
+"""The simulator-only reference policy (``kvoffload.engine.oracle``)."""
+
+BUILTIN_NAMES = frozenset({"lru", "arc", "hybrid", "value", ORACLE})
+
 _BUILTINS_READY = False
+
+
+def _unbound_reference(capacity: int) -> EvictionPolicy:
+    raise ConfigError("eviction_policy", "a reference policy is bound by the simulator",
+                      "Use kvoffload simulate/sweep.")
 
 
 def _ensure_builtins() -> None:
@@ -121,6 +157,9 @@ def _ensure_builtins() -> None:
 
     for entry in (CachePolicy("lru", LRUPolicy), CachePolicy("arc", ARCPolicy),
                   CachePolicy("hybrid", LRUPolicy, hybrid_store_policy),
-                  CachePolicy("value", ValuePolicy, value_store_policy)):
+                  CachePolicy("value", ValuePolicy, value_store_policy),
+                  CachePolicy(ORACLE, _unbound_reference, reference_only=(
+                      "'oracle' is a simulator-only reference: it knows the future of "
+                      "the workload it replays"))):
         _REGISTRY.setdefault(entry.name, entry)
     _BUILTINS_READY = True

@@ -60,6 +60,8 @@ def test_lower_tiers_follow_the_tiers_list() -> None:
     ({"host_memory_bytes": True}, "host_memory_bytes", "not a size"),
     ({"host_memory_bytes": 1.5}, "host_memory_bytes", "not a size"),
     ({"host_memory_bytes": 1, "eviction_policy": "fifo"}, "eviction_policy", "not a policy"),
+    ({"host_memory_bytes": 1, "eviction_policy": "oracle"}, "eviction_policy",
+     "simulator-only reference"),
     ({"host_memory_bytes": 1, "block_size_factor": 0}, "block_size_factor", "positive"),
     ({"host_memory_bytes": 1, "block_size_factor": "2"}, "block_size_factor", "positive"),
     ({"host_memory_bytes": 1, "max_deferred_steps": -1}, "max_deferred_steps", "positive"),

@@ -236,9 +236,10 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
 
 
 def check_policy(name: str) -> str:
-    if name not in cache_policy_names():
+    """A cache policy the simulator runs (the ``oracle`` reference included)."""
+    if name not in cache_policy_names(references=True):
         raise UsageError(f"--policy: unknown policy {name!r}; choose one of "
-                         f"{', '.join(cache_policy_names())}")
+                         f"{', '.join(cache_policy_names(references=True))}")
     return name
 
 

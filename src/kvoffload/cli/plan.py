@@ -49,6 +49,7 @@ from kvoffload.engine.simulation import (
     MAX_HOST_SLOTS,
     Mode,
     SimulationConfig,
+    is_oracle,
     resolve,
     run_one,
 )
@@ -187,8 +188,10 @@ def make_plan(base: SimulationConfig, spec: WorkloadSpec, *, policies: Sequence[
     points = tuple(_point(g, run, baseline) for g, run in zip(grid, runs, strict=True))
     memory = {policy: {f"{100 * t:g}%": _memory(points, policy, t * reference.host_hit_rate)
                        for t in TARGETS} for policy in policies}
-    best = min(policies, key=lambda p: (math.inf if memory[p]["90%"] is None
-                                        else memory[p]["90%"], policies.index(p)))
+    # The oracle is a reference (it knows the workload's future): never the recommendation.
+    deployable = [p for p in policies if not is_oracle(p)] or list(policies)
+    best = min(deployable, key=lambda p: (math.inf if memory[p]["90%"] is None
+                                          else memory[p]["90%"], policies.index(p)))
     need = memory[best]["90%"]
     host = max(GiB, math.ceil((need if need is not None else working_set) / GiB) * GiB)
     return Plan(preset=base.preset, workload=spec.label_for([spec.seed]),
@@ -259,7 +262,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument("--preset", default="gpt-oss-20b",
                         help="model preset (see 'kvoffload presets'; default gpt-oss-20b)")
     parser.add_argument("--policy", default=",".join(cache_policy_names()),
-                        help="comma-separated cache policies to compare (default: all)")
+                        help="comma-separated cache policies to compare (default: all a "
+                             "deployment can use; add oracle, the simulator-only reference "
+                             "that knows the workload's future, to see the limit)")
     parser.add_argument("--fractions", default=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS),
                         metavar="SHARES",
                         help="host capacities tried, as shares of the working set "
@@ -276,6 +281,9 @@ def run(args: argparse.Namespace) -> int:
     check_common_args(args)
     preset = check_preset(args.preset)
     policies = [check_policy(p.strip()) for p in args.policy.split(",") if p.strip()]
+    if policies and all(is_oracle(p) for p in policies):
+        raise UsageError("--policy: the oracle is a reference a deployment cannot run; "
+                         "compare it with at least one other policy (e.g. value,oracle)")
     if not policies:
         raise UsageError("--policy: give at least one policy, e.g. lru,value")
     try:

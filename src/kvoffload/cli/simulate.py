@@ -79,7 +79,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument("--host-capacity", default="16GiB", metavar="SIZE",
                         help="host memory for offloaded blocks, real bytes (default 16GiB)")
     parser.add_argument("--policy", default="value",
-                        help="cache policy: value (default; docs/policy.md), lru, arc, hybrid")
+                        help="cache policy: value (default; docs/policy.md), lru, arc, hybrid, "
+                             "or oracle (a reference that knows the workload's future; "
+                             "simulator only)")
     parser.add_argument("--seed", type=int, default=0, help="seed of a built-in workload")
     parser.add_argument("--scale-bytes", type=int, default=64, metavar="B",
                         help="bytes mode: the smallest moved page, in bytes (default 64)")

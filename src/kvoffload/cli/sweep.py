@@ -37,6 +37,8 @@ EPILOG = textwrap.dedent("""\
       kvoffload sweep --preset all --policy lru --host-capacity 8GiB,32GiB,128GiB \\
           --trace ../shared/traces/mooncake_conversation_trace.jsonl --limit 2000
       kvoffload sweep --preset llama3-8b,gemma3-27b --seeds 0,1,2 --plot sweep.png --json
+      kvoffload sweep --preset nemotron-h-8b --workload agentic --policy lru,value,oracle \
+          --capacity-fraction 0.05,0.1,0.2,0.5
 
     Every point runs in accounting mode (no tensors move). The run without offloading is
     done once per preset and seed and shared by its points. Figures are means over seeds.
@@ -291,7 +293,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument("--preset", default="gpt-oss-20b",
                         help="comma-separated presets, or 'all' (default gpt-oss-20b)")
     parser.add_argument("--policy", default="value,lru",
-                        help="comma-separated cache policies (default value,lru)")
+                        help="comma-separated cache policies (default value,lru); oracle "
+                             "is the reference that knows the workload's future "
+                             "(docs/policy.md)")
     parser.add_argument("--host-capacity", default="1GiB,4GiB,16GiB,64GiB", metavar="SIZES",
                         help="comma-separated host capacities (default 1GiB,4GiB,16GiB,64GiB)")
     parser.add_argument("--capacity-fraction", metavar="SHARES",

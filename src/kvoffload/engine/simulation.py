@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from kvoffload.config import OffloadConfig
+from kvoffload.config import GroupKind, OffloadConfig
 from kvoffload.engine.executors import AccountingExecutor, TransferExecutor
 from kvoffload.engine.hf_config import resolve_model
 from kvoffload.engine.model_presets import ModelLayout, ModelPreset
@@ -37,6 +37,7 @@ from kvoffload.engine.timing import TimingModel
 from kvoffload.engine.workloads.request import WorkloadRequest
 from kvoffload.errors import ConfigError
 from kvoffload.group_kinds import KIND_RULES
+from kvoffload.policies import ORACLE
 from kvoffload.tiers.base import Tier
 from kvoffload.tiers.config import DiskTierConfig, RemoteTierConfig, TierConfig
 from kvoffload.tiers.factory import make_tier
@@ -56,6 +57,11 @@ class Mode(str, Enum):
 
 KERNEL_BLOCK_ALIGNMENT = 16
 """Attention block sizes are multiples of this (the attention kernels' block alignment)."""
+
+
+def is_oracle(policy: str) -> bool:
+    """Whether ``policy`` names the simulator-only oracle (``kvoffload.engine.oracle``)."""
+    return policy == ORACLE
 
 
 def auto_block_size(preset: ModelPreset, alignment: int = KERNEL_BLOCK_ALIGNMENT) -> int:
@@ -94,7 +100,8 @@ class SimulationConfig:
         disk_path: bytes mode: the real disk tier's directory. A second run on the same
             directory finds the blocks the first one stored (a restart).
         remote_url: bytes mode: ``redis://host:port/db`` of a real shared tier.
-        eviction_policy: the host tier's policy (``lru``, ``arc``, ``hybrid``, ``value``).
+        eviction_policy: the host tier's policy (``lru``, ``arc``, ``hybrid``, ``value``;
+            ``oracle``, the simulator-only reference, in ``run_one``).
         host_accounting: ``slot`` (every block takes a slot of the largest group's size)
             or ``bytes`` (every block is charged its own group's bytes; accounting mode).
         scale_bytes: bytes mode: the smallest moved page, in bytes.
@@ -193,10 +200,12 @@ def resolve(config: SimulationConfig, layout: ModelLayout) -> tuple[Capacities, 
         engine_blocks = -(-config.engine_tokens // layout.block_size)
     _check_engine_size(config, layout, engine_blocks)
     hash_block_size = math.gcd(*(g.spec.block_size for g in layout.groups))
+    # The unbound oracle sizes as any policy does (``run_one`` binds it to a future).
+    policy = "lru" if is_oracle(config.eviction_policy) else config.eviction_policy
     real = OffloadConfig(groups=layout.real_specs, hash_block_size=hash_block_size,
                          host_capacity_bytes=config.host_capacity_bytes,
                          block_size_factor=config.block_size_factor,
-                         eviction_policy=config.eviction_policy,
+                         eviction_policy=policy,
                          host_accounting=config.host_accounting)
     if real.charges_bytes and layout.is_scaled:
         raise ConfigError("host_accounting", "byte accounting is modelled in accounting mode "
@@ -242,7 +251,15 @@ class EngineParts:
 def engine_parts(config: SimulationConfig, *, lower_tiers: bool = True,
                  num_workers: int = 1, load_deadline_s: float | None = None) -> EngineParts:
     """The layout and configurations of ``config``'s engine; the lower tiers
-    it asks for unless ``lower_tiers`` is False (the run without offloading)."""
+    it asks for unless ``lower_tiers`` is False (the run without offloading).
+
+    The ``oracle`` policy needs its workload's future: ``run_one`` binds it; here it
+    raises ``ConfigError``."""
+    if is_oracle(config.eviction_policy):
+        raise ConfigError("eviction_policy", "the oracle knows the future of the workload "
+                          "it replays; an engine built without it has none",
+                          "Run it through simulation.run_one / simulate (which build the "
+                          "workload's future), or pick another policy.")
     layout = config.layout()
     caps, offload_config = resolve(config, layout)
     offload_config = replace(offload_config, num_workers=num_workers)
@@ -362,7 +379,32 @@ class SimulationResult:
 
 def run_one(config: SimulationConfig, workload: Iterable[WorkloadRequest], *,
             offload: bool = True, progress: Progress | None = None) -> RunSummary:
-    """Run ``workload`` once, with or without offloading."""
+    """Run ``workload`` once, with or without offloading.
+
+    Under the ``oracle`` policy the workload is read into a list first and its future
+    (``engine.future.WorkloadFuture``) built from it; the run binds the oracle to that
+    future (``engine.oracle.bind_oracle``). Without offloading the policy is unused."""
+    if is_oracle(config.eviction_policy):
+        if not offload:
+            return run_one(replace(config, eviction_policy="lru"), workload, offload=False,
+                           progress=progress)
+        from kvoffload.engine.future import WorkloadFuture
+        from kvoffload.engine.oracle import bind_oracle
+
+        requests = list(workload)
+        layout = config.layout()
+        caps, offload_config = resolve(config, layout)
+        # Block ids are shared by the groups: a prefix holds one per group per block. An
+        # engine caches a Mamba state only where a step ended on its boundary, which the
+        # future cannot tell: with a Mamba group its prefix cache is not modelled.
+        engine_tokens = 0 if any(g.spec.kind is GroupKind.MAMBA for g in layout.groups) \
+            else (caps.engine_blocks - 1) * layout.block_size // len(layout.groups)
+        future = WorkloadFuture.build(requests, offload_config,
+                                      unstored_tail=config.decode_tokens_per_step,
+                                      engine_tokens=engine_tokens)
+        with bind_oracle(future) as bound:
+            return run_one(replace(config, eviction_policy=bound), requests,
+                           progress=progress)
     engine = build_engine(config, offload=offload)
     start = time.perf_counter()
     try:

@@ -47,7 +47,7 @@ from typing import Any
 
 from kvoffload.config import checked_min_deferral_s
 from kvoffload.errors import ConfigError
-from kvoffload.policies import cache_policy_names
+from kvoffload.policies import cache_policy, cache_policy_names
 from kvoffload.sizes import parse_size
 from kvoffload.tiers.config import MAC_KEY_ENV, OPTION_HELP, TierConfig
 
@@ -98,6 +98,8 @@ class ConnectorOptions:
                             minimum=1)
         policy = extra.get("eviction_policy", DEFAULT_POLICY)
         policies = cache_policy_names()
+        if isinstance(policy, str) and policy in cache_policy_names(references=True):
+            cache_policy(policy, f"{PREFIX}.eviction_policy")  # a reference (oracle) raises
         if not isinstance(policy, str) or policy not in policies:
             raise ConfigError(f"{PREFIX}.eviction_policy", f"{policy!r} is not a policy",
                               f"Use one of {list(policies)}.")
