@@ -94,16 +94,15 @@ def preset_config(preset: str, trace: bool) -> SimulationConfig:
         decode_tokens_per_step=16, baseline=False, host_accounting="bytes")
 
 
-def series_config(config: SimulationConfig, label: str) -> SimulationConfig:
-    """The simulation a series label names: a policy, or ``value+hintsNN`` (``value`` with
-    hints drawn at NN % accuracy, where the simulator has ``hint_accuracy``)."""
+def series_run(config: SimulationConfig, spec: WorkloadSpec,
+               label: str) -> tuple[SimulationConfig, WorkloadSpec]:
+    """The simulation and workload a series label names: a policy, or ``value+hintsNN``
+    (``value`` on the workload with client hints drawn at NN % accuracy)."""
     if label.startswith(HINT_SERIES):
         accuracy = int(label[len(HINT_SERIES):]) / 100
-        if "hint_accuracy" not in {f.name for f in fields(SimulationConfig)}:
-            raise SystemExit(f"{label}: this simulator has no hint_accuracy")
-        return replace(config, eviction_policy="value",
-                       **{"hint_accuracy": accuracy})  # type: ignore[arg-type]
-    return replace(config, eviction_policy=label)
+        return (replace(config, eviction_policy="value"),
+                replace(spec, hint_accuracy=accuracy))
+    return replace(config, eviction_policy=label), spec
 
 
 def sweep(workload: str, limit: int | None, preset: str,
@@ -122,18 +121,19 @@ def sweep(workload: str, limit: int | None, preset: str,
     seeds = (0,) if trace is not None else AGENTIC_SEEDS
     points: list[SweepPoint] = []
     plain = tuple(p for p in policies if not p.startswith(HINT_SERIES))
-    groups = ([(plain, base)] if plain else []) + [
-        ((p,), series_config(base, p)) for p in policies if p.startswith(HINT_SERIES)]
-    for labels, config in groups:
-        runs = tuple(config.eviction_policy for _ in labels) if len(labels) == 1 else labels
+    groups = ([(plain, (base, spec))] if plain else []) + [
+        ((p,), series_run(base, spec, p)) for p in policies if p.startswith(HINT_SERIES)]
+    for labels, (config, series_spec) in groups:
+        hinted = labels[0].startswith(HINT_SERIES)
+        runs = (config.eviction_policy,) if hinted else labels
         if working_set is None:
-            got = run_sweep(config, spec, presets=(preset,), policies=runs, capacities=(),
+            got = run_sweep(config, series_spec, presets=(preset,), policies=runs, capacities=(),
                             seeds=seeds, fractions=FRACTIONS, references=references)
         else:
             floor = resolve(base, base.layout())[0].host_slot_bytes
             caps = {max(floor, int(f * working_set)): f for f in FRACTIONS}
             got = [replace(p, capacity_fraction=caps[p.host_capacity_bytes])
-                   for p in run_sweep(config, spec, presets=(preset,), policies=runs,
+                   for p in run_sweep(config, series_spec, presets=(preset,), policies=runs,
                                       capacities=sorted(caps), seeds=seeds)]
         named = dict(zip(runs, labels, strict=True))
         points += [replace(p, policy=named[p.policy]) for p in got]
