@@ -4,9 +4,10 @@ only where a likely hit can use them, demote the rest, learn from misses."""
 from __future__ import annotations
 
 import pytest
+from window_kit import Req, complete, config, prefill, stored_window_blocks
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
-from kvoffload.jobs import StepPlan, WorkerReport
+from kvoffload.jobs import StepPlan
 from kvoffload.keys import BlockHasher, make_offload_key
 from kvoffload.planner.admission import Admit, HitPointAdmission
 from kvoffload.planner.contract import ScheduledRequest, StepInput
@@ -14,52 +15,6 @@ from kvoffload.planner.planner import Planner
 from kvoffload.planner.store_policy import ADMIT_ALL, StorePolicy
 from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.host import HostTier
-
-
-class Req:
-    def __init__(self, rid: str, tokens: list[int], hasher: BlockHasher,
-                 prompt: int | None = None) -> None:
-        self.request_id = rid
-        self.tokens = tokens
-        self.num_prompt_tokens = len(tokens) if prompt is None else prompt
-        self.block_hashes = hasher.hashes(tokens)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-
-def config(slots: int, policy: str = "hybrid") -> OffloadConfig:
-    # Full attention + a window of 8 tokens (2 blocks of 4); hits every 4 tokens.
-    return OffloadConfig(
-        groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
-                GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)),
-        hash_block_size=4, host_capacity_bytes=slots, eviction_policy=policy)
-
-
-def stored_window_blocks(plan: StepPlan) -> list[int]:
-    """Logical positions of the window group's blocks a plan stores."""
-    out = []
-    for job in plan.stores:
-        for t in job.groups:
-            if t.group == 1:
-                out.extend(range(t.first_block_index, t.first_block_index + len(t.block_ids)))
-    return out
-
-
-def prefill(planner: Planner, req: Req, first_block_id: int) -> StepPlan:
-    """Look the request up (no hit), allocate one block per position, run its prefill."""
-    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
-    n = req.num_tokens // 4
-    table = tuple(range(first_block_id, first_block_id + n))
-    planner.update_state_after_alloc(req, (table, table), 0)
-    return planner.build_step_plan(StepInput((ScheduledRequest(
-        req, (table, table), 0, req.num_tokens, num_freed_blocks=(0, 0)),)))
-
-
-def complete(planner: Planner, plan: StepPlan) -> None:
-    planner.update_from_worker_reports(
-        [WorkerReport(0, tuple(j.job_id for j in plan.stores))])
 
 
 def test_with_free_room_every_window_block_is_stored() -> None:

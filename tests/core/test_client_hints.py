@@ -8,36 +8,15 @@ finishes; without one the policy learns as before.
 from __future__ import annotations
 
 import pytest
+from window_kit import Req, complete, config, prefill, stored_window_blocks
 
-from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
-from kvoffload.jobs import StepPlan, WorkerReport
 from kvoffload.keys import BlockHasher, OffloadKey, make_offload_key
 from kvoffload.planner.admission import Admit, HitPointAdmission
-from kvoffload.planner.contract import NO_CONTROLS, RequestControls, ScheduledRequest, StepInput
+from kvoffload.planner.contract import NO_CONTROLS, RequestControls
 from kvoffload.planner.planner import Planner
 from kvoffload.planner.selective import HitPointStorePolicy
 from kvoffload.tiers.base import TierHints
 from kvoffload.tiers.host import HostTier
-
-
-class Req:
-    def __init__(self, rid: str, tokens: list[int], hasher: BlockHasher,
-                 prompt: int | None = None) -> None:
-        self.request_id = rid
-        self.tokens = tokens
-        self.num_prompt_tokens = len(tokens) if prompt is None else prompt
-        self.block_hashes = hasher.hashes(tokens)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-
-def config(slots: int, policy: str = "hybrid") -> OffloadConfig:
-    return OffloadConfig(
-        groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
-                GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)),
-        hash_block_size=4, host_capacity_bytes=slots, eviction_policy=policy)
 
 
 class DemoteSpy:
@@ -52,33 +31,6 @@ class DemoteSpy:
             return real(hints)
 
         tier.hint = hint  # type: ignore[method-assign]
-
-
-def prefill(planner: Planner, req: Req, first_block_id: int,
-            controls: RequestControls = NO_CONTROLS) -> StepPlan:
-    """Set ``controls``, look the request up (no hit), run its whole prefill in a step."""
-    if controls is not NO_CONTROLS:
-        planner.set_controls(req, controls)
-    assert planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
-    n = req.num_tokens // 4
-    table = tuple(range(first_block_id, first_block_id + n))
-    planner.update_state_after_alloc(req, (table, table), 0)
-    return planner.build_step_plan(StepInput((ScheduledRequest(
-        req, (table, table), 0, req.num_tokens, num_freed_blocks=(0, 0)),)))
-
-
-def complete(planner: Planner, plan: StepPlan) -> None:
-    planner.update_from_worker_reports(
-        [WorkerReport(0, tuple(j.job_id for j in plan.stores))])
-
-
-def stored_window_blocks(plan: StepPlan) -> list[int]:
-    out: list[int] = []
-    for job in plan.stores:
-        for t in job.groups:
-            if t.group == 1:
-                out.extend(range(t.first_block_index, t.first_block_index + len(t.block_ids)))
-    return out
 
 
 def learn_turn_ends_unreached(planner: Planner, hasher: BlockHasher) -> None:
