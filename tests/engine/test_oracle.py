@@ -71,8 +71,6 @@ def test_future_hit_ends_and_uses_follow_the_planner_rules() -> None:
     assert future.hits_later(0, 16) and future.hits_later(0, 24)
     assert not future.hits_later(0, 20) and not future.hits_later(1, 16)
     assert future.reach(0) == 24 and future.reach(2) == 0
-    # a continues (d resends all of it); b and c do not.
-    assert [future.continues(i) for i in range(3)] == [True, False, False]
 
 
 def test_future_counts_given_outputs_and_not_the_last_decode_step() -> None:

@@ -21,8 +21,9 @@ held. Definitions (``t`` in tokens; ``A`` the configuration's hit alignment):
   ``d(r)`` of a Mamba group.
 * A later request *hits request i's prompt at depth t* when its hit end is ``t`` and its
   prompt shares ``i``'s first ``t`` tokens.
-* Request ``i``'s conversation *continues* when a later request's hit reaches the end of
-  ``i``'s known tokens, rounded down to ``A`` as the planner rounds (``continues``).
+
+Whether a conversation continues, the truth behind the simulator's client hints, is
+``kvoffload.engine.hints``' (a plain prefix rule that needs no layout).
 
 It is a model: the engine's own prefix cache, preemptions and the order in which a replay
 admits held requests are not in it. Every answer is a pure function of the requests given;
@@ -228,12 +229,3 @@ class WorkloadFuture:
             if later and bisect_right(later, i) < len(later):
                 return k * self.alignment
         return 0
-
-    def continues(self, i: int) -> bool:
-        """Whether request ``i``'s conversation continues: a later request's hit reaches
-        the end of ``i``'s known tokens (its prompt, and its output where the workload
-        gives it), that end less one token rounded down to the hit alignment (the deepest
-        point a resend of the same tokens hits). This is the simulator's ground truth for
-        a client's ``continues`` hint."""
-        end = (self._known[i] - 1) // self.alignment * self.alignment
-        return end > 0 and self.reach(i) >= end
