@@ -114,8 +114,12 @@ class ARCPolicy(EvictionPolicy):
         if self._states.keys().isdisjoint(keys):
             # Nothing present (the misses a store is about to write): only ghosts count,
             # and only the ghost keys are walked.
-            if (b1 and not b1.keys().isdisjoint(keys)) or (
-                    b2 and not b2.keys().isdisjoint(keys)):
+            in_b1 = bool(b1) and not b1.keys().isdisjoint(keys)
+            in_b2 = bool(b2) and not b2.keys().isdisjoint(keys)
+            if in_b1 != in_b2:  # one ghost list: its keys found at C speed
+                ghost = b1 if in_b1 else b2
+                self._ghost_hits(list(filter(ghost.__contains__, reversed(keys))))
+            elif in_b1:
                 self._ghost_hits([key for key in reversed(keys) if key in b1 or key in b2])
             return
         get1 = t1.get
