@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from itertools import filterfalse, islice, repeat
+from itertools import filterfalse, islice
 from operator import attrgetter, itemgetter
 from types import MappingProxyType
 
@@ -37,7 +37,7 @@ from kvoffload.tiers.base import (
     TierUsage,
 )
 from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy, Victims
-from kvoffload.tiers.host_space import HostSpace
+from kvoffload.tiers.host_space import HostSpace, swap_states, writing_states
 
 
 @dataclass(slots=True)
@@ -68,26 +68,8 @@ class HostTierStats:
 
 
 _REF = attrgetter("ref")
-
-
-def _writing_states(slots: list[int], groups: list[int] | None,
-                    victims: Victims) -> list[BlockState]:
-    """A "being written" state for each new key (slot and group in order, ``groups`` None:
-    all group 0). The states of this store's victims are detached (nothing refers to
-    them any more) and are reused first, so a full tier makes no object per key."""
-    states: list[BlockState] = []
-    for (_, state), slot, group in zip(victims, slots, groups or repeat(0), strict=False):
-        state.slot = slot
-        state.ref = WRITING
-        state.group = group
-        states.append(state)
-    rest = slots[len(states):]
-    if rest:
-        if groups is None:
-            states.extend(map(BlockState, rest))
-        else:
-            states.extend(map(BlockState, rest, repeat(WRITING), groups[len(states):]))
-    return states
+_SLOT = attrgetter("slot")
+_KEY = itemgetter(0)
 
 
 def _fmt(key: OffloadKey) -> str:
@@ -352,6 +334,9 @@ class HostTier(Tier):
         need = len(new) - space.slots.num_free
         need_bytes = (space.bytes_used() + new_bytes - space.budget
                       if space.charges_bytes else 0)
+        # A full tier of one group under slot accounting (the steady state) hands each
+        # victim's slot and detached state straight to a new key (``swap_states``).
+        swap = need == len(new) and self._single_group and not space.charges_bytes
         if need > 0 or need_bytes > 0:
             shield = self._shield(listed, protected)
             chosen = space.choose_victims(policy, need, need_bytes, shield)
@@ -359,22 +344,29 @@ class HostTier(Tier):
                 self.stats.stores_rejected += 1
                 return None
             victims = chosen
-            evicted_slots = space.evicted(victims)
-            evicted = tuple(map(itemgetter(0), victims))
+            if swap:
+                states = swap_states(victims)
+                slots = list(map(_SLOT, states))
+                evicted_slots = tuple(reversed(slots))
+            else:
+                evicted_slots = space.evicted(victims)
+            evicted = tuple(map(_KEY, victims))
             if self._demoted:  # evicted keys leave the demotion record
                 evicted_demoted = tuple(key for key in evicted if key in self._demoted)
                 self._demoted.difference_update(evicted_demoted)
             self.stats.keys_evicted += len(evicted)
             self._emit(evicted, removed=True)
 
-        slots = space.slots.allocate(len(new))
-        policy.insert_all(new, _writing_states(slots, groups, victims))
-        if groups is None:
-            space.keys_per_group[0] += len(new)
-        else:
-            keys_per_group = space.keys_per_group
-            for group in groups:
-                keys_per_group[group] += 1
+        if not (swap and victims):
+            slots = space.slots.allocate(len(new))
+            states = writing_states(slots, groups, victims)
+            if groups is None:
+                space.keys_per_group[0] += len(new)
+            else:
+                keys_per_group = space.keys_per_group
+                for group in groups:
+                    keys_per_group[group] += 1
+        policy.insert_all(new, states)
         space.num_writing += len(new)
         space.bytes_writing += new_bytes
         self.stats.keys_reserved += len(new)
@@ -422,6 +414,9 @@ class HostTier(Tier):
         block_bytes = space.block_bytes
         state_of = self._state_of
         done: list[OffloadKey] = []
+        if success and self._single_group:  # the common case: no states to keep
+            self._complete_one_group(keys)
+            return
         states: list[BlockState] = []
         remove = self._policy.remove
         for key in keys:
@@ -450,6 +445,24 @@ class HostTier(Tier):
         self.stats.keys_store_failed += len(done)
         if self._demoted:
             self._demoted.difference_update(done)
+
+    def _complete_one_group(self, keys: Iterable[OffloadKey]) -> None:
+        """``complete_store(keys, success=True)`` for a config of one group."""
+        state_of = self._state_of
+        done: list[OffloadKey] = []
+        mark = done.append
+        for key in keys:
+            state = state_of(key)
+            if state is not None and state.ref == WRITING:
+                state.ref = 0
+                mark(key)
+        if done:
+            space = self.space
+            space.num_writing -= len(done)
+            space.bytes_writing -= len(done) * space.block_bytes[0]
+            self.stats.keys_stored += len(done)
+            if self.enable_events:
+                self._emit(tuple(done), removed=False)
 
     # -- housekeeping -----------------------------------------------------------------
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
+from itertools import repeat
+from operator import itemgetter
 
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
@@ -185,3 +187,39 @@ class HostSpace:
                 idle -= 1
                 idle_bytes -= self.block_bytes[state.group]
         return idle >= need_keys and idle_bytes >= need_bytes
+
+
+_STATE = itemgetter(1)
+
+
+def writing_states(slots: list[int], groups: list[int] | None,
+                   victims: Victims) -> list[BlockState]:
+    """A "being written" state for each new key (slot and group in order, ``groups`` None:
+    all group 0). The states of this store's victims are detached (nothing refers to
+    them any more) and are reused first, so a full tier makes no object per key."""
+    states: list[BlockState] = []
+    for (_, state), slot, group in zip(victims, slots, groups or repeat(0), strict=False):
+        state.slot = slot
+        state.ref = WRITING
+        state.group = group
+        states.append(state)
+    rest = slots[len(states):]
+    if rest:
+        if groups is None:
+            states.extend(map(BlockState, rest))
+        else:
+            states.extend(map(BlockState, rest, repeat(WRITING), groups[len(states):]))
+    return states
+
+
+def swap_states(victims: Victims) -> list[BlockState]:
+    """The new keys' states when a store into a full tier of one group evicted exactly
+    one victim per new key: the victims' detached states, last victim first, marked
+    "being written", each keeping its slot. This is what freeing the victims' slots and
+    allocating as many again gives (the slot allocator hands the last freed slot out
+    first) and what ``writing_states`` then builds, without marking the slots free and
+    used again: the allocator and the per-group key count end as they were."""
+    states = list(map(_STATE, reversed(victims)))
+    for state in states:
+        state.ref = WRITING
+    return states

@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import chain, islice, repeat
-from operator import itemgetter
+from itertools import chain, islice
 
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey
@@ -31,8 +30,6 @@ from kvoffload.tiers.eviction.base import (
     drop,
     take_idle,
 )
-
-_KEY = itemgetter(0)
 
 
 class ARCPolicy(EvictionPolicy):
@@ -88,7 +85,8 @@ class ARCPolicy(EvictionPolicy):
 
     def insert_all(self, keys: Sequence[OffloadKey], states: Sequence[BlockState]) -> None:
         """All keys at ``t1``'s MRU end, in order, their ghosts dropped (one check, two
-        dict updates; the ghost lists are walked only when they hold one of the keys)."""
+        dict updates, and per ghost list one intersection: a ghost is walked only when
+        it is one of the keys)."""
         present = self._states
         if len(keys) != len(states):
             raise InvariantError(f"arc: {len(keys)} keys but {len(states)} states")
@@ -98,8 +96,10 @@ class ARCPolicy(EvictionPolicy):
         self.t1.update(pairs)
         present.update(pairs)
         for ghost in (self.b1, self.b2):
-            if not ghost.keys().isdisjoint(keys):
-                drop(ghost, [key for key in keys if key in ghost])
+            if ghost:
+                back = ghost.keys() & keys
+                if back:
+                    drop(ghost, back)  # the order of deletion does not matter
 
     def remove(self, key: OffloadKey) -> BlockState:
         state = self._states.pop(key, None)
@@ -112,64 +112,55 @@ class ARCPolicy(EvictionPolicy):
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
         if self._states.keys().isdisjoint(keys):
-            # Nothing present (the misses a store is about to write): only ghosts count.
-            in_b1 = not b1.keys().isdisjoint(keys)
-            in_b2 = not b2.keys().isdisjoint(keys)
-            if in_b1 != in_b2:  # one ghost list involved: walk only its keys
+            # Nothing present (the misses a store is about to write): only ghosts count,
+            # and only the ghost keys are walked.
+            in_b1 = bool(b1) and not b1.keys().isdisjoint(keys)
+            in_b2 = bool(b2) and not b2.keys().isdisjoint(keys)
+            if in_b1 != in_b2:  # one ghost list: its keys found at C speed
                 ghost = b1 if in_b1 else b2
-                self._ghost_hits([key for key in reversed(keys) if key in ghost],
-                                 from_b1=in_b1)
-                return
-            if not in_b1:
-                return
+                self._ghost_hits(list(filter(ghost.__contains__, reversed(keys))))
+            elif in_b1:
+                self._ghost_hits([key for key in reversed(keys) if key in b1 or key in b2])
+            return
+        get1 = t1.get
+        move1 = t1.move_to_end
+        move2 = t2.move_to_end
+        ghosts: list[OffloadKey] = []
         for key in reversed(keys):
-            state = t1.get(key)
-            if state is not None:
-                if state.ref >= 0:
-                    del t1[key]
-                    t2[key] = state
-                else:
-                    t1.move_to_end(key)
-            elif key in t2:
-                t2.move_to_end(key)
-            elif key in b1:
-                self._ghost_hit(key, from_b1=True)
-            elif key in b2:
-                self._ghost_hit(key, from_b1=False)
+            state = get1(key)
+            if state is None:
+                if key in t2:
+                    move2(key)
+                elif key in b1 or key in b2:
+                    ghosts.append(key)
+            elif state.ref < 0:  # being written: the store's own touch, not a second use
+                move1(key)
+            else:
+                del t1[key]
+                t2[key] = state
+        if ghosts:
+            self._ghost_hits(ghosts)
 
-    def _ghost_hits(self, keys: Sequence[OffloadKey], *, from_b1: bool) -> None:
-        """``_ghost_hit`` for each key (all ghosts of one list), in order. The list sizes
-        do not change, so neither does the step; ``target_t1_size`` moves one step per
-        key, rounded as one step at a time is."""
+    def _ghost_hits(self, keys: Sequence[OffloadKey]) -> None:
+        """A touch of ghosts, in order: each adapts ``target_t1_size`` (module doc) and
+        moves to its list's MRU end. Moves within a ghost list change no list's size, so
+        each list's step is the same for all the keys (present keys touched in the same
+        call change no ghost list either)."""
         b1, b2 = self.b1, self.b2
+        up = max(1.0, len(b2) / len(b1)) if b1 else 0.0
+        down = max(1.0, len(b1) / len(b2)) if b2 else 0.0
+        cap = float(self.capacity)
         target = self.target_t1_size
-        if from_b1:
-            delta = max(1.0, len(b2) / len(b1))
-            cap = float(self.capacity)
-            for _ in keys:
-                target = min(target + delta, cap)
-            ghost = b1
-        else:
-            delta = max(1.0, len(b1) / len(b2))
-            for _ in keys:
-                target = max(target - delta, 0.0)
-            ghost = b2
-        self.target_t1_size = target
+        move1 = b1.move_to_end
+        move2 = b2.move_to_end
         for key in keys:
-            ghost.move_to_end(key)
-
-    def _ghost_hit(self, key: OffloadKey, *, from_b1: bool) -> None:
-        """A touch of a ghost: adapt ``target_t1_size`` (module doc) and move the ghost to
-        its list's MRU end."""
-        b1, b2 = self.b1, self.b2
-        if from_b1:
-            delta = max(1.0, len(b2) / len(b1))
-            self.target_t1_size = min(self.target_t1_size + delta, float(self.capacity))
-            b1.move_to_end(key)
-        else:
-            delta = max(1.0, len(b1) / len(b2))
-            self.target_t1_size = max(self.target_t1_size - delta, 0.0)
-            b2.move_to_end(key)
+            if key in b1:
+                target = min(target + up, cap)
+                move1(key)
+            else:
+                target = max(target - down, 0.0)
+                move2(key)
+        self.target_t1_size = target
 
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> Victims | None:
         if n < 0:
@@ -191,18 +182,29 @@ class ARCPolicy(EvictionPolicy):
         if len(from_t1) + len(from_t2) + len(more_t1) < n:
             return None
         # Commit: t1 victims become b1 ghosts, t2 victims b2 ghosts, oldest ghosts go.
-        for victims, present, ghost in ((from_t1 + more_t1, t1, b1), (from_t2, t2, b2)):
-            if not victims:
-                continue
-            keys = list(map(_KEY, victims))
-            for key in keys:
+        capacity = self.capacity
+        if more_t1:
+            from_t1 = from_t1 + more_t1
+        if from_t1:
+            for key, _ in from_t1:
                 del states[key]
-                del present[key]
-            ghost.update(zip(keys, repeat(None)))
-            excess = len(ghost) - self.capacity
+                del t1[key]
+                b1[key] = None
+            excess = len(b1) - capacity
             if excess > 0:
-                drop(ghost, list(islice(ghost, excess)))
-        return from_t1 + from_t2 + more_t1
+                drop(b1, list(islice(b1, excess)))
+        if from_t2:
+            for key, _ in from_t2:
+                del states[key]
+                del t2[key]
+                b2[key] = None
+            excess = len(b2) - capacity
+            if excess > 0:
+                drop(b2, list(islice(b2, excess)))
+            if more_t1:  # victims in the order taken: t1, then t2, then t1 again
+                return from_t1[:-len(more_t1)] + from_t2 + more_t1
+            return from_t1 + from_t2
+        return from_t1
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockState]]:
         return chain(self.t1.items(), self.t2.items())

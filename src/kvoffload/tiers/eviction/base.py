@@ -226,10 +226,12 @@ def take_idle(entries: Iterator[tuple[OffloadKey, BlockState]], n: int,
     taken: Victims = []
     if n <= 0:
         return taken
-    for key, state in entries:
-        if state.ref == 0 and key not in protected:
-            taken.append((key, state))
-            if len(taken) == n:
+    take = taken.append
+    for entry in entries:
+        if entry[1].ref == 0 and entry[0] not in protected:
+            take(entry)
+            n -= 1
+            if not n:
                 break
     return taken
 
