@@ -21,7 +21,10 @@ The planner decides every transfer and never moves a byte. Its promises:
   keys pinned and its engine blocks fenced until it reports; the engine must not reuse
   those blocks until ``ReportOutcome.released_loads`` names the job;
 * a deferred lookup ("ask again later") is answered within ``max_deferred_steps`` steps
-  (and, when set, ``min_deferral_s`` seconds, whichever comes later).
+  (and, when set, ``min_deferral_s`` seconds, whichever comes later); one that waits on
+  answers a lower tier is still asking a server for (``Tier.answer_wait_s``) waits for
+  them up to that many seconds from its first deferral, however many steps pass, and
+  the step bound starts once they came.
 """
 
 from __future__ import annotations
@@ -125,9 +128,9 @@ class Planner:
         st.reset_table()
         self._lookups.refresh_keys(st)
         st.num_local_tokens = num_computed_tokens
-        end, deferred = self._lookups.find(st, num_computed_tokens)
+        end, deferred, answer_wait_s = self._lookups.find(st, num_computed_tokens)
         if deferred:
-            result = self._defer_or(st, end - num_computed_tokens)
+            result = self._defer_or(st, end - num_computed_tokens, answer_wait_s)
             if result.is_deferred:
                 return result
         st.deferred_steps = 0
@@ -146,14 +149,37 @@ class Planner:
             st.planned = PlannedLoad(num_computed_tokens, end)
         return MatchResult(hits, load_async=hits > 0)
 
-    def _defer_or(self, st: RequestState, fallback: int) -> MatchResult:
-        """Defer this lookup, unless the request has waited long enough already: for
-        ``max_deferred_steps`` answers and (``min_deferral_s``) that many seconds."""
+    def _defer_or(self, st: RequestState, fallback: int,
+                  answer_wait_s: float = 0.0) -> MatchResult:
+        """Defer this lookup, unless the request has waited long enough already.
+
+        While a lower tier's answers about the keys it waits on are outstanding
+        (``answer_wait_s`` > 0: a server not heard back from yet), it waits up to
+        ``max(min_deferral_s, answer_wait_s)`` seconds since its first deferral, however
+        many steps pass (an idle engine steps far faster than a server answers). With
+        nothing outstanding (blocks being written or promoted) it waits for
+        ``max_deferred_steps`` answers and (``min_deferral_s``) that many seconds, counted
+        from the first deferral or from the one after the tier's answers came. Either
+        way the wait is bounded: by ``max(min_deferral_s, answer_wait_s)`` plus the step
+        bound."""
         now = time.monotonic()
         if st.deferred_steps == 0:
-            st.deferred_since = now
-        if (st.deferred_steps < self.config.max_deferred_steps
-                or now - st.deferred_since < self.config.min_deferral_s):
+            st.deferred_since = st.bounded_since = now
+            st.bounded_steps = 0
+            st.awaiting_answers = False
+        if answer_wait_s > 0.0:
+            st.awaiting_answers = True
+            wait_more = now - st.deferred_since < max(self.config.min_deferral_s,
+                                                      answer_wait_s)
+        else:
+            if st.awaiting_answers:  # the answers came: promotes and writes start now
+                st.awaiting_answers = False
+                st.bounded_since = now
+                st.bounded_steps = 0
+            wait_more = (st.bounded_steps < self.config.max_deferred_steps
+                         or now - st.bounded_since < self.config.min_deferral_s)
+            st.bounded_steps += wait_more
+        if wait_more:
             st.deferred_steps += 1
             self.stats.deferred_lookups += 1
             return MatchResult(None)

@@ -62,7 +62,16 @@ class RequestState:
     num_local_tokens: int = 0
     looked_up: bool = False
     deferred_steps: int = 0
+    """"Ask again later" answers in a row (0: the lookup is not deferred)."""
     deferred_since: float = 0.0
+    """When the first of them was given (the bound on waiting for a tier's answers)."""
+    bounded_steps: int = 0
+    """Of them, those given while no tier answer was outstanding, since the last one was
+    (what ``max_deferred_steps`` bounds)."""
+    bounded_since: float = 0.0
+    """When the first of ``bounded_steps`` was given (what ``min_deferral_s`` bounds)."""
+    awaiting_answers: bool = False
+    """Whether the last deferral waited on outstanding tier answers."""
     finished: bool = False
     refuses_loads: bool = False
     """A load of the request failed or was abandoned: it is offered none again

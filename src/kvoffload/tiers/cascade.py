@@ -217,6 +217,15 @@ class CascadeTier(Tier):
     def has_pending_work(self) -> bool:
         return self._jobs.has_pending or bool(self._want)
 
+    def answer_wait_s(self, keys: Iterable[OffloadKey]) -> float:
+        """The largest ``LowerTier.answer_wait_s`` of these keys over the lower tiers
+        (0.0 when no lower tier is still asking about any of them)."""
+        waits = [lt.answer_wait_s for lt in self.lowers
+                 if type(lt).answer_wait_s is not LowerTier.answer_wait_s]
+        if not waits:
+            return 0.0
+        return max((wait(key) for key in keys for wait in waits), default=0.0)
+
     @property
     def num_tier_jobs(self) -> int:
         """Tier jobs handed out and not yet reported by every rank."""
