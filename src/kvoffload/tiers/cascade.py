@@ -6,7 +6,8 @@ remote), and turns what happens in host memory into *tier jobs* for the workers:
 
 * **Promote.** A lookup of a key host memory lacks asks each lower tier in order. Where
   one holds it (or is still writing it, or is still asking a server), the lookup answers
-  PENDING; the planner then defers the request (bounded by ``max_deferred_steps``) and
+  PENDING; the planner then defers the request (bounded by ``max_deferred_steps``, or by
+  ``answer_wait_s`` seconds while a lower tier is still asking a server about it) and
   ``prefetch``-es the keys its hit would read, which are *wanted* if a lower tier holds
   them -- only those, not every key the lookup looked at (a Mamba group looks at many
   states to use one). When the step plan is built
