@@ -153,34 +153,13 @@ class Planner:
 
     def _defer_or(self, st: RequestState, fallback: int,
                   answer_wait_s: float = 0.0) -> MatchResult:
-        """Defer this lookup, unless the request has waited long enough already.
-
-        While a lower tier's answers about the keys it waits on are outstanding
-        (``answer_wait_s`` > 0: a server not heard back from yet), it waits up to
-        ``max(min_deferral_s, answer_wait_s)`` seconds since its first deferral, however
-        many steps pass (an idle engine steps far faster than a server answers). With
-        nothing outstanding (blocks being written or promoted) it waits for
-        ``max_deferred_steps`` answers and (``min_deferral_s``) that many seconds, counted
-        from the first deferral or from the one after the tier's answers came. Either
-        way the wait is bounded: by ``max(min_deferral_s, answer_wait_s)`` plus the step
-        bound."""
-        now = time.monotonic()
-        if st.deferred_steps == 0:
-            st.deferred_since = st.bounded_since = now
-            st.bounded_steps = 0
-            st.awaiting_answers = False
-        if answer_wait_s > 0.0:
-            st.awaiting_answers = True
-            wait_more = now - st.deferred_since < max(self.config.min_deferral_s,
-                                                      answer_wait_s)
-        else:
-            if st.awaiting_answers:  # the answers came: promotes and writes start now
-                st.awaiting_answers = False
-                st.bounded_since = now
-                st.bounded_steps = 0
-            wait_more = (st.bounded_steps < self.config.max_deferred_steps
-                         or now - st.bounded_since < self.config.min_deferral_s)
-            st.bounded_steps += wait_more
+        """Defer this lookup, unless the request has waited long enough already
+        (``RequestState.keeps_deferring``: while a lower tier's answers are outstanding,
+        ``max(min_deferral_s, answer_wait_s)`` seconds however many steps pass; else
+        ``max_deferred_steps`` answers and ``min_deferral_s`` seconds)."""
+        wait_more = st.keeps_deferring(time.monotonic(), answer_wait_s,
+                                       self.config.max_deferred_steps,
+                                       self.config.min_deferral_s)
         if wait_more:
             st.deferred_steps += 1
             self.stats.deferred_lookups += 1
