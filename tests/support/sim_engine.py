@@ -17,6 +17,7 @@ Used by the property tests and, with real bytes, by the worker end-to-end tests.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -53,6 +54,7 @@ class SimRequest:
     send_full_table: bool = True
     resumed: bool = False
     deferrals: int = 0
+    deferred_since: float = 0.0
     planned_end: int = 0
     controls: RequestControls = NO_CONTROLS
 
@@ -160,6 +162,10 @@ class SimEngine:
     def __init__(self, config: OffloadConfig, num_blocks: int, seed: int = 0,
                  real: RealBackendFactory | None = None) -> None:
         self.config = config
+        self.max_deferral_s = config.min_deferral_s
+        """Rule 8: a request may be deferred past ``max_deferred_steps`` times only this
+        long (wall clock) since its first deferral; a run over a tier that waits on a
+        server's answers sets the tier's bound (``Tier.answer_wait_s``)."""
         self.tier = HostTier(config)
         self.planner = Planner(config, self.tier)
         self.groups = config.resolved
@@ -336,9 +342,14 @@ class SimEngine:
             local = self.rng.randrange(0, req.num_tokens) // step * step
         result = self.planner.get_num_new_matched_tokens(req, local)
         if result.num_tokens is None:
+            now = time.monotonic()
+            if req.deferrals == 0:
+                req.deferred_since = now
             req.deferrals += 1
-            if req.deferrals > self.config.max_deferred_steps:
-                raise RuleViolation(f"rule 8: {req.request_id} deferred {req.deferrals} times")
+            if (req.deferrals > self.config.max_deferred_steps
+                    and now - req.deferred_since > self.max_deferral_s):
+                raise RuleViolation(f"rule 8: {req.request_id} deferred {req.deferrals} times "
+                                    f"over {now - req.deferred_since:.3f} s")
             return
         req.deferrals = 0
         hits = result.num_tokens

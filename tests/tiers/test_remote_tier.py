@@ -17,6 +17,7 @@ import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -205,3 +206,38 @@ def test_a_dead_server_is_skipped_for_the_retry_interval(
         assert len([r for r in caplog.records if "unreachable" in r.message]) == 1
     finally:
         index.close()
+
+
+class _FastEngine(TieredEngine):
+    """An engine whose steps take half a millisecond and never wait for the remote
+    index's existence checks (an idle vLLM steps about that fast)."""
+
+    def step(self, chunk: int) -> None:
+        self.sim.step(chunk, 1.0, 0.0)
+        time.sleep(0.0005)
+
+
+def test_a_late_answer_is_waited_for_however_fast_the_engine_steps(
+        redis_srv: RedisServer) -> None:
+    # Another engine stored the prefix; this one's host memory has none of it, and the
+    # server hangs for 0.3 s while this engine looks it up: hundreds of steps, far past
+    # max_deferred_steps (16), but within the check's own timeout (2 s).
+    config = hybrid_config(host_slots=48)
+    tiers = remote_tiers(redis_srv.url, timeout_s=2.0)
+    query = [*prompt(1, PREFIX), 3, 3, 3]
+    perfect = baseline_hits(config, [prompt(1, PREFIX), query])[1]
+    with tiered_engine(config, tiers) as first:
+        first.run([prompt(1, PREFIX)])
+    engine = _FastEngine(config, tiers)
+    engine.sim.max_deferral_s = 2.0 + 2.0  # the check's timeouts: round trip + connect
+    try:
+        redis_srv.pause()
+        threading.Timer(0.3, redis_srv.resume).start()
+        started = time.monotonic()
+        assert engine.run([query], max_steps=100_000) == perfect
+        assert time.monotonic() - started >= 0.3  # it did wait for the server
+        assert engine.planner.stats.deferral_timeouts == 0
+        assert set(engine.tier.stats.loaded_blocks) == {"remote"}
+    finally:
+        redis_srv.resume()
+        engine.close()

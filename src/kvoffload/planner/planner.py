@@ -21,7 +21,10 @@ The planner decides every transfer and never moves a byte. Its promises:
   keys pinned and its engine blocks fenced until it reports; the engine must not reuse
   those blocks until ``ReportOutcome.released_loads`` names the job;
 * a deferred lookup ("ask again later") is answered within ``max_deferred_steps`` steps
-  (and, when set, ``min_deferral_s`` seconds, whichever comes later).
+  (and, when set, ``min_deferral_s`` seconds, whichever comes later); one that waits on
+  answers a lower tier is still asking a server for (``Tier.answer_wait_s``) waits for
+  them up to that many seconds from its first deferral, however many steps pass, and
+  the step bound starts once they came.
 """
 
 from __future__ import annotations
@@ -106,7 +109,9 @@ class Planner:
         Returns ``MatchResult(None)`` ("ask again next step") while a block the hit needs
         is still being written, or while the request still has jobs in flight (e.g. stores
         of a preempted request); after ``max_deferred_steps`` such answers in a row it
-        answers with what is readable now. Touches the blocks a future hit may need.
+        answers with what is readable now -- or, while a lower tier's answers about the
+        blocks are outstanding, after their wall-clock bound (``_defer_or``). Touches the
+        blocks a future hit may need.
 
         A request whose load failed or was abandoned is answered 0 from then on (it
         recomputes; the same blocks could fail the same way forever), after the same
@@ -125,9 +130,9 @@ class Planner:
         st.reset_table()
         self._lookups.refresh_keys(st)
         st.num_local_tokens = num_computed_tokens
-        end, deferred = self._lookups.find(st, num_computed_tokens)
+        end, deferred, answer_wait_s = self._lookups.find(st, num_computed_tokens)
         if deferred:
-            result = self._defer_or(st, end - num_computed_tokens)
+            result = self._defer_or(st, end - num_computed_tokens, answer_wait_s)
             if result.is_deferred:
                 return result
         st.deferred_steps = 0
@@ -146,14 +151,16 @@ class Planner:
             st.planned = PlannedLoad(num_computed_tokens, end)
         return MatchResult(hits, load_async=hits > 0)
 
-    def _defer_or(self, st: RequestState, fallback: int) -> MatchResult:
-        """Defer this lookup, unless the request has waited long enough already: for
-        ``max_deferred_steps`` answers and (``min_deferral_s``) that many seconds."""
-        now = time.monotonic()
-        if st.deferred_steps == 0:
-            st.deferred_since = now
-        if (st.deferred_steps < self.config.max_deferred_steps
-                or now - st.deferred_since < self.config.min_deferral_s):
+    def _defer_or(self, st: RequestState, fallback: int,
+                  answer_wait_s: float = 0.0) -> MatchResult:
+        """Defer this lookup, unless the request has waited long enough already
+        (``RequestState.keeps_deferring``: while a lower tier's answers are outstanding,
+        ``max(min_deferral_s, answer_wait_s)`` seconds however many steps pass; else
+        ``max_deferred_steps`` answers and ``min_deferral_s`` seconds)."""
+        wait_more = st.keeps_deferring(time.monotonic(), answer_wait_s,
+                                       self.config.max_deferred_steps,
+                                       self.config.min_deferral_s)
+        if wait_more:
             st.deferred_steps += 1
             self.stats.deferred_lookups += 1
             return MatchResult(None)

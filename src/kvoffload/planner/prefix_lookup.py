@@ -47,9 +47,13 @@ class PrefixLookup:
                 keys.extend(cast("list[OffloadKey]",
                                  [hashes[i] + suffix for i in range(first, num_hashes, hpb)]))
 
-    def find(self, st: RequestState, num_computed: int) -> tuple[int, bool]:
-        """(hit end with what is readable now, whether waiting could give more), within
-        the request's ``max_load_tokens``.
+    def find(self, st: RequestState, num_computed: int) -> tuple[int, bool, float]:
+        """(hit end with what is readable now, whether waiting could give more, how long
+        the tier may still take to answer about keys it found PENDING), within the
+        request's ``max_load_tokens``.
+
+        The third value is ``Tier.answer_wait_s`` of the PENDING keys when waiting could
+        give more (a lower tier still asking a server about some of them), else 0.0.
 
         Counts nothing; tells the store policy (``observe_lookup``) where the
         full-attention prefix and the hit reach once the stores in flight land, and
@@ -64,6 +68,7 @@ class PrefixLookup:
         # fixpoint re-checks; one closure per group keeps the per-block cost to one call.
         seen: list[dict[int, LookupResult]] = [{} for _ in self._groups]
         saw_pending = False
+        pending_keys: list[OffloadKey] = []
 
         def readable(keys: list[OffloadKey], cache: dict[int, LookupResult],
                      accept_pending: bool) -> BlockReadable:
@@ -74,6 +79,7 @@ class PrefixLookup:
                     found = cache[i] = tier_lookup(keys[i])
                     if found is pending:
                         saw_pending = True
+                        pending_keys.append(keys[i])
                 return found
 
             if accept_pending:
@@ -99,11 +105,26 @@ class PrefixLookup:
                    if saw_pending else end)
         if learns:
             self._policy.observe_lookup(st, full_end, hopeful)
-        if not saw_pending:
-            return end, False
-        if hopeful > end:
-            self.tier.hint(TierHints(prefetch=tuple(self.hit_keys(st, num_computed, hopeful))))
-        return end, hopeful > end
+        if not saw_pending or hopeful <= end:
+            return end, False, 0.0
+        self.tier.hint(TierHints(prefetch=tuple(self.hit_keys(st, num_computed, hopeful))))
+        wait_s = self.tier.answer_wait_s(pending_keys)
+        if wait_s > 0.0:
+            # A server is still being asked. The fixpoint looks at one window or Mamba
+            # candidate at a time (the next one only once the last is known absent), so
+            # ask about every block a hit in (end, hopeful] could use now: one round trip
+            # instead of one per candidate.
+            for g in self._order:
+                if g.window_blocks is None:
+                    continue
+                keys, cache = st.groups[g.index].keys, seen[g.index]
+                obs = g.offloaded_block_size
+                for k in useful_blocks(g, self._alignment,
+                                       max(num_computed // obs, end // obs - g.window_blocks),
+                                       min(hopeful // obs, len(keys))):
+                    if k not in cache:
+                        cache[k] = tier_lookup(keys[k])
+        return end, True, wait_s
 
     def hit_keys(self, st: RequestState, start: int, end: int) -> list[OffloadKey]:
         """Keys a load of tokens ``[start, end)`` reads: every block of a full-attention

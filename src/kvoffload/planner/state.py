@@ -62,7 +62,16 @@ class RequestState:
     num_local_tokens: int = 0
     looked_up: bool = False
     deferred_steps: int = 0
+    """"Ask again later" answers in a row (0: the lookup is not deferred)."""
     deferred_since: float = 0.0
+    """When the first of them was given (the bound on waiting for a tier's answers)."""
+    bounded_steps: int = 0
+    """Of them, those given while no tier answer was outstanding, since the last one was
+    (what ``max_deferred_steps`` bounds)."""
+    bounded_since: float = 0.0
+    """When the first of ``bounded_steps`` was given (what ``min_deferral_s`` bounds)."""
+    awaiting_answers: bool = False
+    """Whether the last deferral waited on outstanding tier answers."""
     finished: bool = False
     refuses_loads: bool = False
     """A load of the request failed or was abandoned: it is offered none again
@@ -80,6 +89,36 @@ class RequestState:
             gs.block_ids = []
             gs.num_freed = 0
         self.state_ends.clear()
+
+    def keeps_deferring(self, now: float, answer_wait_s: float, max_steps: int,
+                        min_s: float) -> bool:
+        """Whether a lookup about to answer "ask again later" at ``now`` may (counted here
+        when it may; ``deferred_steps`` is the caller's).
+
+        While a lower tier's answers about the keys it waits on are outstanding
+        (``answer_wait_s`` > 0: a server not heard back from yet) it may for
+        ``max(min_s, answer_wait_s)`` seconds since its first deferral, however many
+        steps pass (an idle engine steps far faster than a server answers). With nothing
+        outstanding (blocks being written or promoted) it may for ``max_steps`` answers
+        and ``min_s`` seconds, counted from the first deferral or from the first one after
+        the tier's answers came. So every wait ends: within ``max(min_s, answer_wait_s)``
+        plus the step bound.
+        """
+        if self.deferred_steps == 0:
+            self.deferred_since = self.bounded_since = now
+            self.bounded_steps = 0
+            self.awaiting_answers = False
+        if answer_wait_s > 0.0:
+            self.awaiting_answers = True
+            return now - self.deferred_since < max(min_s, answer_wait_s)
+        if self.awaiting_answers:  # the answers came: promotes and writes start now
+            self.awaiting_answers = False
+            self.bounded_since = now
+            self.bounded_steps = 0
+        if self.bounded_steps < max_steps or now - self.bounded_since < min_s:
+            self.bounded_steps += 1
+            return True
+        return False
 
 
 @dataclass

@@ -6,7 +6,8 @@ remote), and turns what happens in host memory into *tier jobs* for the workers:
 
 * **Promote.** A lookup of a key host memory lacks asks each lower tier in order. Where
   one holds it (or is still writing it, or is still asking a server), the lookup answers
-  PENDING; the planner then defers the request (bounded by ``max_deferred_steps``) and
+  PENDING; the planner then defers the request (bounded by ``max_deferred_steps``, or by
+  ``answer_wait_s`` seconds while a lower tier is still asking a server about it) and
   ``prefetch``-es the keys its hit would read, which are *wanted* if a lower tier holds
   them -- only those, not every key the lookup looked at (a Mamba group looks at many
   states to use one). When the step plan is built
@@ -216,6 +217,15 @@ class CascadeTier(Tier):
 
     def has_pending_work(self) -> bool:
         return self._jobs.has_pending or bool(self._want)
+
+    def answer_wait_s(self, keys: Iterable[OffloadKey]) -> float:
+        """The largest ``LowerTier.answer_wait_s`` of these keys over the lower tiers
+        (0.0 when no lower tier is still asking about any of them)."""
+        waits = [lt.answer_wait_s for lt in self.lowers
+                 if type(lt).answer_wait_s is not LowerTier.answer_wait_s]
+        if not waits:
+            return 0.0
+        return max((wait(key) for key in keys for wait in waits), default=0.0)
 
     @property
     def num_tier_jobs(self) -> int:

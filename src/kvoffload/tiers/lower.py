@@ -106,6 +106,15 @@ class LowerTier(ABC):
     def end_write(self, key: OffloadKey, ok: bool) -> None:
         """The demote of ``key`` ended on every rank: PRESENT on success, dropped else."""
 
+    def answer_wait_s(self, key: OffloadKey) -> float:
+        """Seconds an answer about ``key`` that this tier asked for and has not heard back
+        on (an existence check queued or in flight) may still take at most: the bound of
+        the call that asks, after which the tier answers or marks itself unreachable.
+        0.0 when no answer about ``key`` is outstanding (the default: the tier knows its
+        contents at once). Changes nothing."""
+        del key
+        return 0.0
+
     def touch(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
         """Mark keys recently used (first key most recent); absent keys are ignored."""
 

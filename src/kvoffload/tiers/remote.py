@@ -265,6 +265,15 @@ class RemoteIndex(LowerTier):
 
     # -- LowerTier --------------------------------------------------------------------
 
+    def answer_wait_s(self, key: OffloadKey) -> float:
+        """While an existence check of ``key`` is queued or in flight: the bound on one
+        round trip plus a connection (``timeout_s + connect_timeout_s``), after which the
+        check has answered or the tier is down (every lookup ABSENT). Else 0.0."""
+        with self._cond:
+            if key not in self._queued and key not in self._probing:
+                return 0.0
+        return self.settings.timeout_s + self.settings.connect_timeout_s
+
     def status(self, key: OffloadKey) -> Presence:
         if key in self._writing:
             self.stats.lookups_pending += 1
