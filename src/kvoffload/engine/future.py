@@ -27,8 +27,9 @@ Whether a conversation continues, the truth behind the simulator's client hints,
 
 It is a model: the engine's own prefix cache is an LRU of ``engine_tokens`` worth of hash
 blocks touched in workload order (a use it serves is not a tier's); preemptions, the blocks
-running requests hold and the order in which a replay admits held requests are not in it. Every answer is a pure function of the requests given;
-nothing here reads what a replay does.
+running requests hold and the order in which a replay admits held requests are not in it.
+Every answer is a pure function of the requests given; nothing here reads what a replay
+does.
 """
 
 from __future__ import annotations
