@@ -17,7 +17,7 @@ per-key lookups are one dict ``get`` (``state_of``) whichever list holds the key
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import chain, islice
 
@@ -25,14 +25,14 @@ from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.eviction.base import (
     BlockState,
-    EvictionPolicy,
+    DictStatePolicy,
     Victims,
     drop,
     take_idle,
 )
 
 
-class ARCPolicy(EvictionPolicy):
+class ARCPolicy(DictStatePolicy):
     """ARC over the tier's keys.
 
     * ``insert`` puts the key at the MRU end of ``t1`` and drops any ghost of it.
@@ -58,22 +58,8 @@ class ARCPolicy(EvictionPolicy):
         self.t2: OrderedDict[OffloadKey, BlockState] = OrderedDict()
         self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._states: dict[OffloadKey, BlockState] = {}
-        """Every present key (``t1`` and ``t2`` together) with its state."""
+        # ``self._states`` (DictStatePolicy): every present key, t1 and t2 together.
 
-    def get(self, key: OffloadKey) -> BlockState | None:
-        return self._states.get(key)
-
-    @property
-    def state_of(self) -> Callable[[OffloadKey], BlockState | None]:
-        """The dict of present keys' own ``get``."""
-        return self._states.get
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, bytes) and key in self._states
 
     def insert(self, key: OffloadKey, state: BlockState) -> None:
         if key in self._states:

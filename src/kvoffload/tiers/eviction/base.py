@@ -260,3 +260,29 @@ def cold_goes_first(normal: int, total: int, share: float) -> bool:
     yes once normal keys are at most ``share`` of them. Also used by the planner's shadow
     directories (``kvoffload.planner.insertion``), which model the value policy."""
     return normal <= share * total
+
+
+class DictStatePolicy(EvictionPolicy):
+    """An eviction policy that keeps every present key's state in one dict,
+    ``self._states`` (which the subclass may pass in: an ``OrderedDict`` that is also its
+    order). ``get``, ``state_of``, ``len`` and ``in`` answer from it; the subclass keeps it
+    exact: a key is in it exactly while it is present."""
+
+    def __init__(self, capacity: int,
+                 states: dict[OffloadKey, BlockState] | None = None) -> None:
+        super().__init__(capacity)
+        self._states: dict[OffloadKey, BlockState] = {} if states is None else states
+
+    def get(self, key: OffloadKey) -> BlockState | None:
+        return self._states.get(key)
+
+    @property
+    def state_of(self) -> Callable[[OffloadKey], BlockState | None]:
+        """The state dict's own ``get``."""
+        return self._states.get
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and key in self._states

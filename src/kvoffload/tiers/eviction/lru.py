@@ -10,14 +10,14 @@ from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.eviction.base import (
     BlockState,
-    EvictionPolicy,
+    DictStatePolicy,
     Victims,
     drop,
     take_idle,
 )
 
 
-class LRUPolicy(EvictionPolicy):
+class LRUPolicy(DictStatePolicy):
     """Evicts the least recently inserted or touched idle key.
 
     ``insert`` appends at the most-recent end; ``touch`` moves present keys there, last key
@@ -28,22 +28,9 @@ class LRUPolicy(EvictionPolicy):
     name = "lru"
 
     def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
         self._order: OrderedDict[OffloadKey, BlockState] = OrderedDict()
+        super().__init__(capacity, self._order)
 
-    def get(self, key: OffloadKey) -> BlockState | None:
-        return self._order.get(key)
-
-    @property
-    def state_of(self) -> Callable[[OffloadKey], BlockState | None]:
-        """The order dict's own ``get``."""
-        return self._order.get
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, bytes) and key in self._order
 
     def insert(self, key: OffloadKey, state: BlockState) -> None:
         if key in self._order:

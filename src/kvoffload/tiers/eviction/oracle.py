@@ -27,7 +27,7 @@ from typing import Protocol
 
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey, key_group
-from kvoffload.tiers.eviction.base import BlockState, EvictionPolicy, Victims
+from kvoffload.tiers.eviction.base import BlockState, DictStatePolicy, Victims
 
 
 class OracleClock(Protocol):
@@ -55,7 +55,7 @@ Entry = tuple[int, int, int, OffloadKey]
 """A heap entry: (-next use, -depth, sequence number, key)."""
 
 
-class OraclePolicy(EvictionPolicy):
+class OraclePolicy(DictStatePolicy):
     """Furthest next use per byte first (module docstring)."""
 
     name = "oracle"
@@ -63,24 +63,11 @@ class OraclePolicy(EvictionPolicy):
     def __init__(self, capacity: int, clock: OracleClock) -> None:
         super().__init__(capacity)
         self._clock = clock
-        self._states: dict[OffloadKey, BlockState] = {}
         self._seq: dict[OffloadKey, int] = {}
         self._heaps: dict[int, list[Entry]] = {}
         self._counter = 0
         clock.subscribe(self._rescore)
 
-    def get(self, key: OffloadKey) -> BlockState | None:
-        return self._states.get(key)
-
-    @property
-    def state_of(self) -> Callable[[OffloadKey], BlockState | None]:
-        return self._states.get
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, bytes) and key in self._states
 
     def _push(self, key: OffloadKey, group: int) -> None:
         self._counter += 1
