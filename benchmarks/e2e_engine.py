@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -25,10 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from e2e_models import FIRST_ORDINARY_TOKEN, VOCAB, BuiltModel
 from e2e_workload import Conversations, Kind, Turn, WorkloadShape, schedule
+from kvoffload.integrations.vllm.process_state import save_thread_state
 
 ENGINE_CACHE_REQUESTS = 1.25
 """vLLM's own prefix cache holds this many longest requests: a conversation's blocks are
@@ -151,22 +149,6 @@ class RunResult:
         return int(self.connector.get("hit_tokens", 0))
 
 
-def _thread_state() -> Callable[[], None]:
-    """Record what vLLM's CPU worker changes in this process (the threads' core affinity,
-    torch's thread count and its setter); return the undo, so the next engine starts from
-    the machine's cores."""
-    affinity = os.sched_getaffinity(0)
-    threads = torch.get_num_threads()
-    set_num_threads = torch.set_num_threads
-
-    def restore() -> None:
-        torch.set_num_threads = set_num_threads
-        os.sched_setaffinity(0, affinity)
-        torch.set_num_threads(threads)
-
-    return restore
-
-
 @contextlib.contextmanager
 def engine(model: BuiltModel, config: Configuration, settings: RunSettings,
            ) -> Iterator[Any]:
@@ -181,7 +163,7 @@ def engine(model: BuiltModel, config: Configuration, settings: RunSettings,
         kv_load_failure_policy="recompute", kv_connector_extra_config=options)
     spec = model.spec
     max_len = settings.shape.longest_request
-    restore = _thread_state()
+    restore = save_thread_state()
     llm = None
     try:
         llm = LLM(model=str(model.path), skip_tokenizer_init=True, dtype="float32",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import os
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from kvoffload.integrations.vllm.connector import KVOffloadConnector
+from kvoffload.integrations.vllm.process_state import save_thread_state
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
 from kvoffload.integrations.vllm.worker_side import WorkerSide
 from kvoffload.jobs import TransferJob
@@ -137,20 +137,6 @@ class Engine:
         self._restore()
 
 
-def _thread_state() -> Callable[[], None]:
-    """Record what vLLM's CPU worker changes in this process; return the undo."""
-    affinity = os.sched_getaffinity(0)
-    threads = torch.get_num_threads()
-    set_num_threads = torch.set_num_threads
-
-    def restore() -> None:
-        torch.set_num_threads = set_num_threads
-        os.sched_setaffinity(0, affinity)
-        torch.set_num_threads(threads)
-
-    return restore
-
-
 def start_engine(model: Path, *, host_memory: str = "64MiB", block_size: int = 32,
                  max_num_batched_tokens: int = 256, kv_cache_bytes: int = 16 << 20,
                  max_num_seqs: int = 8, extra: dict[str, Any] | None = None,
@@ -159,7 +145,7 @@ def start_engine(model: Path, *, host_memory: str = "64MiB", block_size: int = 3
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    restore = _thread_state()
+    restore = save_thread_state()
     # Store everything (LRU) unless a test says otherwise: the stories count exact hits.
     config = dict(CONNECTOR, kv_connector_extra_config={"host_memory_bytes": host_memory,
                                                         "eviction_policy": "lru",

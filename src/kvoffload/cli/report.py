@@ -6,7 +6,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvoffload.cli.common import format_bytes, format_seconds
-from kvoffload.engine.fleet import ROUTER_HELP, FleetResult
+from kvoffload.engine.fleet import ROUTER_HELP, FleetResult, FleetTotals
 from kvoffload.engine.model_presets import ModelLayout
 from kvoffload.engine.simulation import (
     Capacities,
@@ -35,6 +35,28 @@ def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
                                                                          strict=True)]
         out.append(indent + "  ".join(cells).rstrip())
     return out
+
+
+def _work_and_ttft_lines(rows: list[list[str]], base: RunSummary | FleetTotals | None,
+                         o: RunSummary | FleetTotals) -> list[str]:
+    """``rows`` followed by prefill work, TTFT and preemptions without (``base``, None
+    when no baseline ran) and with offloading (``o``), as a table; then, with a baseline,
+    the line of what offloading saved."""
+    rows.append(["prefill tokens computed",
+                 f"{base.prefill_tokens_computed:,}" if base else "-",
+                 f"{o.prefill_tokens_computed:,}"])
+    rows.append(["TTFT modelled, mean / p50 / p90",
+                 _ttft(base.ttft) if base else "-", _ttft(o.ttft)])
+    rows.append(["TTFT on the clock (with queueing)",
+                 _ttft(base.clock_ttft) if base else "-", _ttft(o.clock_ttft)])
+    rows.append(["preemptions", f"{base.preemptions:,}" if base else "-", f"{o.preemptions:,}"])
+    lines = _table(rows)
+    if base is not None and base.prefill_tokens_computed:
+        saved = 1 - o.prefill_tokens_computed / base.prefill_tokens_computed
+        speed = base.ttft.mean / o.ttft.mean if o.ttft.mean else float("inf")
+        lines.append(f"  offloading computes {100 * saved:.1f} % fewer prefill tokens; mean "
+                     f"modelled TTFT {speed:.2f}x faster")
+    return lines
 
 
 def simulation_text(result: SimulationResult, workload_label: str) -> str:
@@ -97,21 +119,7 @@ def _comparison_lines(result: SimulationResult) -> list[str]:
     for name in o.lower_tier_bytes:
         rows.append([f"prompt tokens from {name} tier (promoted)", "-",
                      _pct(tiers.get(name, 0.0))])
-    rows.append(["prefill tokens computed",
-                 f"{base.prefill_tokens_computed:,}" if base else "-",
-                 f"{o.prefill_tokens_computed:,}"])
-    rows.append(["TTFT modelled, mean / p50 / p90",
-                 _ttft(base.ttft) if base else "-", _ttft(o.ttft)])
-    rows.append(["TTFT on the clock (with queueing)",
-                 _ttft(base.clock_ttft) if base else "-", _ttft(o.clock_ttft)])
-    rows.append(["preemptions", f"{base.preemptions:,}" if base else "-", f"{o.preemptions:,}"])
-    lines = _table(rows)
-    if base is not None and base.prefill_tokens_computed:
-        saved = 1 - o.prefill_tokens_computed / base.prefill_tokens_computed
-        speed = base.ttft.mean / o.ttft.mean if o.ttft.mean else float("inf")
-        lines.append(f"  offloading computes {100 * saved:.1f} % fewer prefill tokens; mean "
-                     f"modelled TTFT {speed:.2f}x faster")
-    return lines
+    return _work_and_ttft_lines(rows, base, o)
 
 
 def _storage_lines(result: SimulationResult) -> list[str]:
@@ -277,20 +285,7 @@ def _fleet_comparison_lines(result: FleetResult) -> list[str]:
                      _pct(rates.get(name, 0.0))])
     rows.append(["prefill tokens saved (served from a cache)",
                  f"{b.prefill_tokens_saved:,}" if b else "-", f"{o.prefill_tokens_saved:,}"])
-    rows.append(["prefill tokens computed", f"{b.prefill_tokens_computed:,}" if b else "-",
-                 f"{o.prefill_tokens_computed:,}"])
-    rows.append(["TTFT modelled, mean / p50 / p90", _ttft(b.ttft) if b else "-",
-                 _ttft(o.ttft)])
-    rows.append(["TTFT on the clock (with queueing)", _ttft(b.clock_ttft) if b else "-",
-                 _ttft(o.clock_ttft)])
-    rows.append(["preemptions", f"{b.preemptions:,}" if b else "-", f"{o.preemptions:,}"])
-    lines = _table(rows)
-    if b is not None and b.prefill_tokens_computed:
-        saved = 1 - o.prefill_tokens_computed / b.prefill_tokens_computed
-        speed = b.ttft.mean / o.ttft.mean if o.ttft.mean else float("inf")
-        lines.append(f"  offloading computes {100 * saved:.1f} % fewer prefill tokens; mean "
-                     f"modelled TTFT {speed:.2f}x faster")
-    return lines
+    return _work_and_ttft_lines(rows, b, o)
 
 
 def _fleet_engine_lines(result: FleetResult) -> list[str]:

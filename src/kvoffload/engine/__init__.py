@@ -14,6 +14,7 @@ contract, so it exercises exactly what an engine adapter would.
   on real tensors) and bytes mode's contents and checks.
 * ``timing``, ``metrics``, ``summary``: modelled time and what a run measured.
 * ``replay``, ``simulation``: feeding workloads in; a whole simulation from one config.
-* ``model_presets``, ``hf_config``, ``workloads``: model dimensions (derived from a
-  model's config.json or the presets file), traces and synthetic workloads.
+* ``model_presets``, ``hf_config`` (with ``hf_fields``, ``hf_families``, ``hf_shapes``),
+  ``workloads``: model dimensions (derived from a model's config.json or the presets
+  file), traces and synthetic workloads.
 """
