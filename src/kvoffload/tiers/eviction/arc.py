@@ -172,21 +172,9 @@ class ARCPolicy(DictStatePolicy):
         if more_t1:
             from_t1 = from_t1 + more_t1
         if from_t1:
-            for key, _ in from_t1:
-                del states[key]
-                del t1[key]
-                b1[key] = None
-            excess = len(b1) - capacity
-            if excess > 0:
-                drop(b1, list(islice(b1, excess)))
+            _to_ghosts(from_t1, states, t1, b1, capacity)
         if from_t2:
-            for key, _ in from_t2:
-                del states[key]
-                del t2[key]
-                b2[key] = None
-            excess = len(b2) - capacity
-            if excess > 0:
-                drop(b2, list(islice(b2, excess)))
+            _to_ghosts(from_t2, states, t2, b2, capacity)
             if more_t1:  # victims in the order taken: t1, then t2, then t1 again
                 return from_t1[:-len(more_t1)] + from_t2 + more_t1
             return from_t1 + from_t2
@@ -228,3 +216,17 @@ class ARCPolicy(DictStatePolicy):
                 raise InvariantError("arc: a key is both present and a ghost")
         if not 0.0 <= self.target_t1_size <= self.capacity:
             raise InvariantError(f"arc: target_t1_size {self.target_t1_size} out of range")
+
+
+def _to_ghosts(victims: Victims, states: dict[OffloadKey, BlockState],
+               present: OrderedDict[OffloadKey, BlockState],
+               ghosts: OrderedDict[OffloadKey, None], capacity: int) -> None:
+    """Move ``victims`` out of ``present`` (and the dict of present keys) into ``ghosts``
+    as its newest entries, then trim ``ghosts`` to ``capacity`` from its oldest end."""
+    for key, _ in victims:
+        del states[key]
+        del present[key]
+        ghosts[key] = None
+    excess = len(ghosts) - capacity
+    if excess > 0:
+        drop(ghosts, list(islice(ghosts, excess)))
