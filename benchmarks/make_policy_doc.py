@@ -328,9 +328,8 @@ def distance_rows(points: list[SweepPoint], refs: dict[str, Reference]) -> list[
         ref = refs.get(preset)
         if ref is None or not curve(points, preset, "oracle"):
             continue
-        target = 0.9 * ref.host_hit_rate
-        value = memory_to_reach(curve(points, preset, "value"), target)
-        oracle = memory_to_reach(curve(points, preset, "oracle"), target)
+        value = memory_to_90(points, refs, preset, "value")
+        oracle = memory_to_90(points, refs, preset, "oracle")
         cells = []
         for f in shown:
             v, o = at(points, preset, "value", f), at(points, preset, "oracle", f)
@@ -353,9 +352,8 @@ def oracle_goal_rows(points: list[SweepPoint], refs: dict[str, Reference]) -> li
         ref = refs.get(preset)
         if ref is None or not curve(points, preset, "oracle"):
             continue
-        target = 0.9 * ref.host_hit_rate
-        oracle = memory_to_reach(curve(points, preset, "oracle"), target)
-        value = memory_to_reach(curve(points, preset, "value"), target)
+        oracle = memory_to_90(points, refs, preset, "oracle")
+        value = memory_to_90(points, refs, preset, "value")
         if value is not None and oracle is not None:
             ratio = value / oracle
             rows.append(f"| {preset} | memory to 90 % of unbounded ≤ {ORACLE_MEMORY_GOAL:g} × "
@@ -366,21 +364,14 @@ def oracle_goal_rows(points: list[SweepPoint], refs: dict[str, Reference]) -> li
                         f"the oracle's | value {format_bytes(value) if value else 'not reached'}"
                         f", oracle {format_bytes(oracle) if oracle else 'not reached'} | "
                         f"{'yes' if value is not None else 'no'} |")
-        shares = []
-        for o in curve(points, preset, "oracle"):
-            f = o.capacity_fraction
-            v = at(points, preset, "value", f)
-            if v is None or not ORACLE_HIT_RANGE[0] <= f <= ORACLE_HIT_RANGE[1]:
-                continue
-            if o.host_hit_rate > 0:
-                shares.append((v.host_hit_rate / o.host_hit_rate, f))
-        if shares:
-            worst, where = min(shares)
+        lowest = oracle_distance(points, refs, preset)[1]
+        if lowest is not None:
+            worst, where = lowest
             rows.append(f"| {preset} | host hit ≥ {ORACLE_HIT_GOAL:g} × the oracle's from "
                         f"{100 * ORACLE_HIT_RANGE[0]:g} to {100 * ORACLE_HIT_RANGE[1]:g} % | "
                         f"lowest {worst:.2f}x (at {100 * where:g} %) | "
                         f"{'yes' if worst >= ORACLE_HIT_GOAL else 'no'} |")
-        hinted = memory_to_reach(curve(points, preset, HINTED_SERIES), target)
+        hinted = memory_to_90(points, refs, preset, HINTED_SERIES)
         if not curve(points, preset, HINTED_SERIES):
             measured, met = "not measured", "not measured"
         elif hinted is not None and oracle is not None:
@@ -394,15 +385,20 @@ def oracle_goal_rows(points: list[SweepPoint], refs: dict[str, Reference]) -> li
     return rows
 
 
+def memory_to_90(points: list[SweepPoint], refs: dict[str, Reference], preset: str,
+                 series: str) -> float | None:
+    """Host memory ``series`` needs to reach 90 % of ``preset``'s unbounded host hit rate
+    (None if it never does)."""
+    return memory_to_reach(curve(points, preset, series), 0.9 * refs[preset].host_hit_rate)
+
+
 def oracle_distance(points: list[SweepPoint], refs: dict[str, Reference], preset: str
                     ) -> tuple[float | None, tuple[float, float] | None]:
     """``value``'s memory to 90 % of the unbounded hit rate over the oracle's (None if
     either is not reached), and its lowest host hit share of the oracle's in
     ``ORACLE_HIT_RANGE`` with where (None if the oracle has no hit there)."""
-    ref = refs[preset]
-    target = 0.9 * ref.host_hit_rate
-    value = memory_to_reach(curve(points, preset, "value"), target)
-    oracle = memory_to_reach(curve(points, preset, "oracle"), target)
+    value = memory_to_90(points, refs, preset, "value")
+    oracle = memory_to_90(points, refs, preset, "oracle")
     shares = [(v.host_hit_rate / o.host_hit_rate, o.capacity_fraction)
               for o in curve(points, preset, "oracle")
               if ORACLE_HIT_RANGE[0] <= o.capacity_fraction <= ORACLE_HIT_RANGE[1]
