@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
 from itertools import filterfalse, islice
 from operator import attrgetter, itemgetter
 from types import MappingProxyType
@@ -38,33 +37,9 @@ from kvoffload.tiers.base import (
 )
 from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy, Victims
 from kvoffload.tiers.host_space import HostSpace, swap_states, writing_states
+from kvoffload.tiers.host_stats import HostTierStats
 
-
-@dataclass(slots=True)
-class HostTierStats:
-    """Cumulative counters of one ``HostTier`` (plain data; ``reset`` keeps them).
-
-    Attributes:
-        lookup_hits / lookup_misses / lookup_pending: ``lookup`` answers.
-        keys_loaded: keys pinned by ``prepare_load``.
-        keys_deduped: ``prepare_store`` input keys skipped as already present.
-        keys_reserved: keys given a slot by ``prepare_store``.
-        stores_rejected: ``prepare_store`` calls answered ``None`` (no room).
-        keys_stored: keys made readable by ``complete_store``.
-        keys_store_failed: keys dropped by ``complete_store(success=False)``.
-        keys_evicted: keys evicted to make room.
-    """
-
-    lookup_hits: int = 0
-    lookup_misses: int = 0
-    lookup_pending: int = 0
-    keys_loaded: int = 0
-    keys_deduped: int = 0
-    keys_reserved: int = 0
-    stores_rejected: int = 0
-    keys_stored: int = 0
-    keys_store_failed: int = 0
-    keys_evicted: int = 0
+__all__ = ["HostTier", "HostTierStats"]
 
 
 _REF = attrgetter("ref")
