@@ -8,7 +8,7 @@ payload (``kvoffload.tiers.framing``). Two implementations give the same digests
   loop where the CPU has one), and its ``read_frame`` / ``store_frame`` (the disk tier's
   read and atomic write of one block file) and ``read_hashed`` / ``write_hashed`` move a
   whole payload between a file and memory in one call without the GIL, hashing each piece
-  right after it is read (or right before it is written) while it is still in the CPU
+  right after it is read or written, while the kernel's copy has left it in the CPU
   cache: one pass over the bytes from memory, and I/O threads never wait for each other.
 * ``PYTHON``: the ``xxhash`` package for the digest (which releases the GIL for buffers over
   64 KiB) and ``os.preadv`` / ``os.pwrite`` loops in Python for the I/O.
@@ -43,7 +43,9 @@ PIECE_BYTES = 256 << 10
 lands, while still in cache."""
 WRITE_PIECE_BYTES = 1 << 20
 """Bytes per write in ``write_hashed`` / ``write_frame`` / ``store_frame``: each piece is
-hashed right before it is written, still in the L2 cache then. Larger than a read piece:
+hashed right after it is written, while the copy into the page cache has left it in the
+CPU cache (``benchmarks/disk_breakdown.c`` measures this order against hashing first).
+Larger than a read piece:
 every ``write`` call into the page cache costs the file system a fixed amount (its inode
 times, a journal handle), and 1 MiB pieces measured 5-10 % less CPU per stored byte than
 256 KiB ones (``benchmarks/tier_throughput.py``, ``docs/tiers.md``)."""
@@ -93,7 +95,7 @@ class Checksums(Protocol):
 
     def write_hashed(self, fd: int, src: BytesLike, offset: int, digest: Digest) -> None:
         """Write all of ``src`` to ``fd`` at ``offset``, feeding each piece to ``digest``
-        (one made by ``new``) before it is written. ``OSError`` as the writes raise it."""
+        (one made by ``new``) once it is written. ``OSError`` as the writes raise it."""
         ...
 
     def read_frame(self, dir_fd: int, name: str, header: bytearray, dest: memoryview,
@@ -153,10 +155,10 @@ class _PythonChecksums:
         view = memoryview(src).cast("B")
         for start in range(0, view.nbytes, WRITE_PIECE_BYTES):
             piece = view[start:start + WRITE_PIECE_BYTES]
-            digest.update(piece)
             written = 0
             while written < piece.nbytes:
                 written += os.pwrite(fd, piece[written:], offset + start + written)
+            digest.update(piece)
 
 
     def read_frame(self, dir_fd: int, name: str, header: bytearray, dest: memoryview,
