@@ -38,6 +38,20 @@ static double now(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
+/* Stop the run: a step failed, and its timing would mean nothing. */
+static void fail(const char *what) {
+    perror(what);
+    exit(1);
+}
+
+/* ``error``: 0, or the errno a write step returned. */
+static void check(int error, const char *what) {
+    if (error) {
+        errno = error;
+        fail(what);
+    }
+}
+
 /* The frame of write_frame_fd with each piece hashed before it is written, not after. */
 static void write_frame_hash_before(int fd, const uint8_t *fields, size_t fields_len,
                                    const uint8_t *payload, size_t size) {
@@ -47,13 +61,14 @@ static void write_frame_hash_before(int fd, const uint8_t *fields, size_t fields
     for (size_t done = 0; done < size; done += WRITE_PIECE) {
         size_t want = size - done < WRITE_PIECE ? size - done : WRITE_PIECE;
         state_update(&st, payload + done, want);
-        write_hashed(fd, payload + done, want, (long long)(128 + done), NULL, want);
+        check(write_hashed(fd, payload + done, want, (long long)(128 + done), NULL, want),
+              "write");
     }
     uint8_t header[128] = {0};
     uint64_t digest = state_digest(&st);
     memcpy(header, fields, fields_len);
     memcpy(header + fields_len, &digest, 8);
-    write_hashed(fd, header, 128, 0, NULL, 128);
+    check(write_hashed(fd, header, 128, 0, NULL, 128), "write");
 }
 
 typedef struct {
@@ -75,20 +90,24 @@ static void write_frame_hash_beside(int fd, const uint8_t *fields, size_t fields
     pthread_t helper;
     state_init(&job.st);
     state_update(&job.st, fields, fields_len);
-    pthread_create(&helper, NULL, hash_payload, &job);
-    write_hashed(fd, payload, size, 128, NULL, WRITE_PIECE);
+    if (pthread_create(&helper, NULL, hash_payload, &job) != 0)
+        fail("pthread_create");
+    check(write_hashed(fd, payload, size, 128, NULL, WRITE_PIECE), "write");
     pthread_join(helper, NULL);
     uint8_t header[128] = {0};
     uint64_t digest = state_digest(&job.st);
     memcpy(header, fields, fields_len);
     memcpy(header + fields_len, &digest, 8);
-    write_hashed(fd, header, 128, 0, NULL, 128);
+    check(write_hashed(fd, header, 128, 0, NULL, 128), "write");
 }
 
+/* Remove the blocks and any temporary file an interrupted run left. */
 static void empty_dir(const char *dir, int n) {
     char path[4096];
     for (int i = 0; i < n; i++) {
         snprintf(path, sizeof path, "%s/%d.blk", dir, i);
+        unlink(path);
+        snprintf(path, sizeof path, "%s/%d.tmp", dir, i);
         unlink(path);
     }
 }
@@ -110,23 +129,25 @@ static void store_one(int v, int i) {
     snprintf(final, sizeof final, "%d.blk", i);
     int fd = openat(dfd, v >= 2 ? tmp : final, O_WRONLY | O_CREAT | (v >= 2 ? O_EXCL : O_TRUNC),
                     0644);
+    if (fd < 0)
+        fail("create");
     if (v == 0) {
-        write_hashed(fd, src, size, 0, NULL, size);
+        check(write_hashed(fd, src, size, 0, NULL, size), "write");
     } else if (v < 3) {
-        write_hashed(fd, src, size, 128, NULL, WRITE_PIECE);
-        write_hashed(fd, src, 128, 0, NULL, 128);
+        check(write_hashed(fd, src, size, 128, NULL, WRITE_PIECE), "write");
+        check(write_hashed(fd, src, 128, 0, NULL, 128), "write");
     } else if (v == 3) {
         Py_buffer fields = {.buf = fields_bytes, .len = sizeof fields_bytes};
         Py_buffer payload = {.buf = (void *)src, .len = (Py_ssize_t)size};
-        write_frame_fd(fd, &fields, &payload, 128, WRITE_PIECE);
+        check(write_frame_fd(fd, &fields, &payload, 128, WRITE_PIECE), "write");
     } else if (v == 4) {
         write_frame_hash_before(fd, fields_bytes, sizeof fields_bytes, src, size);
     } else {
         write_frame_hash_beside(fd, fields_bytes, sizeof fields_bytes, src, size);
     }
     close(fd);
-    if (v >= 2)
-        renameat(dfd, tmp, dfd, final);
+    if (v >= 2 && renameat(dfd, tmp, dfd, final) < 0)
+        fail("rename");
 }
 
 /* Load block ``i`` the way row ``v`` does (the frame at 128 the last store left, or for
@@ -134,7 +155,9 @@ static void store_one(int v, int i) {
 static void load_one(int v, int i) {
     char final[64];
     snprintf(final, sizeof final, "%d.blk", i);
-    int fd = openat(dfd, final, O_RDONLY), error;
+    int fd = openat(dfd, final, O_RDONLY), error = 0;
+    if (fd < 0)
+        fail("open");
     uint8_t *out = dest + (size_t)i * size, head[128];
     xxh3_state st;
     state_init(&st);
@@ -148,8 +171,10 @@ static void load_one(int v, int i) {
     } else {
         size_t at = v == 2 ? 128 : 122;
         pread_full(fd, head, at, 0, &error);
+        check(error, "read");
         read_hashed(fd, out, size, (long long)at, &st, READ_PIECE, &error);
     }
+    check(error, "read");
     close(fd);
 }
 
@@ -175,7 +200,8 @@ static double run_row(int store, int v) {
         if (threads == 1)
             run_share(&parts[k]);
         else
-            pthread_create(&ids[k], NULL, run_share, &parts[k]);
+            if (pthread_create(&ids[k], NULL, run_share, &parts[k]) != 0)
+                fail("pthread_create");
     }
     for (int k = 0; threads > 1 && k < threads; k++)
         pthread_join(ids[k], NULL);

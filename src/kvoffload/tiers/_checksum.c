@@ -524,7 +524,8 @@ static size_t read_hashed(int fd, uint8_t *out, size_t total, long long offset,
  * right after it is written; 0 or the errno (``st`` then holds a prefix). Runs without the
  * GIL. After, not before: the kernel's copy into the page cache has just pulled the piece
  * into this core's cache, where the hash reads it (benchmarks/disk_breakdown.c measures
- * both orders: after is 0.00-0.10 of raw better in most runs, never clearly worse). */
+ * both orders: single-threaded, after was up to 0.10 of raw faster in 13 of 15 runs; with
+ * two or four threads neither order was reliably faster). */
 static int write_hashed(int fd, const uint8_t *in, size_t total, long long offset,
                         xxh3_state *st, size_t piece) {
     size_t done = 0;

@@ -11,8 +11,8 @@ block's name. Temporary files a crash left behind are removed when a store opens
 
 Reads open the file, check its size, read the header, then the payload straight into the
 host slot, and verify everything the header promises. The checksum is computed on the way
-(``kvoffload.tiers.checksum``): each piece of the payload is hashed right after it is read,
-or right before it is written, while still in the CPU cache -- with the native extension
+(``kvoffload.tiers.checksum``): each piece of the payload is hashed right after it is read
+or written, while still in the CPU cache -- with the native extension
 the whole store or read of a block is one call that never holds the GIL. A damaged file
 (wrong size, magic, rank, layout, key or checksum -- or, with a MAC key, a MAC that does
 not verify) is deleted and read as a miss. Running out of space (``ENOSPC``) or any other
