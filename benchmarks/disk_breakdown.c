@@ -19,7 +19,6 @@
  * left it in this core's cache): hashing each piece before it is written, and hashing the
  * whole payload on a second thread while this one writes it (which only a machine with an
  * idle core can pay for).
- * Link with -pthread.
  */
 #include "../src/kvoffload/tiers/_checksum.c"
 
@@ -52,6 +51,16 @@ static void check(int error, const char *what) {
     }
 }
 
+/* The frame's header at 0: ``fields``, the digest of ``st`` (little-endian), zeros to 128. */
+static void write_header(int fd, const uint8_t *fields, size_t fields_len,
+                         const xxh3_state *st) {
+    uint8_t header[128] = {0};
+    uint64_t digest = state_digest(st);
+    memcpy(header, fields, fields_len);
+    memcpy(header + fields_len, &digest, 8);
+    check(write_hashed(fd, header, 128, 0, NULL, 128), "write");
+}
+
 /* The frame of write_frame_fd with each piece hashed before it is written, not after. */
 static void write_frame_hash_before(int fd, const uint8_t *fields, size_t fields_len,
                                    const uint8_t *payload, size_t size) {
@@ -64,11 +73,7 @@ static void write_frame_hash_before(int fd, const uint8_t *fields, size_t fields
         check(write_hashed(fd, payload + done, want, (long long)(128 + done), NULL, want),
               "write");
     }
-    uint8_t header[128] = {0};
-    uint64_t digest = state_digest(&st);
-    memcpy(header, fields, fields_len);
-    memcpy(header + fields_len, &digest, 8);
-    check(write_hashed(fd, header, 128, 0, NULL, 128), "write");
+    write_header(fd, fields, fields_len, &st);
 }
 
 typedef struct {
@@ -94,11 +99,7 @@ static void write_frame_hash_beside(int fd, const uint8_t *fields, size_t fields
         fail("pthread_create");
     check(write_hashed(fd, payload, size, 128, NULL, WRITE_PIECE), "write");
     pthread_join(helper, NULL);
-    uint8_t header[128] = {0};
-    uint64_t digest = state_digest(&job.st);
-    memcpy(header, fields, fields_len);
-    memcpy(header + fields_len, &digest, 8);
-    check(write_hashed(fd, header, 128, 0, NULL, 128), "write");
+    write_header(fd, fields, fields_len, &job.st);
 }
 
 /* Remove the blocks and any temporary file an interrupted run left. */
@@ -190,20 +191,23 @@ static void *run_share(void *arg) {
     return NULL;
 }
 
-/* Seconds for every block of row ``v`` on ``threads`` threads. */
+/* Seconds for every block of row ``v`` on ``threads`` threads (one: on this thread, with
+ * no thread started). */
 static double run_row(int store, int v) {
     pthread_t ids[64];
     share parts[64];
     double t = now();
+    if (threads == 1) {
+        parts[0] = (share){0, store, v};
+        run_share(&parts[0]);
+        return now() - t;
+    }
     for (int k = 0; k < threads; k++) {
         parts[k] = (share){k, store, v};
-        if (threads == 1)
-            run_share(&parts[k]);
-        else
-            if (pthread_create(&ids[k], NULL, run_share, &parts[k]) != 0)
-                fail("pthread_create");
+        if (pthread_create(&ids[k], NULL, run_share, &parts[k]) != 0)
+            fail("pthread_create");
     }
-    for (int k = 0; threads > 1 && k < threads; k++)
+    for (int k = 0; k < threads; k++)
         pthread_join(ids[k], NULL);
     return now() - t;
 }
