@@ -30,10 +30,29 @@ BUS_OFFSET = 10_000
 """A cluster node also listens on its port + 10000 (the cluster bus)."""
 
 
-def cluster_port(rng: random.Random) -> int:
-    """A loopback port that is free, and whose bus port is too."""
+START_ATTEMPTS = 5
+"""Tries per node: a port found free can still be taken before the server binds it."""
+
+
+def ephemeral_low() -> int:
+    """The first port the kernel hands out as a connection's source port."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
+def cluster_port(rng: random.Random, taken: set[int]) -> int:
+    """A loopback port that is free, and whose bus port is too, both below the ephemeral
+    range (where any client connection of the run could take one as its source port) and
+    neither in ``taken`` (the ports of nodes already started, which may not be bound yet)."""
+    low, high = 10_000, ephemeral_low() - BUS_OFFSET
+    if high - low < 1000:  # an ephemeral range starting low: it cannot be avoided
+        low, high = 20_000, 50_000
     for _ in range(1000):
-        port = rng.randrange(20_000, 50_000)
+        port = rng.randrange(low, high)
+        if {port, port + BUS_OFFSET} & taken:
+            continue
         try:
             for p in (port, port + BUS_OFFSET):
                 with socket.socket() as sock:
@@ -66,19 +85,9 @@ class Cluster:
     def start(self) -> None:
         assert REDIS_SERVER is not None and REDIS_CLI is not None
         rng = random.Random()
+        taken: set[int] = set()
         for _ in range(6):
-            port = cluster_port(rng)
-            args = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1",
-                    "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                    "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
-                    # A replica may take over however long it was out of touch.
-                    "--cluster-replica-validity-factor", "0", "--save", "",
-                    "--appendonly", "no", "--dir", str(self.directory),
-                    "--protected-mode", "no", "--loglevel", "warning"]
-            proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            self.nodes.append(Node(port, proc))
-        for node in self.nodes:
-            self._wait_ping(node)
+            self.nodes.append(self._start_node(rng, taken))
         subprocess.run([REDIS_CLI, "--cluster", "create",
                         *(n.address for n in self.nodes), "--cluster-replicas", "1",
                         "--cluster-yes"], check=True, capture_output=True, timeout=60)
@@ -102,13 +111,37 @@ class Cluster:
                               timeout=timeout, check=False)
         return done.stdout.decode()
 
-    def _wait_ping(self, node: Node) -> None:
+    def _start_node(self, rng: random.Random, taken: set[int]) -> Node:
+        """One node answering PING; a server that exits at once (its port was taken after
+        the check) is started again on another port."""
+        assert REDIS_SERVER is not None
+        for _ in range(START_ATTEMPTS):
+            port = cluster_port(rng, taken)
+            taken.update((port, port + BUS_OFFSET))
+            args = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1",
+                    "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                    "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+                    # A replica may take over however long it was out of touch.
+                    "--cluster-replica-validity-factor", "0", "--save", "",
+                    "--appendonly", "no", "--dir", str(self.directory),
+                    "--protected-mode", "no", "--loglevel", "warning"]
+            node = Node(port, subprocess.Popen(args, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL))
+            if self._wait_ping(node):
+                return node
+            node.proc.kill()
+            node.proc.wait()
+        raise RuntimeError(f"no redis-server of the cluster answered in {START_ATTEMPTS} tries")
+
+    def _wait_ping(self, node: Node) -> bool:
+        """Whether ``node`` answers PING within 10 s (False at once if it exited)."""
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self._cli(node.port, "PING").strip() == "PONG":
-                return
+        while time.monotonic() < deadline and node.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # another listener there
+                if self._cli(node.port, "PING", timeout=1).strip() == "PONG":
+                    return True
             time.sleep(0.05)
-        raise RuntimeError(f"redis-server on {node.port} did not answer")
+        return False
 
     def live(self) -> list[Node]:
         return [n for n in self.nodes if n.proc.poll() is None]

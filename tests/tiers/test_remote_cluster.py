@@ -6,19 +6,24 @@ Stories: blocks of every group kind round-trip and spread over every master, wit
 rank's copy of a block on one shard; two engine processes share a prefix through the
 cluster; a master killed with SIGKILL mid-run costs misses until its replica takes over,
 then hits again, never a wrong byte; slots moved between masters mid-run cost no error.
+And the kit itself: a node whose port is taken before it binds starts on another port.
 """
 
 from __future__ import annotations
 
 import json
+import random
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvoffload.tiers.naming import namespace
+from tiers import cluster_kit
 from tiers.cluster_kit import Cluster, redis_cluster
 from tiers.tier_kit import (
     ENV,
@@ -147,3 +152,30 @@ def test_slots_moved_mid_run_cost_no_errors(own_cluster: Cluster) -> None:
         assert engine.run([[*prompt(1, PREFIX), 5, 5]]) > 0
         assert remote_hit_after_eviction(engine, 40) > 0
         engine.tier.check_integrity()
+
+
+def test_a_node_whose_port_is_taken_meanwhile_starts_on_another(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A port found free can be taken before redis-server binds it (the CI flake this
+    # guards against): the kit starts that node again on another port instead of failing.
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    busy = blocker.getsockname()[1]
+    picks: list[int] = []
+    free_port = cluster_kit.cluster_port
+
+    def taken_first(rng: random.Random, taken: set[int]) -> int:
+        picks.append(busy if not picks else free_port(rng, taken))
+        return picks[-1]
+
+    monkeypatch.setattr(cluster_kit, "cluster_port", taken_first)
+    cluster = Cluster(tmp_path)
+    try:
+        cluster.nodes.append(cluster._start_node(random.Random(1), set()))
+        node = cluster.nodes[0]
+        assert picks[0] == busy and node.port == picks[1] != busy
+        assert cluster._cli(node.port, "PING").strip() == "PONG"
+    finally:
+        cluster.stop()
+        blocker.close()
