@@ -19,6 +19,7 @@ from kvoffload.engine.scheduler import EngineConfig
 from kvoffload.engine.simulation import Mode, SimulationConfig, assemble, run_one
 from kvoffload.engine.workloads import AgenticWorkload, ChatWorkload
 from kvoffload.jobs import Direction, TransferJob
+from kvoffload.tiers.framing import HEADER_BYTES
 
 PROMPT = toks(12)
 FLUSH = toks(31, base=5000)
@@ -195,9 +196,9 @@ def test_a_real_disk_tier_serves_a_second_run_verified(preset: str, tmp_path: Pa
     assert second.prefill_tokens_computed < first.prefill_tokens_computed
     files = list(tmp_path.rglob("*.kvb"))
     assert files
-    for path in files:  # flip the last payload byte of every block file
+    for path in files:  # flip the last payload byte of every block file (its header follows)
         data = bytearray(path.read_bytes())
-        data[-1] ^= 0xFF
+        data[-HEADER_BYTES - 1] ^= 0xFF
         path.write_bytes(bytes(data))
     third = run_one(config, chat())
     # Every damaged file is a miss (dropped); only blocks this run wrote back itself hit.

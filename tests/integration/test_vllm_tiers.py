@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from integration.markers import VLLM
+from kvoffload.tiers.framing import HEADER_BYTES
 
 pytestmark = VLLM
 
@@ -126,11 +127,11 @@ def test_damaged_block_files_are_misses_and_outputs_are_recomputed(
     files = [os.path.join(d, f) for d, _, names in os.walk(tmp_path / "disk")
              for f in names if f.endswith(".kvb")]
     assert files
-    for path in files:  # flip one payload byte near the end of every block
+    for path in files:  # flip one payload byte near the end of every block (before its header)
         with open(path, "r+b") as f:
-            f.seek(-7, os.SEEK_END)
+            f.seek(-HEADER_BYTES - 7, os.SEEK_END)
             byte = f.read(1)
-            f.seek(-7, os.SEEK_END)
+            f.seek(-HEADER_BYTES - 7, os.SEEK_END)
             f.write(bytes([byte[0] ^ 0xFF]))
     with engine(tiny_model("llama"), extra=extra) as eng:
         second = eng.generate(prompts)

@@ -122,7 +122,7 @@ def test_damaged_and_planted_files_in_the_shared_tier_never_reach_the_engine(
     for i, path in enumerate(damaged):
         data = bytearray(path.read_bytes())
         if i % 3 == 0:
-            data[-1] ^= 0xFF  # a flipped payload bit
+            data[len(data) // 3] ^= 0xFF  # a flipped payload bit (the payload starts the file)
         elif i % 3 == 1:
             data = data[: len(data) // 2]  # truncated
         else:

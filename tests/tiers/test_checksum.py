@@ -28,6 +28,7 @@ from kvoffload.tiers.framing import (
     MAC_BYTES,
     MAC_OFFSET,
     MacKey,
+    encode_header,
     header_fields,
 )
 from kvoffload.tiers.naming import BLOCK_SUFFIX
@@ -149,8 +150,8 @@ def test_hashed_writes_and_reads_move_and_hash_the_same_bytes(
         os.close(fd)
 
 
-@pytest.mark.parametrize("size", [0, 5, PIECE_BYTES - HEADER_BYTES, PIECE_BYTES + 1,
-                                  3 * PIECE_BYTES + 77, 2 * WRITE_PIECE_BYTES + 9])
+@pytest.mark.parametrize("size", [0, 5, PIECE_BYTES - HEADER_BYTES, PIECE_BYTES, PIECE_BYTES + 1,
+                                  2 * PIECE_BYTES, 3 * PIECE_BYTES + 77, 2 * WRITE_PIECE_BYTES + 9])
 def test_both_implementations_write_and_read_identical_frames(tmp_path: Path, size: int) -> None:
     fields = header_fields(bytes(range(16)), 3, b"key-" * 4, size)
     payload = DATA[:size]
@@ -165,16 +166,16 @@ def test_both_implementations_write_and_read_identical_frames(tmp_path: Path, si
         files[impl.name] = path.read_bytes()
     expected_checksum = xxhash.xxh3_64_intdigest(fields + payload)
     for name, content in files.items():
-        assert content == (fields + expected_checksum.to_bytes(8, "little")
-                           + bytes(HEADER_BYTES - FIELDS_BYTES - 8) + payload), name
+        assert content == (payload + fields + expected_checksum.to_bytes(8, "little")
+                           + bytes(HEADER_BYTES - FIELDS_BYTES - 8)), name
     dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for impl in IMPLEMENTATIONS:
             for name, content in files.items():
                 header, dest = bytearray(HEADER_BYTES), memoryview(bytearray(size))
-                frame = impl.read_frame(dir_fd, f"{name}.blk", header, dest, FIELDS_BYTES)
+                frame = impl.read_frame(dir_fd, f"{name}.blk", fields, header, dest)
                 assert frame == (cs.FRAME_READ, 0, expected_checksum)
-                assert bytes(header) + dest.tobytes() == content
+                assert dest.tobytes() + bytes(header) == content
     finally:
         os.close(dir_fd)
 
@@ -186,8 +187,8 @@ def test_store_frame_writes_the_frame_atomically_and_leaves_no_temporary_file(
     fields = header_fields(bytes(range(16)), 1, b"k" * 20, size)
     payload = DATA[:size]
     checksum = xxhash.xxh3_64_intdigest(fields + payload)
-    expected = (fields + checksum.to_bytes(8, "little") + bytes(HEADER_BYTES - FIELDS_BYTES - 8)
-                + payload)
+    expected = (payload + fields + checksum.to_bytes(8, "little")
+                + bytes(HEADER_BYTES - FIELDS_BYTES - 8))
     dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for impl in IMPLEMENTATIONS:
@@ -243,8 +244,8 @@ def _outcomes(tmp_path: Path) -> dict[str, tuple[int, int, int]]:
     try:
         for impl in IMPLEMENTATIONS:
             for name in ("missing", "short", "long", "good", "link", "fifo", "dir"):
-                outcome = impl.read_frame(dir_fd, f"{name}.blk", bytearray(HEADER_BYTES),
-                                          memoryview(bytearray(11)), FIELDS_BYTES)
+                outcome = impl.read_frame(dir_fd, f"{name}.blk", bytes(FIELDS_BYTES),
+                                          bytearray(HEADER_BYTES), memoryview(bytearray(11)))
                 assert results.setdefault(name, outcome) == outcome, (impl.name, name)
     finally:
         os.close(dir_fd)
@@ -309,14 +310,14 @@ def test_native_hashing_and_reading_release_the_gil(tmp_path: Path) -> None:
     assert _python_runs_during(hash_big) > 0
 
     path = tmp_path / "big.blk"
-    path.write_bytes(bytes(HEADER_BYTES) + bytes(64 << 20))
+    path.write_bytes(bytes(64 << 20) + bytes(HEADER_BYTES))
     dest = memoryview(bytearray(64 << 20))
     dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         def read() -> None:
             for _ in range(4):
-                frame = NATIVE.read_frame(dir_fd, "big.blk", bytearray(HEADER_BYTES), dest,
-                                          FIELDS_BYTES)
+                frame = NATIVE.read_frame(dir_fd, "big.blk", bytes(FIELDS_BYTES),
+                                          bytearray(HEADER_BYTES), dest)
                 assert frame[0] == cs.FRAME_READ
 
         assert _python_runs_during(read) > 0
@@ -328,14 +329,14 @@ def test_native_hashing_and_reading_release_the_gil(tmp_path: Path) -> None:
 
 
 def _positions(size: int, *, mac: bool) -> list[int]:
-    """Every header byte (without a MAC key, all but the MAC field, which a reader without
-    a key ignores by design: ``kvoffload.tiers.framing``), and payload bytes at its start,
-    around piece and stripe boundaries, and at its end."""
-    header = [p for p in range(HEADER_BYTES)
-              if mac or not MAC_OFFSET <= p < MAC_OFFSET + MAC_BYTES]
+    """Payload bytes at its start, around piece and stripe boundaries and at its end, and
+    every byte of the header after it (without a MAC key, all but the MAC field, which a
+    reader without a key ignores by design: ``kvoffload.tiers.framing``)."""
     payload = [0, 1, 63, 64, 1023, 1024, PIECE_BYTES - 1, PIECE_BYTES, WRITE_PIECE_BYTES - 1,
                WRITE_PIECE_BYTES, size // 2, size - 64, size - 1]
-    return header + sorted({HEADER_BYTES + p for p in payload if 0 <= p < size})
+    header = [size + p for p in range(HEADER_BYTES)
+              if mac or not MAC_OFFSET <= p < MAC_OFFSET + MAC_BYTES]
+    return sorted({p for p in payload if 0 <= p < size}) + header
 
 
 @pytest.mark.parametrize("mac", [False, True], ids=["no-mac", "mac"])
@@ -350,7 +351,7 @@ def test_a_damaged_byte_anywhere_in_a_block_file_is_a_miss(
         path = tmp_path / "ns" / "rank0" / key.hex()[:2] / f"{key.hex()}{BLOCK_SUFFIX}"
         assert store.put([(key, payload)]) == [True]
         pristine = path.read_bytes()
-        assert len(pristine) == HEADER_BYTES + size
+        assert len(pristine) == size + HEADER_BYTES
         dest = memoryview(bytearray(size))
         assert store.get_into([(key, dest)]) == [True]
         assert dest.tobytes() == payload.tobytes()
@@ -386,6 +387,27 @@ def test_a_block_in_the_previous_format_is_dropped_never_served(
         path.parent.mkdir(parents=True)
         path.write_bytes(old)
         assert store.get_into([(key, memoryview(bytearray(len(payload))))]) == [False]
+        assert store.stats.rejected == 1
+        assert not path.exists()
+    finally:
+        store.close()
+
+
+def test_a_block_with_its_header_first_is_dropped_never_served(
+        impl: Checksums, tmp_path: Path) -> None:
+    """A file of the right size with its header first (the disk layout of earlier releases)
+    is read as damaged and removed: its last 128 bytes are payload, not a header."""
+    store = DiskStore(str(tmp_path), "ns", 0, bytes(range(16)), fsync=False, using=impl)
+    try:
+        key, payload = bytes(range(32, 48)), DATA[:5000]
+        fields = header_fields(bytes(range(16)), 0, key, len(payload))
+        old = encode_header(bytes(range(16)), 0, key, payload) + payload
+        assert old[:FIELDS_BYTES] == fields
+        path = tmp_path / "ns" / "rank0" / key.hex()[:2] / f"{key.hex()}{BLOCK_SUFFIX}"
+        path.parent.mkdir(parents=True)
+        path.write_bytes(old)
+        dest = memoryview(bytearray(len(payload)))
+        assert store.get_into([(key, dest)]) == [False]
         assert store.stats.rejected == 1
         assert not path.exists()
     finally:

@@ -99,7 +99,7 @@ def test_a_corrupted_block_file_is_a_miss_and_is_deleted(tmp_path: Path) -> None
         victim = _key(engine, tokens, 5, 0)
         path = Path(block_path(tmp_path, ns, 1, victim))
         corrupted = bytearray(path.read_bytes())
-        corrupted[HEADER_BYTES + 3] ^= 0x10
+        corrupted[3] ^= 0x10  # the payload starts the file, its header follows it
         path.write_bytes(bytes(corrupted))
 
         hit = engine.run([[*tokens, 9, 9, 9]])

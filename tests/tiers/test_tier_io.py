@@ -20,7 +20,7 @@ import torch
 from kvoffload.jobs import StepPlan, TierJob, TierJobId, TierOp, WorkerReport
 from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.tiers.config import TierConfig
-from kvoffload.tiers.framing import HEADER_BYTES, BytesLike
+from kvoffload.tiers.framing import BytesLike
 from kvoffload.tiers.naming import block_path, remote_key
 from kvoffload.worker import TransferWorker
 from kvoffload.worker.block_store import BlockStore
@@ -194,10 +194,10 @@ def test_corrupt_truncated_foreign_and_rekeyed_files_are_misses_and_removed(
         demote_one(worker, "disk", key(i, 2))
 
     data = bytearray(Path(path[0]).read_bytes())
-    data[HEADER_BYTES + 100] ^= 0x01  # one bit of one Mamba state
+    data[100] ^= 0x01  # one bit of one Mamba state (the payload starts the file)
     Path(path[0]).write_bytes(data)
     with open(path[1], "r+b") as f:
-        f.truncate(HEADER_BYTES + 10)  # a torn write
+        f.truncate(10)  # a torn write
     shutil.copy(path[3], path[2])  # another block under this block's name
 
     # A block another layout wrote (another model's engine under a colliding namespace).

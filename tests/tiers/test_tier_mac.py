@@ -36,6 +36,7 @@ from kvoffload.tiers.config import (
 from kvoffload.tiers.framing import HEADER_BYTES, MAC_BYTES, MAC_OFFSET, MacKey, encode_header
 from kvoffload.tiers.naming import block_path, namespace, remote_key
 from kvoffload.worker.block_store import BlockStore, TierUnavailable
+from kvoffload.worker.disk_frames import file_bytes
 from kvoffload.worker.tier_io import build_stores
 from tiers.tier_kit import (
     RedisServer,
@@ -109,6 +110,11 @@ def forged_frame(fingerprint: bytes, rank: int, key: bytes, payload: bytes) -> b
     return encode_header(fingerprint, rank, key, payload) + payload
 
 
+def as_file(value: bytes) -> bytes:
+    """The block file holding the frame ``value`` (a remote value: header, then payload)."""
+    return file_bytes(value[:HEADER_BYTES], value[HEADER_BYTES:])
+
+
 # -- the forgery ----------------------------------------------------------------------------
 
 
@@ -133,7 +139,7 @@ def test_a_forged_block_is_served_without_a_key_and_dropped_with_one(
     client.set(remote_key(ns, 0, TARGET), frame)  # type: ignore[attr-defined]
     planted = disk_file(tiers, TARGET)
     planted.parent.mkdir(parents=True, exist_ok=True)
-    planted.write_bytes(frame)
+    planted.write_bytes(as_file(frame))
 
     if not keyed:
         # Today's limit, stated in docs/reliability.md: the checksum has no key, so an
@@ -211,13 +217,13 @@ def test_a_genuine_block_under_another_blocks_name_is_a_miss(
     put(stores["disk"], BLOCK)
     client = redis_srv.client()
     value = client.get(remote_key(NS, 0, BLOCK))  # type: ignore[attr-defined]
-    assert value == disk_file(tiers, BLOCK).read_bytes()
+    assert as_file(value) == disk_file(tiers, BLOCK).read_bytes()
     if reframe:
         mac = value[HEADER_BYTES - MAC_BYTES:HEADER_BYTES]
         value = encode_header(FP, 0, TARGET, PAYLOAD)[:-MAC_BYTES] + mac + PAYLOAD
     client.set(remote_key(NS, 0, TARGET), value)  # type: ignore[attr-defined]
     disk_file(tiers, TARGET).parent.mkdir(parents=True, exist_ok=True)
-    disk_file(tiers, TARGET).write_bytes(value)
+    disk_file(tiers, TARGET).write_bytes(as_file(value))
     assert get(stores["remote"], TARGET) is None
     assert get(stores["disk"], TARGET) is None
     assert client.exists(remote_key(NS, 0, TARGET)) == 0  # type: ignore[attr-defined]
@@ -259,7 +265,7 @@ def test_genuine_blocks_round_trip_byte_for_byte_with_a_key(
     value = redis_srv.client().get(remote_key(NS, 0, key))  # type: ignore[attr-defined]
     assert len(value) == HEADER_BYTES + len(payload) and value[HEADER_BYTES:] == payload
     assert value[HEADER_BYTES - MAC_BYTES:HEADER_BYTES] != bytes(MAC_BYTES)
-    assert disk_file(tiers, key).read_bytes() == value
+    assert disk_file(tiers, key).read_bytes() == as_file(value)
 
 
 def test_an_engine_with_a_key_hits_its_own_disk_blocks(tmp_path: Path) -> None:
@@ -317,7 +323,7 @@ def test_the_key_never_appears_in_logs_reprs_or_errors(
                        forged_frame(FP, 0, TARGET, PAYLOAD))
         else:
             disk_file(tiers, TARGET).parent.mkdir(parents=True, exist_ok=True)
-            disk_file(tiers, TARGET).write_bytes(forged_frame(FP, 0, TARGET, PAYLOAD))
+            disk_file(tiers, TARGET).write_bytes(as_file(forged_frame(FP, 0, TARGET, PAYLOAD)))
         assert get(store, TARGET) is None
     theirs = build_stores(TierConfig(remote=tiers.remote, mac_key=MacKey(OTHER_SECRET)),
                           NS, 0, FP)

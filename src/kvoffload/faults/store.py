@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvoffload.faults.plan import draw_fault
-from kvoffload.tiers.framing import BytesLike
+from kvoffload.tiers.framing import HEADER_BYTES, BytesLike
 from kvoffload.tiers.naming import block_path, remote_key
 from kvoffload.worker.block_store import BlockStore, TierUnavailable
 
@@ -100,14 +100,15 @@ class FaultyBlockStore(BlockStore):
 
 
 def disk_tamper(store: Any) -> Tamper:
-    """Flip the last payload bit of a ``DiskStore`` block file."""
+    """Flip the last payload bit of a ``DiskStore`` block file (the byte before its
+    header, which ends the file)."""
 
     def tamper(key: bytes) -> None:
         path = block_path(store.root, store.namespace, store.rank, key)
         with open(path, "r+b") as f:
-            f.seek(-1, 2)
+            f.seek(-HEADER_BYTES - 1, 2)
             last = f.read(1)
-            f.seek(-1, 2)
+            f.seek(-HEADER_BYTES - 1, 2)
             f.write(bytes([last[0] ^ 0x01]))
 
     return tamper

@@ -12,7 +12,7 @@
  *   xxh3_digest(state) -> int         the digest of everything fed so far (state unchanged)
  *   pread_hashed(fd, dest, offset, state, piece) -> int
  *   pwrite_hashed(fd, src, offset, state, piece)
- *   read_frame(dir_fd, name, header, dest, hashed, piece) -> (outcome, detail, digest)
+ *   read_frame(dir_fd, name, fields, header, dest, piece) -> (outcome, detail, digest)
  *   write_frame(fd, fields, payload, header_bytes, piece)
  *   store_frame(dir_fd, tmp, final, fields, payload, header_bytes, piece, sync)
  *       -> (stage, errno)
@@ -523,9 +523,9 @@ static size_t read_hashed(int fd, uint8_t *out, size_t total, long long offset,
 /* Write all of ``in`` to ``fd`` at ``offset``, feeding each piece to ``st`` (when not NULL)
  * right after it is written; 0 or the errno (``st`` then holds a prefix). Runs without the
  * GIL. After, not before: the kernel's copy into the page cache has just pulled the piece
- * into this core's cache, where the hash reads it (benchmarks/disk_breakdown.c measures
- * both orders: single-threaded, after was up to 0.10 of raw faster in 13 of 15 runs; with
- * two or four threads neither order was reliably faster). */
+ * into this core's cache, where the hash reads it, if the piece and its copy fit in the L2
+ * cache (benchmarks/disk_breakdown.c measures both orders; kvoffload.tiers.checksum's
+ * WRITE_PIECE_BYTES says why its pieces are 512 KiB). */
 static int write_hashed(int fd, const uint8_t *in, size_t total, long long offset,
                         xxh3_state *st, size_t piece) {
     size_t done = 0;
@@ -618,59 +618,58 @@ static size_t pread_full(int fd, uint8_t *out, size_t len, long long offset, int
     return got;
 }
 
-/* Read header and payload of an open frame file: the header and the payload's first piece
- * in one ``preadv``, then the rest piece by piece, hashing ``header[:hashed]`` and every
- * piece of the payload into ``st``. FRAME_READ, FRAME_SHORT or FRAME_READ_ERROR. */
-static int read_frame_at(int fd, Py_buffer *header, Py_buffer *dest, size_t hashed,
+/* Read payload and header (the trailer at ``len(dest)``) of an open frame file: the
+ * payload piece by piece from 0, its last piece and the header in one ``preadv``, hashing
+ * ``fields`` (the header fields the caller expects) and then every piece of the payload
+ * into ``st``. FRAME_READ, FRAME_SHORT or FRAME_READ_ERROR. */
+static int read_frame_at(int fd, const Py_buffer *fields, Py_buffer *header, Py_buffer *dest,
                          size_t piece, xxh3_state *st, int *error) {
     uint8_t *head = header->buf, *out = dest->buf;
     size_t head_len = (size_t)header->len, total = (size_t)dest->len;
-    size_t first = total < piece ? total : piece;
-    struct iovec parts[2] = {{head, head_len}, {out, first}};
-    ssize_t n;
+    size_t split = total ? (total - 1) / piece * piece : 0, last = total - split;
     *error = 0;
+    state_init(st);
+    state_update(st, fields->buf, (size_t)fields->len);
+    if (read_hashed(fd, out, split, 0, st, piece, error) < split)
+        return *error ? FRAME_READ_ERROR : FRAME_SHORT;
+    struct iovec parts[2] = {{out + split, last}, {head, head_len}};
+    ssize_t n;
     do {
-        n = preadv(fd, parts, 2, 0);
+        n = preadv(fd, parts, 2, (off_t)split);
     } while (n < 0 && errno == EINTR);
     if (n < 0) {
         *error = errno;
         return FRAME_READ_ERROR;
     }
     size_t got = (size_t)n;
-    if (got < head_len) {  /* a short read: finish each part on its own */
-        got += pread_full(fd, head + got, head_len - got, (long long)got, error);
-        if (got < head_len)
+    if (got < last) {  /* a short read: finish each part on its own */
+        got += pread_full(fd, out + split + got, last - got, (long long)(split + got), error);
+        if (got < last)
             return *error ? FRAME_READ_ERROR : FRAME_SHORT;
     }
-    size_t have = got - head_len;
-    if (have < first) {
-        have += pread_full(fd, out + have, first - have, (long long)(head_len + have), error);
-        if (have < first)
+    size_t have = got - last;
+    if (have < head_len) {
+        have += pread_full(fd, head + have, head_len - have, (long long)(total + have), error);
+        if (have < head_len)
             return *error ? FRAME_READ_ERROR : FRAME_SHORT;
     }
-    state_init(st);
-    state_update(st, head, hashed);
-    state_update(st, out, first);
-    size_t rest = read_hashed(fd, out + first, total - first, (long long)(head_len + first), st,
-                              piece, error);
-    if (rest < total - first)
-        return *error ? FRAME_READ_ERROR : FRAME_SHORT;
+    state_update(st, out + split, last);
     return FRAME_READ;
 }
 
 static PyObject *py_read_frame(PyObject *self, PyObject *args) {
     int dir_fd, error = 0, outcome = FRAME_READ;
     const char *name;
-    Py_buffer header, dest;
-    Py_ssize_t hashed, piece;
-    if (!PyArg_ParseTuple(args, "isw*w*nn:read_frame", &dir_fd, &name, &header, &dest, &hashed,
+    Py_buffer fields, header, dest;
+    Py_ssize_t piece;
+    if (!PyArg_ParseTuple(args, "isy*w*w*n:read_frame", &dir_fd, &name, &fields, &header, &dest,
                           &piece))
         return NULL;
-    if (hashed < 0 || hashed > header.len || piece <= 0) {
+    if (piece <= 0) {
+        PyBuffer_Release(&fields);
         PyBuffer_Release(&header);
         PyBuffer_Release(&dest);
-        PyErr_Format(PyExc_ValueError, "hashed must be in [0, %zd] and piece > 0, got %zd, %zd",
-                     header.len, hashed, piece);
+        PyErr_Format(PyExc_ValueError, "piece must be > 0 bytes, got %zd", piece);
         return NULL;
     }
     long long detail = 0;
@@ -692,29 +691,29 @@ static PyObject *py_read_frame(PyObject *self, PyObject *args) {
             outcome = FRAME_SIZE;
             detail = (long long)info.st_size;
         } else {
-            outcome = read_frame_at(fd, &header, &dest, (size_t)hashed, (size_t)piece, &st,
-                                    &error);
+            outcome = read_frame_at(fd, &fields, &header, &dest, (size_t)piece, &st, &error);
             detail = error;
         }
         close(fd);
     }
     Py_END_ALLOW_THREADS
+    PyBuffer_Release(&fields);
     PyBuffer_Release(&header);
     PyBuffer_Release(&dest);
     uint64_t digest = outcome == FRAME_READ ? state_digest(&st) : 0;
     return Py_BuildValue("iLK", outcome, detail, (unsigned long long)digest);
 }
 
-/* Write a frame without a MAC into ``fd``: the payload at ``header_bytes``, hashed piece
- * by piece, then ``fields + le64(checksum) + zeros`` at 0; 0 or the errno. No GIL needed. */
+/* Write a frame without a MAC into ``fd``: the payload at 0, hashed piece by piece, then
+ * the header ``fields + le64(checksum) + zeros`` (``header_bytes`` of them) after it; 0 or
+ * the errno. No GIL needed. */
 static int write_frame_fd(int fd, const Py_buffer *fields, const Py_buffer *payload,
                           size_t header_bytes, size_t piece) {
     uint8_t header[4096];
     xxh3_state st;
     state_init(&st);
     state_update(&st, fields->buf, (size_t)fields->len);
-    int error = write_hashed(fd, payload->buf, (size_t)payload->len, (long long)header_bytes,
-                             &st, piece);
+    int error = write_hashed(fd, payload->buf, (size_t)payload->len, 0, &st, piece);
     if (error)
         return error;
     uint64_t digest = state_digest(&st);
@@ -722,7 +721,7 @@ static int write_frame_fd(int fd, const Py_buffer *fields, const Py_buffer *payl
     memcpy(header, fields->buf, (size_t)fields->len);
     for (int i = 0; i < 8; i++)
         header[fields->len + i] = (uint8_t)(digest >> (8 * i));
-    return write_hashed(fd, header, header_bytes, 0, NULL, header_bytes);
+    return write_hashed(fd, header, header_bytes, (long long)payload->len, NULL, header_bytes);
 }
 
 static int check_frame_args(const Py_buffer *fields, Py_ssize_t header_bytes, Py_ssize_t piece) {
@@ -860,10 +859,11 @@ static PyMethodDef METHODS[] = {
     {"pwrite_hashed", py_pwrite_hashed, METH_VARARGS,
      "Write src to fd at offset piece by piece, hashing each piece once written."},
     {"read_frame", py_read_frame, METH_VARARGS,
-     "Open name in dir_fd (no symlink), check it is a regular file of header + dest "
-     "bytes, read both, hashing header[:hashed] and dest; (outcome, detail, digest)."},
+     "Open name in dir_fd (no symlink), check it is a regular file of dest + header "
+     "bytes, read dest from 0 and header after it, hashing fields then dest; "
+     "(outcome, detail, digest)."},
     {"write_frame", py_write_frame, METH_VARARGS,
-     "Write payload at header_bytes hashed, then fields + le64(checksum) + zeros at 0."},
+     "Write payload at 0 hashed, then fields + le64(checksum) + zeros after it."},
     {"store_frame", py_store_frame, METH_VARARGS,
      "Create tmp in dir_fd exclusively, write the frame, fsync if sync, rename it over final, "
      "fsync the directory if sync; (stage, errno)."},

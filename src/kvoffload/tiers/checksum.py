@@ -41,14 +41,15 @@ DISABLE_ENV = "KVOFFLOAD_NATIVE_CHECKSUM"
 PIECE_BYTES = 256 << 10
 """Bytes per read in ``read_hashed`` / ``read_frame``: each piece is hashed right after it
 lands, while still in cache."""
-WRITE_PIECE_BYTES = 1 << 20
+WRITE_PIECE_BYTES = 512 << 10
 """Bytes per write in ``write_hashed`` / ``write_frame`` / ``store_frame``: each piece is
 hashed right after it is written, while the copy into the page cache has left it in the
 CPU cache (``benchmarks/disk_breakdown.c`` measures this order against hashing first).
-Larger than a read piece:
-every ``write`` call into the page cache costs the file system a fixed amount (its inode
-times, a journal handle), and 1 MiB pieces measured 5-10 % less CPU per stored byte than
-256 KiB ones (``benchmarks/tier_throughput.py``, ``docs/tiers.md``)."""
+Small enough that a piece and its page-cache copy (twice the piece) stay in a core's L2
+cache (2 MiB on the machine measured) until the hash reads it: with 1 MiB pieces the hash
+read them at 8-15 GB/s, with 512 KiB ones at 12-20 GB/s. Not smaller: every ``write`` call
+into the page cache costs the file system a fixed amount (its inode times, a block
+reservation), and 256 KiB pieces measured no faster (``docs/tiers.md``, Throughput)."""
 
 
 FRAME_READ, NO_FILE, OPEN_ERROR, NOT_REGULAR, WRONG_SIZE, SHORT, READ_ERROR = range(7)
@@ -98,23 +99,25 @@ class Checksums(Protocol):
         (one made by ``new``) once it is written. ``OSError`` as the writes raise it."""
         ...
 
-    def read_frame(self, dir_fd: int, name: str, header: bytearray, dest: memoryview,
-                   hashed: int) -> Frame:
+    def read_frame(self, dir_fd: int, name: str, fields: BytesLike, header: bytearray,
+                   dest: memoryview) -> Frame:
         """Read one block file: open ``name`` in ``dir_fd`` without following a symlink or
         waiting (``O_NOFOLLOW | O_NONBLOCK``), check that it is a regular file of exactly
-        ``len(header) + len(dest)`` bytes, read ``header`` then ``dest``; the checksum is
-        the XXH3-64 of ``header[:hashed]`` followed by ``dest``, hashed while read. Returns
-        ``(outcome, detail, checksum)`` (see ``FRAME_READ``; the checksum is 0 unless the
-        frame was read); raises nothing for I/O errors."""
+        ``len(dest) + len(header)`` bytes, read ``dest`` from offset 0 and ``header`` (the
+        trailer) after it; the checksum is the XXH3-64 of ``fields`` (the header fields the
+        caller expects, which it must then find at the start of ``header``) followed by
+        ``dest``, hashed while read. Returns ``(outcome, detail, checksum)`` (see
+        ``FRAME_READ``; the checksum is 0 unless the frame was read); raises nothing for
+        I/O errors."""
         ...
 
     def write_frame(self, fd: int, fields: bytes, payload: BytesLike,
                     header_bytes: int) -> None:
-        """Write a frame without a MAC into the new file ``fd``: ``payload`` at offset
-        ``header_bytes``, hashed piece by piece on its way out, then at offset 0 the header
-        ``fields + checksum (little-endian uint64) + zeros`` up to ``header_bytes``, the
-        checksum being the XXH3-64 of ``fields`` followed by ``payload``. ``OSError`` as
-        the writes raise it."""
+        """Write a frame without a MAC into the new file ``fd``: ``payload`` at offset 0,
+        hashed piece by piece on its way out, then right after it the header ``fields +
+        checksum (little-endian uint64) + zeros`` up to ``header_bytes``, the checksum
+        being the XXH3-64 of ``fields`` followed by ``payload``. ``OSError`` as the writes
+        raise it."""
         ...
 
     def store_frame(self, dir_fd: int, tmp: str, final: str, fields: bytes,
@@ -161,8 +164,8 @@ class _PythonChecksums:
             digest.update(piece)
 
 
-    def read_frame(self, dir_fd: int, name: str, header: bytearray, dest: memoryview,
-                   hashed: int) -> Frame:
+    def read_frame(self, dir_fd: int, name: str, fields: BytesLike, header: bytearray,
+                   dest: memoryview) -> Frame:
         try:
             fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
         except FileNotFoundError:
@@ -175,13 +178,11 @@ class _PythonChecksums:
                 return NOT_REGULAR, 0, 0
             if info.st_size != len(header) + dest.nbytes:
                 return WRONG_SIZE, info.st_size, 0
-            head = memoryview(header)
             digest = self.new()
-            if not self.read_hashed(fd, head, 0, digest):
+            digest.update(fields)
+            if not self.read_hashed(fd, dest, 0, digest):
                 return SHORT, 0, 0
-            digest = self.new()
-            digest.update(head[:hashed])
-            if not self.read_hashed(fd, dest, len(header), digest):
+            if not self.read_hashed(fd, memoryview(header), dest.nbytes, self.new()):
                 return SHORT, 0, 0
             return FRAME_READ, 0, digest.intdigest()
         except OSError as exc:
@@ -194,12 +195,13 @@ class _PythonChecksums:
         _check_header_bytes(fields, header_bytes)
         digest = self.new()
         digest.update(fields)
-        self.write_hashed(fd, payload, header_bytes, digest)
+        self.write_hashed(fd, payload, 0, digest)
         header = fields + digest.intdigest().to_bytes(8, "little")
         header += bytes(header_bytes - len(header))
+        end = memoryview(payload).nbytes
         written = 0
         while written < len(header):
-            written += os.pwrite(fd, header[written:], written)
+            written += os.pwrite(fd, header[written:], end + written)
 
 
     def store_frame(self, dir_fd: int, tmp: str, final: str, fields: bytes,
@@ -284,10 +286,10 @@ class _NativeChecksums:
     def write_hashed(self, fd: int, src: BytesLike, offset: int, digest: Digest) -> None:
         self._lib.pwrite_hashed(fd, src, offset, _state(digest), WRITE_PIECE_BYTES)
 
-    def read_frame(self, dir_fd: int, name: str, header: bytearray, dest: memoryview,
-                   hashed: int) -> Frame:
-        outcome, detail, checksum = self._lib.read_frame(dir_fd, name, header,
-                                                         dest, hashed, PIECE_BYTES)
+    def read_frame(self, dir_fd: int, name: str, fields: BytesLike, header: bytearray,
+                   dest: memoryview) -> Frame:
+        outcome, detail, checksum = self._lib.read_frame(dir_fd, name, fields, header,
+                                                         dest, PIECE_BYTES)
         return int(outcome), int(detail), int(checksum)
 
     def write_frame(self, fd: int, fields: bytes, payload: BytesLike,

@@ -4,7 +4,8 @@
 block between a host slot and its file in a fan-out directory it is given as an fd.
 
 ``store_block(using, dir_fd, final, fields, payload, mac_key=..., sync=...)`` stores
-``header + payload`` (``kvoffload.tiers.framing``) as ``final`` in ``dir_fd``, atomically:
+``payload + header`` (the frame of ``kvoffload.tiers.framing``, its header last: a disk
+file's payload starts at offset 0, page aligned) as ``final`` in ``dir_fd``, atomically:
 the bytes go straight from ``payload`` (no copy) into a temporary file made with
 ``O_CREAT | O_EXCL | O_NOFOLLOW`` (named per process and thread, so concurrent writers of
 one block never share it), which is ``fsync``-ed when ``sync``, closed, renamed over
@@ -22,9 +23,10 @@ hashed, the header sealed, then both written with the same steps in Python.
 
 ``read_block(using, dir_fd, name, dest, fingerprint=..., rank=..., key=..., mac_key=...)``
 reads block file ``name`` into ``dest`` (one ``Checksums.read_frame``: no symlink
-followed, no wait on a FIFO, a regular file of exactly ``HEADER_BYTES + len(dest)`` bytes,
-hashed while read) and verifies everything the header promises: magic, version,
-fingerprint, rank, key, size, checksum and, with a key, the MAC. It returns ``(outcome,
+followed, no wait on a FIFO, a regular file of exactly ``len(dest) + HEADER_BYTES`` bytes,
+hashed while read) and verifies everything the header promises: its fields must be
+byte for byte the ones this block's ``header_fields`` gives (magic, version, fingerprint,
+rank, key, size), then the checksum and, with a key, the MAC. It returns ``(outcome,
 detail, problem)``: ``(FRAME_READ, 0, None)`` only when all of it holds -- then ``dest``
 holds the stored payload; otherwise an outcome of ``kvoffload.tiers.checksum``
 (``NO_FILE``, ``OPEN_ERROR``, ...) or ``DAMAGED`` (read whole, but it does not verify), and
@@ -52,6 +54,7 @@ from kvoffload.tiers.framing import (
     MacKey,
     check_header,
     check_payload,
+    header_fields,
     new_digest,
     seal,
 )
@@ -63,6 +66,12 @@ DAMAGED = -1
 
 _STEPS = ("stored", "cannot create the temporary file", "cannot write the temporary file",
           "cannot rename the temporary file", "cannot fsync the directory after the rename")
+
+
+def file_bytes(header: bytes, payload: bytes) -> bytes:
+    """The content of the block file of the frame ``header + payload`` (a remote value's
+    layout): the payload first, at offset 0, then the header."""
+    return payload + header
 
 
 def tmp_name(final: str) -> str:
@@ -95,7 +104,7 @@ def store_block(using: Checksums, dir_fd: int, final: str, fields: bytes,
         digest.update(payload)
         header = memoryview(seal(fields, digest.intdigest(), payload, mac_key=mac_key))
         stage, error = atomic_store(dir_fd, tmp, final,
-                                    lambda fd: write_all(fd, [header, payload]), sync=sync)
+                                    lambda fd: write_all(fd, [payload, header]), sync=sync)
     if stage != STORED:
         where = "" if stage != SYNC_DIR_FAILED else " (the block file is in place)"
         raise OSError(error, f"{_STEPS[stage]}{where}: {os.strerror(error)}", tmp)
@@ -111,14 +120,17 @@ def read_block(using: Checksums, dir_fd: int, name: str, dest: memoryview, *,
         payload; else the outcome (``kvoffload.tiers.checksum``'s, or ``DAMAGED``), its
         detail (an errno, or a wrong size) and, for a file to drop, why in words.
     """
+    fields = header_fields(fingerprint, rank, key, dest.nbytes)
     header = bytearray(HEADER_BYTES)
-    outcome, detail, checksum = using.read_frame(dir_fd, name, header, dest, FIELDS_BYTES)
+    outcome, detail, checksum = using.read_frame(dir_fd, name, fields, header, dest)
     if outcome == FRAME_READ:
-        problem = check_header(header, dest.nbytes, fingerprint, rank, key) or \
-            check_payload(header, checksum, dest, mac_key=mac_key)
+        problem = check_header(header, dest.nbytes, fingerprint, rank, key)
+        if problem is None and header[:FIELDS_BYTES] != fields:  # what was hashed
+            problem = "header fields that are not this block's (corrupt block)"
+        problem = problem or check_payload(header, checksum, dest, mac_key=mac_key)
         return (FRAME_READ, 0, None) if problem is None else (DAMAGED, 0, problem)
     if outcome == WRONG_SIZE:
-        return outcome, detail, (f"{detail} bytes, expected {HEADER_BYTES + dest.nbytes} "
+        return outcome, detail, (f"{detail} bytes, expected {dest.nbytes + HEADER_BYTES} "
                                  "(truncated?)")
     if outcome == SHORT:
         return outcome, detail, "shorter than its size said (truncated while read)"

@@ -1,6 +1,7 @@
 """``DiskStore``: one rank's block files in the disk tier's directory.
 
-Each block is one file, ``header + payload`` (``kvoffload.tiers.framing``), at
+Each block is one file, ``payload + header`` (the frame of ``kvoffload.tiers.framing``
+with its header last, so the payload starts the file, page aligned), at
 ``kvoffload.tiers.naming.block_path``. The store owns the directories (lock, rank and
 fan-out directories, epoch, purge); each block file is stored and read in one call of
 ``kvoffload.worker.disk_frames``. Writes are atomic: the bytes go to a temporary file in
@@ -9,8 +10,8 @@ the same directory (written straight from the host slot, no copy), optionally
 a crash leaves the old file, the new one, or a temporary file -- never a torn block under a
 block's name. Temporary files a crash left behind are removed when a store opens.
 
-Reads open the file, check its size, read the header, then the payload straight into the
-host slot, and verify everything the header promises. The checksum is computed on the way
+Reads open the file, check its size, read the payload straight into the host slot and
+the header after it, and verify everything the header promises. The checksum is computed on the way
 (``kvoffload.tiers.checksum``): each piece of the payload is hashed right after it is read
 or written, while still in the CPU cache -- with the native extension
 the whole store or read of a block is one call that never holds the GIL. A damaged file
