@@ -278,17 +278,7 @@ int main(int argc, char **argv) {
     }
     for (size_t i = 0; i < size * n; i++)
         arena[i] = (uint8_t)((i * 2654435761u) >> 13);
-    NUM_KERNELS = 0;
-    KERNELS[NUM_KERNELS++] = (kernel_entry){"scalar", consume_scalar};
-#ifdef XXH_X86
-    __builtin_cpu_init();
-    KERNELS[NUM_KERNELS++] = (kernel_entry){"sse2", consume_sse2};
-    if (__builtin_cpu_supports("avx2"))
-        KERNELS[NUM_KERNELS++] = (kernel_entry){"avx2", consume_avx2};
-    if (__builtin_cpu_supports("avx512f"))
-        KERNELS[NUM_KERNELS++] = (kernel_entry){"avx512", consume_avx512};
-#endif
-    ACTIVE = KERNELS[NUM_KERNELS - 1];
+    init_kernels();
 
     const char *stores[STORES] = {
         "store: raw open, write, close",

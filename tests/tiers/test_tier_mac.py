@@ -36,7 +36,6 @@ from kvoffload.tiers.config import (
 from kvoffload.tiers.framing import HEADER_BYTES, MAC_BYTES, MAC_OFFSET, MacKey, encode_header
 from kvoffload.tiers.naming import block_path, namespace, remote_key
 from kvoffload.worker.block_store import BlockStore, TierUnavailable
-from kvoffload.worker.disk_frames import file_bytes
 from kvoffload.worker.tier_io import build_stores
 from tiers.tier_kit import (
     RedisServer,
@@ -111,8 +110,9 @@ def forged_frame(fingerprint: bytes, rank: int, key: bytes, payload: bytes) -> b
 
 
 def as_file(value: bytes) -> bytes:
-    """The block file holding the frame ``value`` (a remote value: header, then payload)."""
-    return file_bytes(value[:HEADER_BYTES], value[HEADER_BYTES:])
+    """The block file holding the frame ``value`` (a remote value: header, then payload):
+    the payload first, at offset 0, then the header (``kvoffload.worker.disk_frames``)."""
+    return value[HEADER_BYTES:] + value[:HEADER_BYTES]
 
 
 # -- the forgery ----------------------------------------------------------------------------

@@ -878,7 +878,9 @@ static struct PyModuleDef MODULE = {
     "XXH3-64 without the GIL, and reads and writes hashed while in cache.", -1, METHODS,
 };
 
-PyMODINIT_FUNC PyInit__checksum(void) {
+/* List the stripe loops this CPU runs in KERNELS, narrowest first, and make the widest
+ * the active one (also called by benchmarks/disk_breakdown.c). */
+static void init_kernels(void) {
     NUM_KERNELS = 0;
     KERNELS[NUM_KERNELS++] = (kernel_entry){"scalar", consume_scalar};
 #ifdef XXH_X86
@@ -890,6 +892,10 @@ PyMODINIT_FUNC PyInit__checksum(void) {
         KERNELS[NUM_KERNELS++] = (kernel_entry){"avx512", consume_avx512};
 #endif
     ACTIVE = KERNELS[NUM_KERNELS - 1];
+}
+
+PyMODINIT_FUNC PyInit__checksum(void) {
+    init_kernels();
     PyObject *module = PyModule_Create(&MODULE);
     if (module && PyModule_AddIntConstant(module, "STATE_BYTES", (long)sizeof(xxh3_state)) < 0) {
         Py_DECREF(module);

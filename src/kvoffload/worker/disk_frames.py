@@ -68,12 +68,6 @@ _STEPS = ("stored", "cannot create the temporary file", "cannot write the tempor
           "cannot rename the temporary file", "cannot fsync the directory after the rename")
 
 
-def file_bytes(header: bytes, payload: bytes) -> bytes:
-    """The content of the block file of the frame ``header + payload`` (a remote value's
-    layout): the payload first, at offset 0, then the header."""
-    return payload + header
-
-
 def tmp_name(final: str) -> str:
     """The temporary file ``store_block`` writes ``final`` through (this process, thread)."""
     return f"{final}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
