@@ -6,10 +6,10 @@ with ctypes. It is optional: without a C compiler the install still succeeds and
 backend copies page by page with ``ctypes.memmove`` from Python threads (slower once more
 than one thread copies).
 
-``kvoffload.tiers._checksum`` is a C extension computing the lower tiers' block checksum
+``kvoffload.blockfile._checksum`` is a C extension computing the lower tiers' block checksum
 (XXH3-64) without the GIL, fused with the disk tier's reads and writes. It is optional
 too: without it the same checksum comes from the ``xxhash`` package, with the same results
-(``kvoffload.tiers.checksum``).
+(``kvoffload.blockfile.checksum``).
 """
 
 from setuptools import Extension, setup
@@ -20,5 +20,5 @@ setup(ext_modules=[Extension("kvoffload.worker._copy",
                              depends=["src/kvoffload/worker/_copy.h"],
                              extra_compile_args=["-O2", "-pthread"],
                              extra_link_args=["-pthread"], optional=True),
-                   Extension("kvoffload.tiers._checksum", ["src/kvoffload/tiers/_checksum.c"],
+                   Extension("kvoffload.blockfile._checksum", ["src/kvoffload/blockfile/_checksum.c"],
                              extra_compile_args=["-O3"], optional=True)])

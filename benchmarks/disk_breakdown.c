@@ -4,7 +4,7 @@
  * tier's I/O threads do): each row adds one thing the tier does to the row above, and
  * prints its time per block and its ratio to the raw row, in wall time and in CPU time of
  * the threads doing it. It uses the checksum extension's own code
- * (src/kvoffload/tiers/_checksum.c, included) with its widest stripe loop.
+ * (src/kvoffload/blockfile/_checksum.c, included) with its widest stripe loop.
  *
  *   cc -O3 -I"$(python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
  *      benchmarks/disk_breakdown.c -o /tmp/disk_breakdown \

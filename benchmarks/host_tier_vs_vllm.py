@@ -48,11 +48,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
-from kvoffload.engine.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, iter_trace_records
 from kvoffload.errors import TraceError
 from kvoffload.keys import BlockHash, hash_block, make_offload_key, root_hash
 from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.host import HostTier
+from kvoffload.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, iter_trace_records
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvoffload.cli.common import format_bytes, format_seconds
-from kvoffload.engine.fleet import (
+from kvoffload.sim.fleet import (
     PREFIX_ROUTE_TOKENS,
     ROUTER_HELP,
     FleetConfig,
@@ -33,9 +33,9 @@ from kvoffload.engine.fleet import (
     Router,
     run_fleet,
 )
-from kvoffload.engine.replay import Arrival
-from kvoffload.engine.simulation import Mode, SimulationConfig, resolve
-from kvoffload.engine.workloads import WorkloadRequest, read_mooncake_trace
+from kvoffload.sim.replay import Arrival
+from kvoffload.sim.simulation import Mode, SimulationConfig, resolve
+from kvoffload.workloads import WorkloadRequest, read_mooncake_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = Path(os.environ.get("KVOFFLOAD_TRACE", ROOT.parent / "shared" / "traces"
@@ -281,7 +281,7 @@ def render(rows: list[Row], limit: int, elapsed: float) -> str:
         "sequences at once. The fleet's memory grows with N.",
         f"* **Shared tier**: {format_bytes(SHARED)}, modelled (no server): one budgeted "
         "LRU index of the blocks held, read and written by every engine "
-        "(`kvoffload.tiers.shared`). An engine sees another's block once its write has "
+        "(`kvoffload.sim.shared_store`). An engine sees another's block once its write has "
         "landed (a write in flight reads as absent, as on a server); existence checks are "
         "exact and instant. Promotes are charged to the promoting engine's own lower-tier "
         f"link ({config.timing.lower_bytes_per_s / 1e9:g} GB/s); the shared server's own "

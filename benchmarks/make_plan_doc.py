@@ -19,7 +19,7 @@ from kvoffload.cli.common import WorkloadSpec, format_bytes
 from kvoffload.cli.plan import DEFAULT_FRACTIONS, make_plan, memory_rows, plan_rows
 from kvoffload.cli.plots import plot_plan
 from kvoffload.cli.sweep import format_rows
-from kvoffload.engine.simulation import Mode, SimulationConfig
+from kvoffload.sim.simulation import Mode, SimulationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

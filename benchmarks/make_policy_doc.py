@@ -39,10 +39,10 @@ from kvoffload.cli.sweep import (
     memory_to_reach,
     run_sweep,
 )
-from kvoffload.engine.model_presets import PRESETS as PRESET_SPECS
-from kvoffload.engine.simulation import Mode, SimulationConfig, auto_block_size, resolve
-from kvoffload.engine.workloads.mooncake import read_mooncake_trace
-from kvoffload.engine.workloads.reuse import continuation_report, format_report, quantile
+from kvoffload.models.presets import PRESETS as PRESET_SPECS
+from kvoffload.sim.simulation import Mode, SimulationConfig, auto_block_size, resolve
+from kvoffload.workloads.mooncake import read_mooncake_trace
+from reuse_report import continuation_report, format_report, quantile
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = Path(os.environ.get("KVOFFLOAD_TRACE", ROOT.parent / "shared" / "traces"
@@ -673,7 +673,7 @@ in the simulator until the arena packs groups by size.
 `--policy oracle` (in `kvoffload simulate`, `sweep` and `plan`) is a reference, not a
 policy a deployment can run: it knows the future of the workload it replays, so the
 library's `OffloadConfig` and the vLLM connector refuse it with a `ConfigError` that says
-so. Before the replay, `kvoffload.engine.future` hashes every request as the engine does
+so. Before the replay, `kvoffload.sim.oracle.future` hashes every request as the engine does
 and finds, for each, where its hit would end against an unbounded cache of everything
 the requests before it held (its prompt's longest prefix that an earlier request's
 tokens contain, capped and rounded as the planner caps and rounds a hit), and which keys

@@ -23,9 +23,9 @@ from pathlib import Path
 from kvoffload.cli.common import WorkloadSpec, format_bytes, format_seconds
 from kvoffload.cli.plots import plot_simulation, plot_sweep
 from kvoffload.cli.sweep import SweepPoint, format_rows, run_sweep, sweep_table
-from kvoffload.engine.model_presets import PRESETS
-from kvoffload.engine.replay import Arrival
-from kvoffload.engine.simulation import (
+from kvoffload.models.presets import PRESETS
+from kvoffload.sim.replay import Arrival
+from kvoffload.sim.simulation import (
     Mode,
     SimulationConfig,
     auto_block_size,
@@ -33,8 +33,8 @@ from kvoffload.engine.simulation import (
     resolve,
     simulate,
 )
-from kvoffload.engine.workloads import read_mooncake_trace
-from kvoffload.engine.workloads.mooncake import (
+from kvoffload.workloads import read_mooncake_trace
+from kvoffload.workloads.mooncake import (
     MAX_HASH_ID,
     MAX_INPUT_TOKENS,
     MAX_LINE_BYTES,
@@ -70,7 +70,7 @@ HINTS = (
     "`--hint-accuracy P` (`simulate` and `sweep`) gives every request the client hints a "
     "vLLM client sends in `kv_transfer_params` (`docs/vllm.md`, \"Hints from clients\"): "
     "whether its conversation continues, taken from the workload's own future "
-    "(`kvoffload.engine.hints`: a later prompt contains its whole prompt, compared at "
+    "(`kvoffload.workloads.hints`: a later prompt contains its whole prompt, compared at "
     "16-token blocks, or at a trace's 512-token hash blocks, whose last partial block is "
     "never shared) and right with probability P (a seeded draw per request, "
     "`--seed`/`--seeds`), and its session id where the workload has one. The trace is then "
@@ -171,10 +171,10 @@ MODELS = [
     "",
     "`kvoffload presets` lists the built-in models: "
     + ", ".join(f"`{name}`" for name in PRESETS) + ". They are data: "
-    "`src/kvoffload/engine/presets.json` holds each model's public config.json fields (with "
+    "`src/kvoffload/models/presets.json` holds each model's public config.json fields (with "
     "the Hugging Face repo they come from), and every figure (layer kinds, KV bytes per "
     "token, Mamba or gated delta-net state bytes, prefill FLOPs) is derived from them by "
-    "`kvoffload.engine.hf_config`, the same code that reads a local model:",
+    "`kvoffload.models.hf_config`, the same code that reads a local model:",
     "",
     "```bash",
     "kvoffload simulate --model ~/models/Qwen3-8B            # a model directory (or its "
@@ -218,7 +218,7 @@ TRACE_FORMAT = [
 
 
 def render(points: list[SweepPoint], result: object, limit: int, elapsed: float) -> str:
-    from kvoffload.engine.simulation import SimulationResult
+    from kvoffload.sim.simulation import SimulationResult
 
     assert isinstance(result, SimulationResult)
     o, b = result.offload, result.baseline
@@ -228,7 +228,7 @@ def render(points: list[SweepPoint], result: object, limit: int, elapsed: float)
         "# The simulator",
         "",
         "`kvoffload simulate` and `kvoffload sweep` replay a workload through a reference "
-        "engine (`kvoffload.engine`): a small model of a vLLM-style scheduler with a hybrid "
+        "engine (`kvoffload.refengine`): a small model of a vLLM-style scheduler with a hybrid "
         "prefix-caching block pool (per-group block tables, null blocks outside a window, "
         "one Mamba state kept where the engine keeps it, chunked prefill under a token "
         "budget, decode, preemption when blocks run out). It calls kvoffload's planner "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvoffload.cli.common import WorkloadSpec
 from kvoffload.cli.plan import DEFAULT_FRACTIONS, make_plan
-from kvoffload.engine.simulation import Mode, SimulationConfig
+from kvoffload.sim.simulation import Mode, SimulationConfig
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / \
     "mooncake_conversation_trace.jsonl"

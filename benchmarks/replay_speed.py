@@ -26,10 +26,10 @@ import sys
 import time
 from pathlib import Path
 
-from kvoffload.engine.replay import Arrival
-from kvoffload.engine.simulation import Mode, SimulationConfig, run_one
-from kvoffload.engine.summary import RunSummary
-from kvoffload.engine.workloads import WorkloadRequest, read_mooncake_trace
+from kvoffload.sim.replay import Arrival
+from kvoffload.sim.simulation import Mode, SimulationConfig, run_one
+from kvoffload.sim.summary import RunSummary
+from kvoffload.workloads import WorkloadRequest, read_mooncake_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = Path(os.environ.get("KVOFFLOAD_TRACE", ROOT.parent / "shared" / "traces"

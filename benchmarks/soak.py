@@ -27,11 +27,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from kvoffload.engine.simulation import Mode, SimulationConfig
-from kvoffload.engine.workloads import read_mooncake_trace
 from kvoffload.faults.plan import FaultKind, FaultPlan
 from kvoffload.faults.soak import SoakConfig, SoakReport, run_soak
+from kvoffload.sim.simulation import Mode, SimulationConfig
 from kvoffload.sizes import parse_size
+from kvoffload.workloads import read_mooncake_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = Path("shared") / "traces" / "mooncake_conversation_trace.jsonl"

@@ -23,7 +23,7 @@ repetitions; the ratio is tier throughput / raw throughput per repetition, repor
 median. The ``cpu`` column is the median of raw / tier CPU seconds of this process (user and
 system, all threads) per repetition: the tier's extra work, which a busy machine blurs less
 than wall time. Disk reads come from the page cache for both sides, where the tier's checksum of
-every byte is the dominant extra cost (``kvoffload.tiers.checksum``: natively, each piece
+every byte is the dominant extra cost (``kvoffload.blockfile.checksum``: natively, each piece
 is hashed right after it is read, while in cache, without the GIL; run with
 ``KVOFFLOAD_NATIVE_CHECKSUM=0`` to measure the ``xxhash`` package instead); ``--cold``
 evicts each side's files from the page cache before it reads (``POSIX_FADV_DONTNEED`` on
@@ -60,10 +60,10 @@ from typing import Any
 
 import torch
 
+from kvoffload.blockfile.checksum import NATIVE, checksums
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.jobs import TierJob, TierJobId, TierOp
 from kvoffload.keys import make_offload_key
-from kvoffload.tiers.checksum import NATIVE, checksums
 from kvoffload.tiers.config import DiskTierConfig, RemoteTierConfig, TierConfig
 from kvoffload.worker import GroupTensors, TransferWorker
 from kvoffload.worker.tier_io import TierIO

@@ -3,7 +3,7 @@
 Reports how many prompts a later request continues (so that a Mamba state or window kept
 at the prompt's end serves a hit), whether a prompt's turn, length or output length tells
 which, and how long the continuations take to come. See
-``kvoffload.engine.workloads.reuse`` for the definitions.
+``reuse_report`` for the definitions.
 
     .venv/bin/python benchmarks/trace_reuse.py                       # shared trace, 2000
     .venv/bin/python benchmarks/trace_reuse.py --preset gemma3-27b --limit 5000
@@ -23,11 +23,11 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from kvoffload.engine.model_presets import get_preset
-from kvoffload.engine.simulation import auto_block_size
-from kvoffload.engine.workloads.mooncake import read_mooncake_trace
-from kvoffload.engine.workloads.reuse import continuation_report, format_report
 from kvoffload.errors import ConfigError, TraceError
+from kvoffload.models.presets import get_preset
+from kvoffload.sim.simulation import auto_block_size
+from kvoffload.workloads.mooncake import read_mooncake_trace
+from reuse_report import continuation_report, format_report
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = Path(os.environ.get("KVOFFLOAD_TRACE", ROOT.parent / "shared" / "traces"

@@ -17,7 +17,7 @@ name       eviction                    store policy
 ``value``  compute saved per byte      hit points, learned granule, value hints, the
                                        insertion duel
 ``oracle`` furthest next use per byte  only what a later request hits (simulator only:
-                                       ``kvoffload.engine.oracle``)
+                                       ``kvoffload.sim.oracle.binding``)
 =========  ==========================  ==============================================
 
 ``oracle`` is a *reference* entry: it knows the future of the workload it replays, so
@@ -132,7 +132,7 @@ def cache_policy(name: str, field: str = "eviction_policy") -> CachePolicy:
 
 
 ORACLE = "oracle"
-"""The simulator-only reference policy (``kvoffload.engine.oracle``)."""
+"""The simulator-only reference policy (``kvoffload.sim.oracle.binding``)."""
 
 BUILTIN_NAMES = frozenset({"lru", "arc", "hybrid", "value", ORACLE})
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from kvoffload.cli import main
 from kvoffload.cli.common import WorkloadSpec
-from kvoffload.engine.model_presets import PRESETS
-from kvoffload.engine.workloads import builtin_workload, count_trace_lines
+from kvoffload.models.presets import PRESETS
+from kvoffload.workloads import builtin_workload, count_trace_lines
 
 TRACE = Path(os.environ.get(
     "KVOFFLOAD_TRACE",

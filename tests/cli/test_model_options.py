@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from kvoffload.cli import main
-from kvoffload.engine.hf_config import preset_entries
-from kvoffload.engine.model_presets import PRESETS
+from kvoffload.models.hf_config import preset_entries
+from kvoffload.models.presets import PRESETS
 
-CONFIGS = Path(__file__).resolve().parents[1] / "engine" / "model_configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "models" / "model_configs"
 QWEN3 = str(CONFIGS / "Qwen3-8B")
 NEMOTRON = str(CONFIGS / "Nemotron-H-8B-Base-8K")
 SMALL = ["--workload", "chat", "--limit", "12", "--engine-tokens", "6000", "--quiet"]

@@ -1,6 +1,6 @@
-"""The core (config, keys, jobs, policies, planner, tiers) imports neither torch nor numpy
-nor a higher layer (worker, engine, integrations, cli, faults): ``docs/architecture.md``,
-"Layers".
+"""The core (config, keys, jobs, policies, planner, tiers, blockfile) imports neither torch
+nor numpy nor a higher layer (worker, models, workloads, refengine, sim, integrations, cli,
+faults): ``docs/architecture.md``, "Layers".
 
 A fresh interpreter blocks those packages on ``sys.meta_path`` (so they fail to import even
 where installed), imports every core module and builds the policy registry (whose built-in
@@ -17,10 +17,11 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "kvoffload"
 
-CORE_PACKAGES = ("planner", "tiers")
+CORE_PACKAGES = ("planner", "tiers", "blockfile")
 """Packages of the core, besides the modules at the top of ``kvoffload``."""
 
-HIGHER_LAYERS = ("worker", "engine", "integrations", "cli", "faults")
+HIGHER_LAYERS = ("worker", "models", "workloads", "refengine", "sim", "integrations", "cli",
+                 "faults")
 
 
 def core_modules() -> list[str]:
@@ -93,6 +94,6 @@ def test_the_blocker_does_catch_a_module_that_needs_torch() -> None:
 
 
 def test_the_blocker_does_catch_a_module_of_a_higher_layer() -> None:
-    result = run_blocked(["kvoffload.engine.replay"])
+    result = run_blocked(["kvoffload.sim.replay"])
     errors = result["errors"]
-    assert isinstance(errors, dict) and "blocked" in errors["kvoffload.engine.replay"]
+    assert isinstance(errors, dict) and "blocked" in errors["kvoffload.sim.replay"]

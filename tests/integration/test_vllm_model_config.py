@@ -1,7 +1,7 @@
 """The layout kvoffload derives from a model's config.json is the one a real vLLM engine builds.
 
 For each tiny model the vLLM tests use (``tiny_models``: Llama, Gemma 3 with sliding
-windows, a Granite 4.0 Mamba2 hybrid), ``kvoffload.engine.hf_config`` reads the saved
+windows, a Granite 4.0 Mamba2 hybrid), ``kvoffload.models.hf_config`` reads the saved
 config.json and lays the model out; the engine's KV-cache specs, as the connector
 translates them (``KVOffloadConnector.layout``), must give the same groups: per kind and
 window, the same layers, block size and page bytes. vLLM splits one kind into several
@@ -21,8 +21,8 @@ import pytest
 
 from integration.markers import VLLM
 from kvoffload.config import GroupKind, GroupSpec
-from kvoffload.engine.hf_config import derive_preset, load_model_config
-from kvoffload.engine.simulation import auto_block_size
+from kvoffload.models.hf_config import derive_preset, load_model_config
+from kvoffload.sim.simulation import auto_block_size
 
 pytestmark = VLLM
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from integration.markers import VLLM
-from kvoffload.tiers.framing import HEADER_BYTES
+from kvoffload.blockfile.framing import HEADER_BYTES
 
 pytestmark = VLLM
 

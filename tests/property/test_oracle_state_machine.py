@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 from test_planner_state_machine import EXAMPLES, STEPS, PlannerMachine, layouts
 
-from kvoffload.engine.future import WorkloadFuture
-from kvoffload.engine.oracle import bind_oracle
-from kvoffload.engine.workloads.request import WorkloadRequest
 from kvoffload.planner.contract import RequestControls
-from kvoffload.planner.oracle import OracleStorePolicy
-from kvoffload.tiers.eviction.oracle import OraclePolicy
+from kvoffload.sim.oracle.binding import bind_oracle
+from kvoffload.sim.oracle.eviction import OraclePolicy
+from kvoffload.sim.oracle.future import WorkloadFuture
+from kvoffload.sim.oracle.store import OracleStorePolicy
+from kvoffload.workloads.request import WorkloadRequest
 from support.sim_engine import SimEngine
 
 POOL = 24

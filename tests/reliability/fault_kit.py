@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from engine.engine_kit import BS, req, tiny_preset, toks
+from refengine.engine_kit import BS, req, tiny_preset, toks
+
 from kvoffload.config import OffloadConfig
-from kvoffload.engine.device import DeviceCaches, HostAuditor, WorkerExecutor
-from kvoffload.engine.executors import AccountingExecutor, TransferExecutor
-from kvoffload.engine.model_presets import ModelPreset
-from kvoffload.engine.replay import Arrival, replay
-from kvoffload.engine.scheduler import EngineConfig, ReferenceEngine
-from kvoffload.engine.workloads import WorkloadRequest
 from kvoffload.faults.executor import Chooser, FaultyExecutor
 from kvoffload.faults.plan import FaultKind, FaultPlan
 from kvoffload.faults.soak import Garbler
 from kvoffload.jobs import Direction, TransferJob
+from kvoffload.models.presets import ModelPreset
+from kvoffload.refengine.device import DeviceCaches, HostAuditor, WorkerExecutor
+from kvoffload.refengine.engine import EngineConfig, ReferenceEngine
+from kvoffload.refengine.executors import AccountingExecutor, TransferExecutor
+from kvoffload.sim.replay import Arrival, replay
+from kvoffload.workloads import WorkloadRequest
 
 __all__ = ["BS", "faulty_engine", "nth", "req", "run", "tiny_preset", "toks"]
 

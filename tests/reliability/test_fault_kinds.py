@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvoffload.engine.scheduler import ReferenceEngine
 from kvoffload.errors import ConfigError
 from kvoffload.faults.executor import FaultyExecutor
 from kvoffload.faults.plan import ALL_KINDS, FaultKind, FaultPlan
 from kvoffload.jobs import Direction
+from kvoffload.refengine.engine import ReferenceEngine
 from reliability.fault_kit import faulty_engine, req, run, tiny_preset, toks
 
 HANG_S = 2.0

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from refengine.engine_kit import make_engine, req, tiny_preset, toks
 
 from core.planner_kit import Harness, full, make_config, prompt
-from engine.engine_kit import make_engine, req, tiny_preset, toks
 from kvoffload.cli import main
-from kvoffload.engine.replay import Arrival, replay
-from kvoffload.engine.workloads import read_mooncake_trace
 from kvoffload.errors import ConfigError, LayoutError, TraceError
 from kvoffload.keys import key_group
+from kvoffload.sim.replay import Arrival, replay
 from kvoffload.worker import GroupTensors, TransferWorker
+from kvoffload.workloads import read_mooncake_trace
 from worker.worker_kit import kv_separate
 from worker.worker_kit import make_config as worker_config
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvoffload.engine.scheduler import ReferenceEngine
 from kvoffload.faults.plan import FaultKind, FaultPlan
 from kvoffload.jobs import Direction
+from kvoffload.refengine.engine import ReferenceEngine
 from reliability.fault_kit import faulty_engine, nth, req, run, tiny_preset, toks
 
 HANG_S = 2.0

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from kvoffload.cli import main
-from kvoffload.engine.simulation import Mode, SimulationConfig
-from kvoffload.engine.workloads import builtin_workload, read_mooncake_trace
 from kvoffload.faults.plan import FaultPlan
 from kvoffload.faults.soak import SoakConfig, SoakReport, run_soak
+from kvoffload.sim.simulation import Mode, SimulationConfig
+from kvoffload.workloads import builtin_workload, read_mooncake_trace
 
 LONG = os.environ.get("KVOFFLOAD_SOAK") == "1"
 long_only = pytest.mark.skipif(not LONG, reason="long soak suite: set KVOFFLOAD_SOAK=1")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvoffload.blockfile.framing import HEADER_BYTES
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import InvariantError
 from kvoffload.jobs import TierJob, TierJobId, TierOp, TierWork, WorkerReport
@@ -24,7 +25,6 @@ from kvoffload.tiers.base import LookupResult, TierHints
 from kvoffload.tiers.cascade import CascadeTier
 from kvoffload.tiers.config import DiskTierConfig, WriteMode
 from kvoffload.tiers.disk import DiskIndex
-from kvoffload.tiers.framing import HEADER_BYTES
 from kvoffload.tiers.host import HostTier
 from kvoffload.tiers.lower import Presence
 from kvoffload.tiers.naming import block_path

@@ -25,9 +25,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
+from kvoffload.blockfile.framing import HEADER_BYTES
 from kvoffload.config import OffloadConfig
 from kvoffload.tiers.config import WriteMode
-from kvoffload.tiers.framing import HEADER_BYTES
 from property.test_planner_state_machine import PlannerMachine, layouts
 from support.real_workers import with_pages
 from tiers.tier_kit import TieredEngine, block_files, disk_tiers

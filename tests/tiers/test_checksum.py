@@ -1,4 +1,4 @@
-"""The block checksum and the hashed block-file I/O (``kvoffload.tiers.checksum``).
+"""The block checksum and the hashed block-file I/O (``kvoffload.blockfile.checksum``).
 
 The native extension must give the digests of the ``xxhash`` package (XXH3-64, seed 0) for
 every length and every way of splitting the input, with each of its stripe loops; the
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kvoffload.tiers import checksum as cs
-from kvoffload.tiers.checksum import NATIVE, PIECE_BYTES, PYTHON, WRITE_PIECE_BYTES, Checksums
-from kvoffload.tiers.framing import (
+from kvoffload.blockfile import checksum as cs
+from kvoffload.blockfile.checksum import NATIVE, PIECE_BYTES, PYTHON, WRITE_PIECE_BYTES, Checksums
+from kvoffload.blockfile.framing import (
     FIELDS_BYTES,
     HEADER_BYTES,
     MAC_BYTES,
@@ -47,7 +47,7 @@ def test_the_checksum_extension_is_built_where_required() -> None:
     # silently lost the extension fails here instead of testing only the fallback.
     if os.environ.get("KVOFFLOAD_REQUIRE_NATIVE_COPY") != "1":
         pytest.skip("set KVOFFLOAD_REQUIRE_NATIVE_COPY=1 to require the native pieces")
-    assert NATIVE is not None, "kvoffload.tiers._checksum was not built: is a C compiler there?"
+    assert NATIVE is not None, "kvoffload.blockfile._checksum was not built: is a C compiler there?"
 
 
 @pytest.fixture(params=[c.name for c in IMPLEMENTATIONS])
@@ -107,7 +107,7 @@ def test_a_digest_reads_without_consuming(impl: Checksums) -> None:
 
 @needs_native
 def test_the_extension_refuses_what_is_not_a_state() -> None:
-    from kvoffload.tiers import _checksum  # type: ignore[attr-defined]
+    from kvoffload.blockfile import _checksum  # type: ignore[attr-defined]
 
     with pytest.raises(ValueError, match="checksum state is"):
         _checksum.xxh3_update(bytearray(10), b"x")
@@ -331,7 +331,7 @@ def test_native_hashing_and_reading_release_the_gil(tmp_path: Path) -> None:
 def _positions(size: int, *, mac: bool) -> list[int]:
     """Payload bytes at its start, around piece and stripe boundaries and at its end, and
     every byte of the header after it (without a MAC key, all but the MAC field, which a
-    reader without a key ignores by design: ``kvoffload.tiers.framing``)."""
+    reader without a key ignores by design: ``kvoffload.blockfile.framing``)."""
     payload = [0, 1, 63, 64, 1023, 1024, PIECE_BYTES - 1, PIECE_BYTES, WRITE_PIECE_BYTES - 1,
                WRITE_PIECE_BYTES, size // 2, size - 64, size - 1]
     header = [size + p for p in range(HEADER_BYTES)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from kvoffload.blockfile.framing import HEADER_BYTES
 from kvoffload.tiers.config import WriteMode
-from kvoffload.tiers.framing import HEADER_BYTES
 from kvoffload.tiers.naming import block_path
 from tiers.tier_kit import (
     ENV,

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from kvoffload.blockfile.framing import FINGERPRINT_BYTES, HEADER_BYTES
 from kvoffload.cli import main
 from kvoffload.cli.validate import check_remote_login
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
@@ -36,7 +37,6 @@ from kvoffload.tiers.config import (
     masked_url,
     url_without_credentials,
 )
-from kvoffload.tiers.framing import FINGERPRINT_BYTES, HEADER_BYTES
 from kvoffload.tiers.lower import Presence
 from kvoffload.tiers.naming import remote_key
 from kvoffload.tiers.remote import RemoteIndex, check_credentials, connection_kwargs

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 
 from core.test_core_imports import run_blocked
+from kvoffload.blockfile import framing
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import ConfigError
 from kvoffload.keys import make_offload_key
 from kvoffload.sizes import parse_size
-from kvoffload.tiers import framing
 from kvoffload.tiers.config import (
     OPTION_HELP,
     DiskTierConfig,
@@ -160,7 +160,7 @@ def test_a_framed_block_checks_out_and_every_kind_of_damage_is_named() -> None:
 
 def test_scheduler_side_tier_modules_import_without_torch() -> None:
     modules = ["kvoffload.tiers.cascade", "kvoffload.tiers.disk", "kvoffload.tiers.remote",
-               "kvoffload.tiers.factory", "kvoffload.tiers.framing", "kvoffload.tiers.config"]
+               "kvoffload.tiers.factory", "kvoffload.blockfile.framing", "kvoffload.tiers.config"]
     result = run_blocked(modules)
     assert result["blocker_works"] is True
     assert result["errors"] == {}

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvoffload.blockfile.framing import BytesLike
 from kvoffload.jobs import StepPlan, TierJob, TierJobId, TierOp, WorkerReport
 from kvoffload.keys import OffloadKey, make_offload_key
 from kvoffload.tiers.config import TierConfig
-from kvoffload.tiers.framing import BytesLike
 from kvoffload.tiers.naming import block_path, remote_key
 from kvoffload.worker import TransferWorker
 from kvoffload.worker.block_store import BlockStore

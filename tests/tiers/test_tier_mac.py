@@ -3,7 +3,7 @@ holding the key.
 
 The attacker of these tests can write to the Redis server and to the disk directory, and
 knows the format: the namespace is in every key name and directory name, the layout
-fingerprint in every stored value, and ``kvoffload.tiers.framing`` is public. Without a
+fingerprint in every stored value, and ``kvoffload.blockfile.framing`` is public. Without a
 MAC key such an attacker's block is served (the limit the docs state); with one it is a
 miss and is removed. Blocks MAC'd with another key, or moved under another block's name,
 are misses too; genuine blocks round-trip byte for byte. The key shows up in no log line,
@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from kvoffload.blockfile import framing
+from kvoffload.blockfile.framing import HEADER_BYTES, MAC_BYTES, MAC_OFFSET, MacKey, encode_header
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm.options import ConnectorOptions
-from kvoffload.tiers import framing
 from kvoffload.tiers.config import (
     MAC_KEY_ENV,
     DiskTierConfig,
@@ -33,7 +34,6 @@ from kvoffload.tiers.config import (
     add_cli_arguments,
     read_mac_key,
 )
-from kvoffload.tiers.framing import HEADER_BYTES, MAC_BYTES, MAC_OFFSET, MacKey, encode_header
 from kvoffload.tiers.naming import block_path, namespace, remote_key
 from kvoffload.worker.block_store import BlockStore, TierUnavailable
 from kvoffload.worker.tier_io import build_stores

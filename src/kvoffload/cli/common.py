@@ -12,13 +12,15 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvoffload.engine.hf_config import is_model_path, resolve_model
-from kvoffload.engine.hints import with_hints
-from kvoffload.engine.model_presets import PRESETS
-from kvoffload.engine.replay import Arrival
-from kvoffload.engine.simulation import Mode, SimulationConfig
-from kvoffload.engine.timing import TimingModel
-from kvoffload.engine.workloads import (
+from kvoffload.errors import ConfigError
+from kvoffload.models.hf_config import is_model_path, resolve_model
+from kvoffload.models.presets import PRESETS
+from kvoffload.policies import cache_policy_names
+from kvoffload.refengine.timing import TimingModel
+from kvoffload.sim.replay import Arrival
+from kvoffload.sim.simulation import Mode, SimulationConfig
+from kvoffload.sizes import parse_size
+from kvoffload.workloads import (
     BUILTIN_WORKLOADS,
     DEFAULT_WORKLOAD,
     MOONCAKE_BLOCK_TOKENS,
@@ -30,9 +32,7 @@ from kvoffload.engine.workloads import (
     read_mooncake_trace,
     size_unit,
 )
-from kvoffload.errors import ConfigError
-from kvoffload.policies import cache_policy_names
-from kvoffload.sizes import parse_size
+from kvoffload.workloads.hints import with_hints
 
 
 class UsageError(Exception):
@@ -144,7 +144,7 @@ class _DefaultPreset(str):
 
 class _ModelAction(argparse.Action):
     """``--model PATH``: the model whose config PATH is replaces the command's ``--preset``
-    (``args.preset`` becomes PATH, which ``kvoffload.engine.hf_config`` resolves)."""
+    (``args.preset`` becomes PATH, which ``kvoffload.models.hf_config`` resolves)."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: object, option_string: str | None = None) -> None:
@@ -267,7 +267,7 @@ class WorkloadSpec:
     """The built-in workload's size (``builtin_workload``'s ``size``); None: its default."""
     hint_accuracy: float | None = None
     """Give each request client hints drawn from the workload's future with this accuracy
-    (``kvoffload.engine.hints``; seeded by ``seed``); None: no hints."""
+    (``kvoffload.workloads.hints``; seeded by ``seed``); None: no hints."""
 
     @property
     def label(self) -> str:
@@ -348,7 +348,7 @@ def workload_spec(args: argparse.Namespace, seed: int) -> WorkloadSpec:
 
 def add_hint_option(parser: argparse.ArgumentParser) -> None:
     """``--hint-accuracy P``: client hints drawn from the workload's future
-    (``kvoffload.engine.hints``), each right with probability P."""
+    (``kvoffload.workloads.hints``), each right with probability P."""
     parser.add_argument("--hint-accuracy", type=float, default=None, metavar="P",
                         help="give each request the client hints 'conversation continues' "
                              "(right with probability P, 0..1, drawn from the workload's "

@@ -45,7 +45,8 @@ from kvoffload.cli.common import (
 )
 from kvoffload.cli.sweep import UNBOUNDED_BYTES, format_rows, memory_to_reach
 from kvoffload.cli.validate import check_common_args
-from kvoffload.engine.simulation import (
+from kvoffload.policies import cache_policy_names
+from kvoffload.sim.simulation import (
     MAX_HOST_SLOTS,
     Mode,
     SimulationConfig,
@@ -53,8 +54,7 @@ from kvoffload.engine.simulation import (
     resolve,
     run_one,
 )
-from kvoffload.engine.summary import RunSummary
-from kvoffload.policies import cache_policy_names
+from kvoffload.sim.summary import RunSummary
 
 GiB = 1 << 30
 TARGETS = (0.5, 0.9, 0.99)

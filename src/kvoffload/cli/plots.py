@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.cli.common import UsageError
-from kvoffload.engine.simulation import SimulationResult
+from kvoffload.sim.simulation import SimulationResult
 
 if TYPE_CHECKING:
     from kvoffload.cli.plan import Plan

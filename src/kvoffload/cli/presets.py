@@ -9,10 +9,10 @@ import textwrap
 from typing import Any
 
 from kvoffload.cli.common import add_model_options, check_model, format_bytes
-from kvoffload.engine.hf_config import resolve_model
-from kvoffload.engine.model_presets import PRESETS, ModelPreset
-from kvoffload.engine.simulation import auto_block_size
 from kvoffload.errors import ConfigError
+from kvoffload.models.hf_config import resolve_model
+from kvoffload.models.presets import PRESETS, ModelPreset
+from kvoffload.sim.simulation import auto_block_size
 
 EPILOG = textwrap.dedent("""\
     examples:
@@ -26,7 +26,7 @@ EPILOG = textwrap.dedent("""\
     without --tp. "per token" sums the attention layers (full and windowed); a sliding
     window group never holds more than its window per request. "per state" is one Mamba
     (or gated delta-net) snapshot over every such layer. "block" is the engine block size
-    the simulator picks. The presets are data: src/kvoffload/engine/presets.json holds each
+    the simulator picks. The presets are data: src/kvoffload/models/presets.json holds each
     model's public config.json fields (docs/models.md says how to add one).
     """)
 

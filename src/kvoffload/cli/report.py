@@ -6,16 +6,16 @@ from dataclasses import asdict
 from typing import Any
 
 from kvoffload.cli.common import format_bytes, format_seconds
-from kvoffload.engine.fleet import ROUTER_HELP, FleetResult, FleetTotals
-from kvoffload.engine.model_presets import ModelLayout
-from kvoffload.engine.simulation import (
+from kvoffload.models.presets import ModelLayout
+from kvoffload.sim.fleet import ROUTER_HELP, FleetResult, FleetTotals
+from kvoffload.sim.simulation import (
     Capacities,
     Mode,
     SimulationConfig,
     SimulationResult,
     describe_groups,
 )
-from kvoffload.engine.summary import Percentiles, RunSummary
+from kvoffload.sim.summary import Percentiles, RunSummary
 from kvoffload.tiers.config import masked_url
 
 

@@ -21,10 +21,10 @@ from kvoffload.cli.common import (
 )
 from kvoffload.cli.report import fleet_dict, fleet_text, simulation_dict, simulation_text
 from kvoffload.cli.validate import check_fleet_args, check_simulate_args
-from kvoffload.engine.fleet import MAX_ENGINES, ROUTER_HELP, FleetConfig, Router, simulate_fleet
-from kvoffload.engine.simulation import Mode, SimulationConfig, simulate
-from kvoffload.engine.workloads.request import WorkloadRequest
+from kvoffload.sim.fleet import MAX_ENGINES, ROUTER_HELP, FleetConfig, Router, simulate_fleet
+from kvoffload.sim.simulation import Mode, SimulationConfig, simulate
 from kvoffload.sizes import parse_size
+from kvoffload.workloads.request import WorkloadRequest
 
 EPILOG = textwrap.dedent("""\
     examples:

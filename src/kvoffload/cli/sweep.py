@@ -27,9 +27,9 @@ from kvoffload.cli.common import (
     workload_spec,
 )
 from kvoffload.cli.validate import check_common_args
-from kvoffload.engine.model_presets import PRESETS
-from kvoffload.engine.simulation import Mode, SimulationConfig, resolve, run_one
-from kvoffload.engine.summary import RunSummary
+from kvoffload.models.presets import PRESETS
+from kvoffload.sim.simulation import Mode, SimulationConfig, resolve, run_one
+from kvoffload.sim.summary import RunSummary
 
 EPILOG = textwrap.dedent("""\
     examples:

@@ -11,17 +11,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvoffload.cli.common import UsageError, format_seconds, progress_bar
-from kvoffload.engine.workloads.mooncake import (
+from kvoffload.errors import ConfigError
+from kvoffload.workloads.mooncake import (
     MAX_INPUT_TOKENS,
     MAX_OUTPUT_TOKENS,
     MOONCAKE_BLOCK_TOKENS,
     count_trace_lines,
 )
-from kvoffload.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvoffload.engine.workloads.convert import ConvertSummary
-    from kvoffload.engine.workloads.trace_stats import Distribution, TraceStats
+    from kvoffload.workloads.convert import ConvertSummary
+    from kvoffload.workloads.trace_stats import Distribution, TraceStats
 
 EPILOG = textwrap.dedent("""\
     examples:
@@ -169,7 +169,7 @@ def _check_output(args: argparse.Namespace) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from kvoffload.engine.workloads.convert import (
+    from kvoffload.workloads.convert import (
         DEFAULT_OUTPUT_LENGTH,
         ModelTokenizer,
         convert_log,
@@ -252,7 +252,7 @@ def convert_text(s: ConvertSummary) -> str:
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    from kvoffload.engine.workloads.trace_stats import trace_stats
+    from kvoffload.workloads.trace_stats import trace_stats
 
     _check_common(args)
     show = not (args.quiet or args.json)

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 
 from kvoffload.cli.common import UsageError
-from kvoffload.engine.fleet import MAX_ENGINES, Router
+from kvoffload.sim.fleet import MAX_ENGINES, Router
 from kvoffload.tiers.config import check_disk_path, check_remote_url
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")

@@ -33,7 +33,6 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
-from kvoffload.engine.executors import TransferExecutor
 from kvoffload.faults.plan import FaultKind, FaultLog, FaultPlan
 from kvoffload.jobs import (
     Direction,
@@ -44,6 +43,7 @@ from kvoffload.jobs import (
     TransferStats,
     WorkerReport,
 )
+from kvoffload.refengine.executors import TransferExecutor
 
 Chooser = Callable[[TransferJob], FaultKind | None]
 """Picks a job's fault (or None) instead of the plan's random schedule."""

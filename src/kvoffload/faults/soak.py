@@ -21,24 +21,24 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvoffload.engine.executors import TransferExecutor
-from kvoffload.engine.replay import replay
-from kvoffload.engine.scheduler import ReferenceEngine
-from kvoffload.engine.simulation import SimulationConfig, assemble, engine_parts
-from kvoffload.engine.summary import summarize
-from kvoffload.engine.workloads.request import WorkloadRequest
 from kvoffload.errors import ConfigError
 from kvoffload.faults.executor import FaultyExecutor, Garble
 from kvoffload.faults.plan import FaultPlan
 from kvoffload.faults.store import FaultyBlockStore, disk_tamper, redis_tamper
 from kvoffload.jobs import Direction, TransferJob
+from kvoffload.refengine.engine import ReferenceEngine
+from kvoffload.refengine.executors import TransferExecutor
+from kvoffload.sim.replay import replay
+from kvoffload.sim.simulation import SimulationConfig, assemble, engine_parts
+from kvoffload.sim.summary import summarize
 from kvoffload.worker.block_store import BlockStore
 from kvoffload.worker.remote_store import RemoteStore
+from kvoffload.workloads.request import WorkloadRequest
 
 if TYPE_CHECKING:  # bytes mode only: torch
     import torch
 
-    from kvoffload.engine.device import DeviceCaches, WorkerExecutor
+    from kvoffload.refengine.device import DeviceCaches, WorkerExecutor
 
 
 @dataclass(frozen=True)

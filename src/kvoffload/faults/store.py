@@ -20,8 +20,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvoffload.blockfile.framing import HEADER_BYTES, BytesLike
 from kvoffload.faults.plan import draw_fault
-from kvoffload.tiers.framing import HEADER_BYTES, BytesLike
 from kvoffload.tiers.naming import block_path, remote_key
 from kvoffload.worker.block_store import BlockStore, TierUnavailable
 

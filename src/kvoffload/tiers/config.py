@@ -15,7 +15,7 @@ Three ways in, one meaning:
 
 Every invalid value raises ``ConfigError`` naming the option and what to change.
 
-The tiers' MAC key (``TierConfig.mac_key``, see ``kvoffload.tiers.framing``) is a secret:
+The tiers' MAC key (``TierConfig.mac_key``, see ``kvoffload.blockfile.framing``) is a secret:
 it comes from a file (option ``tier_mac_key_file``) or the environment variable
 ``KVOFFLOAD_TIER_MAC_KEY`` (``read_mac_key``), never from an option value (option values
 end up in logged configuration dumps), and it is never shown: not in a repr, a log line or
@@ -33,9 +33,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from kvoffload.blockfile.framing import MacKey
 from kvoffload.errors import ConfigError
 from kvoffload.sizes import parse_size
-from kvoffload.tiers.framing import MacKey
 from kvoffload.tiers.mac_key import MAC_KEY_ENV, MAX_MAC_KEY_FILE_BYTES, read_mac_key
 from kvoffload.tiers.option_values import (
     MAX_IO_THREADS,
@@ -129,7 +129,7 @@ class TierConfig:
         order: lookup order of the configured lower tiers (host memory always first).
         mac_key: the secret every block in a lower tier is MAC'd with, or None (blocks
             then carry only an unkeyed checksum, and the tiers trust everyone who can
-            write to them; see ``kvoffload.tiers.framing``). It is in no fingerprint or
+            write to them; see ``kvoffload.blockfile.framing``). It is in no fingerprint or
             name: engines with another key (or none) share names with this one, and their
             blocks are misses here. Its repr hides it.
     """

@@ -3,7 +3,7 @@ budget and its eviction order.
 
 The workers write one file per block and rank (``kvoffload.tiers.naming.block_path``:
 ``<path>/<namespace>/rank<r>/<xx>/<key hex>.kvb``, header and payload as in
-``kvoffload.tiers.framing``). This index runs in the scheduler process: it owns the budget
+``kvoffload.blockfile.framing``). This index runs in the scheduler process: it owns the budget
 (``DiskTierConfig.capacity_bytes``, all ranks' files together, headers included), picks
 victims with a registered eviction policy, pins blocks being promoted so they are not
 deleted under a reader, and hands out the deletions it decides (``take_deletes``) for the
@@ -22,13 +22,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from kvoffload.blockfile.framing import HEADER_BYTES, MAX_KEY_BYTES
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey, key_group
 from kvoffload.policies import cache_policy
 from kvoffload.tiers.config import DiskTierConfig
 from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy
-from kvoffload.tiers.framing import HEADER_BYTES, MAX_KEY_BYTES
 from kvoffload.tiers.lower import LowerTier, LowerTierStats, Presence
 from kvoffload.tiers.naming import key_of_file_name, rank_dir
 

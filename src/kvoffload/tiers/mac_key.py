@@ -1,6 +1,6 @@
 """The lower tiers' MAC key, read from a file or the environment (``read_mac_key``).
 
-The key is a secret (see ``kvoffload.tiers.framing``): it comes from a file (option
+The key is a secret (see ``kvoffload.blockfile.framing``): it comes from a file (option
 ``tier_mac_key_file``) or the environment variable ``KVOFFLOAD_TIER_MAC_KEY``, never from
 an option value, and no error message shows it.
 """
@@ -11,8 +11,8 @@ import os
 import stat
 from collections.abc import Mapping
 
+from kvoffload.blockfile.framing import MIN_MAC_KEY_BYTES, MacKey
 from kvoffload.errors import ConfigError
-from kvoffload.tiers.framing import MIN_MAC_KEY_BYTES, MacKey
 
 MAC_KEY_ENV = "KVOFFLOAD_TIER_MAC_KEY"
 """Environment variable holding the tiers' MAC key (when ``tier_mac_key_file`` is not set)."""

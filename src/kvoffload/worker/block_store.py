@@ -1,7 +1,7 @@
 """The contract of a worker-side block store (a disk directory, a remote server).
 
 A store moves one rank's blocks between byte buffers (host slots) and a lower tier, framed
-and checked as ``kvoffload.tiers.framing`` describes. Stores are called from the tier I/O
+and checked as ``kvoffload.blockfile.framing`` describes. Stores are called from the tier I/O
 threads (``kvoffload.worker.tier_io``), several at once: implementations are thread-safe.
 
 Outcomes are values: a block that is missing, truncated, corrupt or foreign reads as
@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvoffload.tiers.framing import BytesLike
+from kvoffload.blockfile.framing import BytesLike
 
 
 class TierUnavailable(RuntimeError):  # noqa: N818 - reads as the state it reports

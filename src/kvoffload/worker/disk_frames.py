@@ -4,7 +4,7 @@
 block between a host slot and its file in a fan-out directory it is given as an fd.
 
 ``store_block(using, dir_fd, final, fields, payload, mac_key=..., sync=...)`` stores
-``payload + header`` (the frame of ``kvoffload.tiers.framing``, its header last: a disk
+``payload + header`` (the frame of ``kvoffload.blockfile.framing``, its header last: a disk
 file's payload starts at offset 0, page aligned) as ``final`` in ``dir_fd``, atomically:
 the bytes go straight from ``payload`` (no copy) into a temporary file made with
 ``O_CREAT | O_EXCL | O_NOFOLLOW`` (named per process and thread, so concurrent writers of
@@ -28,7 +28,7 @@ hashed while read) and verifies everything the header promises: its fields must 
 byte for byte the ones this block's ``header_fields`` gives (magic, version, fingerprint,
 rank, key, size), then the checksum and, with a key, the MAC. It returns ``(outcome,
 detail, problem)``: ``(FRAME_READ, 0, None)`` only when all of it holds -- then ``dest``
-holds the stored payload; otherwise an outcome of ``kvoffload.tiers.checksum``
+holds the stored payload; otherwise an outcome of ``kvoffload.blockfile.checksum``
 (``NO_FILE``, ``OPEN_ERROR``, ...) or ``DAMAGED`` (read whole, but it does not verify), and
 for a damaged, short or wrong-sized file the reason in words. ``dest`` is unspecified
 unless the outcome is ``FRAME_READ``: a caller must never hand it on otherwise.
@@ -39,7 +39,7 @@ from __future__ import annotations
 import os
 import threading
 
-from kvoffload.tiers.checksum import (
+from kvoffload.blockfile.checksum import (
     FRAME_READ,
     SHORT,
     STORED,
@@ -48,7 +48,7 @@ from kvoffload.tiers.checksum import (
     Checksums,
     atomic_store,
 )
-from kvoffload.tiers.framing import (
+from kvoffload.blockfile.framing import (
     FIELDS_BYTES,
     HEADER_BYTES,
     MacKey,
@@ -111,7 +111,7 @@ def read_block(using: Checksums, dir_fd: int, name: str, dest: memoryview, *,
 
     Returns:
         ``(outcome, detail, problem)``: ``FRAME_READ`` when ``dest`` holds the verified
-        payload; else the outcome (``kvoffload.tiers.checksum``'s, or ``DAMAGED``), its
+        payload; else the outcome (``kvoffload.blockfile.checksum``'s, or ``DAMAGED``), its
         detail (an errno, or a wrong size) and, for a file to drop, why in words.
     """
     fields = header_fields(fingerprint, rank, key, dest.nbytes)

@@ -1,6 +1,6 @@
 """``DiskStore``: one rank's block files in the disk tier's directory.
 
-Each block is one file, ``payload + header`` (the frame of ``kvoffload.tiers.framing``
+Each block is one file, ``payload + header`` (the frame of ``kvoffload.blockfile.framing``
 with its header last, so the payload starts the file, page aligned), at
 ``kvoffload.tiers.naming.block_path``. The store owns the directories (lock, rank and
 fan-out directories, epoch, purge); each block file is stored and read in one call of
@@ -12,7 +12,7 @@ block's name. Temporary files a crash left behind are removed when a store opens
 
 Reads open the file, check its size, read the payload straight into the host slot and
 the header after it, and verify everything the header promises. The checksum is computed on the way
-(``kvoffload.tiers.checksum``): each piece of the payload is hashed right after it is read
+(``kvoffload.blockfile.checksum``): each piece of the payload is hashed right after it is read
 or written, while still in the CPU cache -- with the native extension
 the whole store or read of a block is one call that never holds the GIL. A damaged file
 (wrong size, magic, rank, layout, key or checksum -- or, with a MAC key, a MAC that does
@@ -63,8 +63,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvoffload.errors import ConfigError
-from kvoffload.tiers.checksum import (
+from kvoffload.blockfile.checksum import (
     FRAME_READ,
     NO_FILE,
     NOT_REGULAR,
@@ -73,7 +72,8 @@ from kvoffload.tiers.checksum import (
     Checksums,
     checksums,
 )
-from kvoffload.tiers.framing import FINGERPRINT_BYTES, BytesLike, MacKey, header_fields
+from kvoffload.blockfile.framing import FINGERPRINT_BYTES, BytesLike, MacKey, header_fields
+from kvoffload.errors import ConfigError
 from kvoffload.tiers.naming import BLOCK_SUFFIX, TMP_SUFFIX, rank_dir
 from kvoffload.worker.block_store import BlockStore, StoreError
 from kvoffload.worker.disk_frames import read_block, store_block
@@ -114,9 +114,9 @@ class DiskStore(BlockStore):
                 (combined with the directory's epoch, if a purge left one).
             fsync: make every block durable before reporting it stored.
             mac_key: MAC every file with it and accept only files whose MAC verifies
-                (None: unkeyed checksums only; ``kvoffload.tiers.framing``).
+                (None: unkeyed checksums only; ``kvoffload.blockfile.framing``).
             using: the checksum implementation (default ``checksums()``: the native one
-                where it was built; ``kvoffload.tiers.checksum``).
+                where it was built; ``kvoffload.blockfile.checksum``).
 
         Raises:
             ConfigError: another engine holds the directory, it cannot be written (a

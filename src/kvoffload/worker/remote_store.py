@@ -1,6 +1,6 @@
 """``RemoteStore``: one rank's blocks on a shared Redis/Valkey server.
 
-Each block is one string value, ``header + payload`` (``kvoffload.tiers.framing``), under
+Each block is one string value, ``header + payload`` (``kvoffload.blockfile.framing``), under
 ``kvoffload.tiers.naming.remote_key`` (namespace, rank, key). A batch of blocks is one
 pipelined round trip of binary ``SET``s or ``GET``s (no transaction: each command stands
 alone, and ``SET`` is atomic, so a reader never sees half a block). Connections come from
@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from kvoffload.blockfile.framing import HEADER_BYTES, BytesLike, MacKey, check, encode_header
 from kvoffload.tiers.config import RemoteTierConfig
-from kvoffload.tiers.framing import HEADER_BYTES, BytesLike, MacKey, check, encode_header
 from kvoffload.tiers.naming import remote_key
 from kvoffload.tiers.remote import auth_failure, connect, refused_message, remote_errors
 from kvoffload.worker.block_store import BlockStore, TierUnavailable
@@ -54,7 +54,7 @@ class RemoteStore(BlockStore):
             client: a redis-py client (default: ``connect`` with ``max_connections``).
             clock: monotonic seconds.
             mac_key: MAC every value with it and accept only values whose MAC verifies
-                (None: unkeyed checksums only; ``kvoffload.tiers.framing``).
+                (None: unkeyed checksums only; ``kvoffload.blockfile.framing``).
         """
         super().__init__()
         self.settings = remote

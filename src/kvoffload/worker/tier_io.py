@@ -37,10 +37,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
+from kvoffload.blockfile.framing import FINGERPRINT_BYTES, BytesLike
 from kvoffload.config import OffloadConfig
 from kvoffload.jobs import TierJob, TierJobId, TierOp
 from kvoffload.tiers.config import TierConfig
-from kvoffload.tiers.framing import FINGERPRINT_BYTES, BytesLike
 from kvoffload.tiers.naming import namespace
 from kvoffload.worker.block_store import BlockStore, StoreError, TierUnavailable
 from kvoffload.worker.host_pool import HostPool
