@@ -117,12 +117,7 @@ class Planner:
         recomputes; the same blocks could fail the same way forever), after the same
         lookup, touches and deferrals as any other.
         """
-        st = self._requests.get(request.request_id)
-        if st is None:
-            st = self._new_state(request)
-        elif st.finished:
-            raise ValueError(f"request {request.request_id!r} already finished; "
-                             "request ids must be unique")
+        st = self._live_state(request)
         st.planned = None
         self.stats.lookups += 1
         if st.jobs:
@@ -264,12 +259,7 @@ class Planner:
 
     def _schedule_request(self, sched: ScheduledRequest) -> TransferJob | None:
         request = sched.request
-        st = self._requests.get(request.request_id)
-        if st is None:
-            st = self._new_state(request)
-        elif st.finished:
-            raise ValueError(f"request {request.request_id!r} already finished; "
-                             "request ids must be unique")
+        st = self._live_state(request)
         if len(sched.new_block_ids) != len(self._groups):
             raise ValueError(f"request {request.request_id!r}: new_block_ids has "
                              f"{len(sched.new_block_ids)} groups, expected {len(self._groups)}")
@@ -366,11 +356,7 @@ class Planner:
         stored or loaded and its session id is seen there; a later call applies to what
         comes after it. Stores issued before are not undone.
         """
-        st = self._requests.get(request.request_id)
-        if st is None:
-            st = self._new_state(request)
-        elif st.finished:
-            raise ValueError(f"request {request.request_id!r} already finished")
+        st = self._live_state(request)
         st.controls = controls
 
     def refuse_loads(self, request: RequestInfo) -> None:
@@ -489,6 +475,20 @@ class Planner:
         self.tier.check_integrity()
 
     # --------------------------------------------------------------- helpers
+
+    def _live_state(self, request: RequestInfo) -> RequestState:
+        """The request's state, created the first time the planner sees it.
+
+        A request that already finished raises ``ValueError``: its id came back (a new
+        request reusing it, or a call after ``request_finished``), and ids must be unique.
+        """
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return self._new_state(request)
+        if st.finished:
+            raise ValueError(f"request {request.request_id!r} already finished; "
+                             "request ids must be unique")
+        return st
 
     def _new_state(self, request: RequestInfo) -> RequestState:
         st = RequestState(request, [GroupState() for _ in self._groups])
