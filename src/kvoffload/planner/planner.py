@@ -125,9 +125,10 @@ class Planner:
         st.reset_table()
         self._lookups.refresh_keys(st)
         st.num_local_tokens = num_computed_tokens
-        end, deferred, answer_wait_s = self._lookups.find(st, num_computed_tokens)
-        if deferred:
-            result = self._defer_or(st, end - num_computed_tokens, answer_wait_s)
+        reach = self._lookups.find(st, num_computed_tokens)
+        end = reach.end
+        if reach.waiting_helps:
+            result = self._defer_or(st, end - num_computed_tokens, reach.answer_wait_s)
             if result.is_deferred:
                 return result
         st.deferred_steps = 0
@@ -253,8 +254,8 @@ class Planner:
         # A store created in this step reads only blocks its running request still holds
         # (freed positions are never stored), so none of them can be handed out afresh
         # this step (``JobsInFlight.take_plan`` never flushes it).
-        flush, loads = self._jobs.take_plan(stores)
-        return StepPlan(flush=flush, stores=tuple(stores), loads=loads,
+        planned = self._jobs.take_plan(stores)
+        return StepPlan(flush=planned.flush, stores=tuple(stores), loads=planned.loads,
                         tier_flush=tier_work.flush, tier_jobs=tier_work.jobs)
 
     def _schedule_request(self, sched: ScheduledRequest) -> TransferJob | None:
@@ -307,7 +308,10 @@ class Planner:
         raises ``InvariantError``. The reports' tier-job parts go to the tier
         (``Tier.update_from_tier_reports``), which keeps the same rules.
         """
-        finished, failures, released = self._jobs.take_outcomes()
+        early = self._jobs.take_outcomes()
+        finished = list(early.finished_loads)
+        failures = list(early.failed_loads)
+        released = list(early.released_loads)
         failed_stores = 0
         duplicates = self.stats.duplicate_reports
         for report in reports:
