@@ -192,11 +192,6 @@ class TierIO:
         if futures:
             wait_futures(futures)
 
-    @property
-    def num_in_flight(self) -> int:
-        with self._lock:
-            return len(self._in_flight)
-
     def take_stats(self) -> TierIOStats:
         with self._lock:
             stats, self._stats = self._stats, TierIOStats()
