@@ -193,7 +193,7 @@ def run_tier(io: TierIO, job_list: list[TierJob]) -> float:
     io.begin((), job_list)
     io.wait()
     seconds = time.perf_counter() - start
-    _, failed, _ = io.poll()
+    failed = io.poll().failed
     if failed:
         raise RuntimeError(f"{len(failed)} tier jobs failed")
     return seconds

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from refengine.engine_kit import BS, req, tiny_preset, toks
-
 from kvoffload.config import OffloadConfig
 from kvoffload.faults.executor import Chooser, FaultyExecutor
 from kvoffload.faults.plan import FaultKind, FaultPlan
@@ -17,6 +15,7 @@ from kvoffload.refengine.engine import EngineConfig, ReferenceEngine
 from kvoffload.refengine.executors import AccountingExecutor, TransferExecutor
 from kvoffload.sim.replay import Arrival, replay
 from kvoffload.workloads import WorkloadRequest
+from refengine.engine_kit import BS, req, tiny_preset, toks
 
 __all__ = ["BS", "faulty_engine", "nth", "req", "run", "tiny_preset", "toks"]
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from refengine.engine_kit import make_engine, req, tiny_preset, toks
 
 from core.planner_kit import Harness, full, make_config, prompt
 from kvoffload.cli import main
@@ -18,6 +17,7 @@ from kvoffload.keys import key_group
 from kvoffload.sim.replay import Arrival, replay
 from kvoffload.worker import GroupTensors, TransferWorker
 from kvoffload.workloads import read_mooncake_trace
+from refengine.engine_kit import make_engine, req, tiny_preset, toks
 from worker.worker_kit import kv_separate
 from worker.worker_kit import make_config as worker_config
 

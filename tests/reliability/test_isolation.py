@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from refengine.engine_kit import make_engine, tiny_preset, toks
 
 from kvoffload.blockfile.framing import HEADER_BYTES, check, encode_header
 from kvoffload.config import OffloadConfig
@@ -17,6 +16,7 @@ from kvoffload.sim.replay import Arrival, replay
 from kvoffload.tiers.config import TierConfig
 from kvoffload.tiers.naming import namespace
 from kvoffload.workloads import WorkloadRequest
+from refengine.engine_kit import make_engine, tiny_preset, toks
 from tiers.tier_kit import block_files, disk_tiers, hybrid_config, prompt, tiered_engine
 
 

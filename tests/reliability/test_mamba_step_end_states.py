@@ -9,12 +9,12 @@ to every later hit at that boundary (silent corruption; peers' most reported bug
 from __future__ import annotations
 
 import pytest
-from refengine.engine_kit import make_engine, req, tiny_preset, toks
 
 from kvoffload.config import GroupKind
 from kvoffload.sim.replay import Arrival, replay
 from kvoffload.sim.simulation import Mode, SimulationConfig, run_one
 from kvoffload.workloads import builtin_workload
+from refengine.engine_kit import make_engine, req, tiny_preset, toks
 
 
 @pytest.mark.parametrize("budget", [6, 8, 10])

@@ -4,11 +4,10 @@ an already-decoding request must not be modelled as one decode iteration per tok
 
 from __future__ import annotations
 
-from refengine.engine_kit import make_engine, req, tiny_preset, toks
-
 from kvoffload.refengine.requests import EngineRequest
 from kvoffload.refengine.scheduler import StepEntry
 from kvoffload.sim.simulation import Mode
+from refengine.engine_kit import make_engine, req, tiny_preset, toks
 
 
 def entry(engine: object, start: int, count: int, high_water: int) -> StepEntry:

@@ -5,14 +5,14 @@ engine's reset leaves the others' blocks."""
 from __future__ import annotations
 
 import pytest
-from refengine.engine_kit import BS, tiny_preset
 
 from kvoffload.blockfile.framing import HEADER_BYTES
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
 from kvoffload.keys import BlockHasher, OffloadKey, make_offload_key
 from kvoffload.sim.shared_store import SharedStore
-from kvoffload.tiers.lower import Presence
+from kvoffload.tiers.base import LookupResult
+from refengine.engine_kit import BS, tiny_preset
 
 LAYOUT = tiny_preset().layout(BS)
 CONFIG = OffloadConfig(groups=LAYOUT.specs, hash_block_size=BS, host_capacity_bytes=1 << 20)
@@ -32,13 +32,13 @@ def test_a_block_is_seen_by_the_other_engines_once_written() -> None:
     store = SharedStore(CONFIG, 8 * ENTRY)
     a, b = store.view(), store.view()
     key = KEYS[0]
-    assert a.status(key) is b.status(key) is Presence.ABSENT
+    assert a.status(key) is b.status(key) is LookupResult.MISS
     assert a.begin_write(key)
-    assert a.status(key) is Presence.PENDING  # its own write: ask again later
-    assert b.status(key) is Presence.ABSENT  # a server has no value before the write lands
+    assert a.status(key) is LookupResult.PENDING  # its own write: ask again later
+    assert b.status(key) is LookupResult.MISS  # a server has no value before the write lands
     assert not b.begin_write(key)  # one copy is enough
     a.end_write(key, ok=True)
-    assert b.status(key) is Presence.PRESENT
+    assert b.status(key) is LookupResult.HIT
     assert b.begin_read(key)
     b.end_read(key, ok=True)
     assert store.held() == (ENTRY, 1)
@@ -55,8 +55,8 @@ def test_least_recently_used_blocks_leave_first_but_never_one_being_read() -> No
     b.touch([KEYS[1]])  # recency is shared
     assert b.begin_write(KEYS[3])
     b.end_write(KEYS[3], ok=True)
-    assert [a.status(k) for k in KEYS[:4]] == [Presence.PRESENT, Presence.PRESENT,
-                                               Presence.ABSENT, Presence.PRESENT]
+    assert [a.status(k) for k in KEYS[:4]] == [LookupResult.HIT, LookupResult.HIT,
+                                               LookupResult.MISS, LookupResult.HIT]
     assert b.stats.evicted == 1
     a.end_read(KEYS[0], ok=True)
     store.check_integrity()
@@ -68,8 +68,8 @@ def test_one_engines_reset_keeps_the_fleets_blocks() -> None:
     a, b = store.view(), store.view()
     assert a.begin_write(KEYS[1]) and a.begin_read(KEYS[0])
     assert a.reset() is False  # nothing to purge
-    assert b.status(KEYS[0]) is Presence.PRESENT
-    assert b.status(KEYS[1]) is Presence.ABSENT and b.begin_write(KEYS[1])
+    assert b.status(KEYS[0]) is LookupResult.HIT
+    assert b.status(KEYS[1]) is LookupResult.MISS and b.begin_write(KEYS[1])
     with pytest.raises(InvariantError):
         a.end_write(KEYS[1], ok=True)  # a's write was dropped by its reset
     b.end_write(KEYS[1], ok=True)

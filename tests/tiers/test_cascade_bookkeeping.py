@@ -26,7 +26,6 @@ from kvoffload.tiers.cascade import CascadeTier
 from kvoffload.tiers.config import DiskTierConfig, WriteMode
 from kvoffload.tiers.disk import DiskIndex
 from kvoffload.tiers.host import HostTier
-from kvoffload.tiers.lower import Presence
 from kvoffload.tiers.naming import block_path
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.PENDING
@@ -79,9 +78,9 @@ def test_write_back_demotes_a_victim_from_its_old_slot_as_a_snapshot(tmp_path: P
                                                                         True, "disk")
     assert tier.lookup(key(0)) is PENDING  # being written to disk: ask again
     report(tier, (demote,), ranks=(0,))
-    assert disk.status(key(0)) is Presence.PENDING  # rank 1 has not reported
+    assert disk.status(key(0)) is PENDING  # rank 1 has not reported
     report(tier, (demote,), ranks=(1,))
-    assert disk.status(key(0)) is Presence.PRESENT
+    assert disk.status(key(0)) is HIT
     tier.check_integrity()
 
 
@@ -156,7 +155,7 @@ def test_write_through_pins_the_host_key_until_the_demote_reports(tmp_path: Path
     assert result is not None and result.evicted == (key(1),)  # never the pinned key
     assert key(0, 1) in tier.host
     report(tier, (demote,))
-    assert tier.host.ref_count(key(0, 1)) == 0 and disk.status(key(0, 1)) is Presence.PRESENT
+    assert tier.host.ref_count(key(0, 1)) == 0 and disk.status(key(0, 1)) is HIT
     store(tier, key(0, 1))  # already present everywhere: nothing more to write
     tier.check_integrity()
 
@@ -222,7 +221,7 @@ def test_disk_budget_evicts_idle_blocks_only(tmp_path: Path) -> None:
     assert disk.begin_read(key(0))  # pinned while a promote reads it
     assert disk.begin_write(key(3, 1))  # evicts key 1 and key 2 (oldest idle ones)
     assert sorted(disk.take_deletes()) == sorted([key(1), key(2, 1)])
-    assert disk.status(key(0)) is Presence.PRESENT
+    assert disk.status(key(0)) is HIT
     assert not disk.begin_write(key(4, 1))  # key 0 pinned, key 3 writing: no room
     assert disk.take_deletes() == []
     disk.end_read(key(0), ok=True)
@@ -252,7 +251,7 @@ def test_disk_index_rebuilds_from_the_directory(tmp_path: Path) -> None:
 
     disk = DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20), "ns")
     assert all(k in disk for k in (key(5), key(6, 1), key(7))) and len(disk) == 3
-    assert disk.status(key(6, 1)) is Presence.PRESENT
+    assert disk.status(key(6, 1)) is HIT
     assert sorted(disk.take_deletes()) == sorted([key(8), key(9)])
     # The oldest file is the first victim.
     tight = DiskIndex(cfg, DiskTierConfig(str(tmp_path), disk.used_bytes), "ns")

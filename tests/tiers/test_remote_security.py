@@ -28,6 +28,7 @@ from kvoffload.cli.validate import check_remote_login
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import ConfigError
 from kvoffload.keys import make_offload_key
+from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.config import (
     PASSWORD_ENV,
     RemoteTierConfig,
@@ -37,7 +38,6 @@ from kvoffload.tiers.config import (
     masked_url,
     url_without_credentials,
 )
-from kvoffload.tiers.lower import Presence
 from kvoffload.tiers.naming import remote_key
 from kvoffload.tiers.remote import RemoteIndex, check_credentials, connection_kwargs
 from kvoffload.worker.block_store import TierUnavailable
@@ -301,13 +301,13 @@ def test_a_wrong_password_is_one_error_and_the_tier_stays_off(
     before = connections(password_srv)
     try:
         with caplog.at_level(logging.DEBUG):
-            assert index.status(keys[0]) is Presence.PENDING
+            assert index.status(keys[0]) is LookupResult.PENDING
             assert index.wait_idle()
             assert index.refused and index.is_down
             for _ in range(10):  # many retry intervals: nothing is asked again
                 time.sleep(0.06)
                 index.mark_unreachable()
-                assert all(index.status(k) is Presence.ABSENT for k in keys)
+                assert all(index.status(k) is LookupResult.MISS for k in keys)
                 assert index.begin_write(keys[1]) is False
                 assert index.begin_read(keys[2]) is False
             assert index.wait_idle()

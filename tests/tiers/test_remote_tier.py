@@ -24,8 +24,8 @@ import pytest
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.keys import make_offload_key
+from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.config import RemoteTierConfig
-from kvoffload.tiers.lower import Presence
 from kvoffload.tiers.naming import namespace, remote_key
 from kvoffload.tiers.remote import RemoteIndex
 from tiers.tier_kit import (
@@ -166,17 +166,17 @@ def test_existence_checks_are_asynchronous_cached_and_need_every_rank(
     client.set(remote_key("ns", 1, both), b"x")  # type: ignore[attr-defined]
     client.set(remote_key("ns", 0, one), b"x")  # rank 1 lacks it  # type: ignore[attr-defined]
     try:
-        assert index.status(both) is Presence.PENDING  # asked, not waited for
-        assert index.status(one) is Presence.PENDING
+        assert index.status(both) is LookupResult.PENDING  # asked, not waited for
+        assert index.status(one) is LookupResult.PENDING
         assert index.wait_idle()
-        assert index.status(both) is Presence.PRESENT
-        assert index.status(one) is Presence.ABSENT
+        assert index.status(both) is LookupResult.HIT
+        assert index.status(one) is LookupResult.MISS
         client.set(remote_key("ns", 1, one), b"x")  # another engine stores it  # type: ignore[attr-defined]
-        assert index.status(one) is Presence.ABSENT  # trusted for negative_ttl_s
+        assert index.status(one) is LookupResult.MISS  # trusted for negative_ttl_s
         time.sleep(0.25)
-        assert index.status(one) is Presence.PENDING
+        assert index.status(one) is LookupResult.PENDING
         assert index.wait_idle()
-        assert index.status(one) is Presence.PRESENT
+        assert index.status(one) is LookupResult.HIT
         assert index.begin_write(both) is False  # present: no need to write it again
     finally:
         index.close()
@@ -193,15 +193,15 @@ def test_a_dead_server_is_skipped_for_the_retry_interval(
     key = make_offload_key(b"\x01" * 16, 0)
     try:
         with caplog.at_level(logging.WARNING):
-            assert index.status(key) is Presence.PENDING
+            assert index.status(key) is LookupResult.PENDING
             assert index.wait_idle()
             assert index.is_down
-            assert index.status(key) is Presence.ABSENT  # skipped, no waiting
+            assert index.status(key) is LookupResult.MISS  # skipped, no waiting
             assert index.begin_write(key) is False
         warnings = [r for r in caplog.records if "unreachable" in r.message]
         assert len(warnings) == 1
         time.sleep(0.35)
-        assert not index.is_down and index.status(key) is Presence.PENDING  # retried
+        assert not index.is_down and index.status(key) is LookupResult.PENDING  # retried
         assert index.wait_idle()
         assert len([r for r in caplog.records if "unreachable" in r.message]) == 1
     finally:

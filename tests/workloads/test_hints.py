@@ -7,13 +7,13 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from refengine.engine_kit import make_engine, req, tiny_preset, toks
 
 from kvoffload.cli import main
 from kvoffload.planner.contract import RequestControls
 from kvoffload.sim.replay import replay
 from kvoffload.workloads import WorkloadRequest
 from kvoffload.workloads.hints import continuations, with_hints
+from refengine.engine_kit import make_engine, req, tiny_preset, toks
 
 
 def workload() -> list[WorkloadRequest]:

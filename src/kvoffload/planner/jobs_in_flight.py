@@ -17,6 +17,7 @@ abandoned loads never handed out) wait here for the next ``take_outcomes``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from kvoffload.errors import InvariantError
 from kvoffload.jobs import Direction, JobId, TransferJob
@@ -26,6 +27,38 @@ from kvoffload.planner.contract import LoadFailure
 from kvoffload.planner.fence import Fence
 from kvoffload.planner.state import JobState, RequestState
 from kvoffload.tiers.base import Tier
+
+
+@dataclass(frozen=True)
+class EarlyOutcomes:
+    """Load outcomes decided without a worker since the last ``take_outcomes``; the
+    planner adds what the workers' reports say (``ReportOutcome``'s fields of the same
+    names).
+
+    Attributes:
+        finished_loads: requests whose load is over (a load that could not be issued,
+            had nothing to move, or was dropped by a reset).
+        failed_loads: the subset of those that failed (the engine recomputes).
+        released_loads: abandoned loads released (never handed out, or dropped by a
+            reset).
+    """
+
+    finished_loads: tuple[str, ...] = ()
+    failed_loads: tuple[LoadFailure, ...] = ()
+    released_loads: tuple[JobId, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlannedJobs:
+    """What a step plan says about jobs planned before it (``take_plan``).
+
+    Attributes:
+        flush: jobs the workers must finish before anything else, in id order.
+        loads: loads planned since the last plan, to submit now.
+    """
+
+    flush: tuple[JobId, ...] = ()
+    loads: tuple[TransferJob, ...] = ()
 
 
 class JobsInFlight:
@@ -105,21 +138,21 @@ class JobsInFlight:
         """A load with nothing to move: done without a worker."""
         self._finished.append(request_id)
 
-    def take_outcomes(self) -> tuple[list[str], list[LoadFailure], list[JobId]]:
-        """(loads finished, loads failed, abandoned loads released) decided without a
-        worker since the last call; the caller adds what the reports say."""
-        outcomes = self._finished, self._failed, self._released
+    def take_outcomes(self) -> EarlyOutcomes:
+        """The outcomes decided without a worker since the last call (``EarlyOutcomes``);
+        each is handed out once."""
+        outcomes = EarlyOutcomes(tuple(self._finished), tuple(self._failed),
+                                 tuple(self._released))
         self._finished, self._failed, self._released = [], [], []
         return outcomes
 
-    def take_plan(self, new_stores: Sequence[TransferJob]) -> tuple[tuple[JobId, ...],
-                                                                     tuple[TransferJob, ...]]:
-        """(jobs to flush, loads to submit) for this step's plan. A store created this
-        step is never flushed: a fence hit on it is another request adopting a shared
-        prefix block, which only reads it, and the store must run after the forward
-        pass writes its blocks."""
+    def take_plan(self, new_stores: Sequence[TransferJob]) -> PlannedJobs:
+        """The jobs to flush and the loads to submit in this step's plan. A store created
+        this step is never flushed: a fence hit on it is another request adopting a
+        shared prefix block, which only reads it, and the store must run after the
+        forward pass writes its blocks."""
         self.flush.difference_update(job.job_id for job in new_stores)
-        plan = tuple(sorted(self.flush)), tuple(self.loads)
+        plan = PlannedJobs(tuple(sorted(self.flush)), tuple(self.loads))
         self.flush = set()
         self.loads = []
         return plan

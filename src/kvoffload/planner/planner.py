@@ -117,12 +117,7 @@ class Planner:
         recomputes; the same blocks could fail the same way forever), after the same
         lookup, touches and deferrals as any other.
         """
-        st = self._requests.get(request.request_id)
-        if st is None:
-            st = self._new_state(request)
-        elif st.finished:
-            raise ValueError(f"request {request.request_id!r} already finished; "
-                             "request ids must be unique")
+        st = self._live_state(request)
         st.planned = None
         self.stats.lookups += 1
         if st.jobs:
@@ -130,9 +125,10 @@ class Planner:
         st.reset_table()
         self._lookups.refresh_keys(st)
         st.num_local_tokens = num_computed_tokens
-        end, deferred, answer_wait_s = self._lookups.find(st, num_computed_tokens)
-        if deferred:
-            result = self._defer_or(st, end - num_computed_tokens, answer_wait_s)
+        reach = self._lookups.find(st, num_computed_tokens)
+        end = reach.end
+        if reach.waiting_helps:
+            result = self._defer_or(st, end - num_computed_tokens, reach.answer_wait_s)
             if result.is_deferred:
                 return result
         st.deferred_steps = 0
@@ -258,18 +254,13 @@ class Planner:
         # A store created in this step reads only blocks its running request still holds
         # (freed positions are never stored), so none of them can be handed out afresh
         # this step (``JobsInFlight.take_plan`` never flushes it).
-        flush, loads = self._jobs.take_plan(stores)
-        return StepPlan(flush=flush, stores=tuple(stores), loads=loads,
+        planned = self._jobs.take_plan(stores)
+        return StepPlan(flush=planned.flush, stores=tuple(stores), loads=planned.loads,
                         tier_flush=tier_work.flush, tier_jobs=tier_work.jobs)
 
     def _schedule_request(self, sched: ScheduledRequest) -> TransferJob | None:
         request = sched.request
-        st = self._requests.get(request.request_id)
-        if st is None:
-            st = self._new_state(request)
-        elif st.finished:
-            raise ValueError(f"request {request.request_id!r} already finished; "
-                             "request ids must be unique")
+        st = self._live_state(request)
         if len(sched.new_block_ids) != len(self._groups):
             raise ValueError(f"request {request.request_id!r}: new_block_ids has "
                              f"{len(sched.new_block_ids)} groups, expected {len(self._groups)}")
@@ -317,7 +308,10 @@ class Planner:
         raises ``InvariantError``. The reports' tier-job parts go to the tier
         (``Tier.update_from_tier_reports``), which keeps the same rules.
         """
-        finished, failures, released = self._jobs.take_outcomes()
+        early = self._jobs.take_outcomes()
+        finished = list(early.finished_loads)
+        failures = list(early.failed_loads)
+        released = list(early.released_loads)
         failed_stores = 0
         duplicates = self.stats.duplicate_reports
         for report in reports:
@@ -366,11 +360,7 @@ class Planner:
         stored or loaded and its session id is seen there; a later call applies to what
         comes after it. Stores issued before are not undone.
         """
-        st = self._requests.get(request.request_id)
-        if st is None:
-            st = self._new_state(request)
-        elif st.finished:
-            raise ValueError(f"request {request.request_id!r} already finished")
+        st = self._live_state(request)
         st.controls = controls
 
     def refuse_loads(self, request: RequestInfo) -> None:
@@ -489,6 +479,20 @@ class Planner:
         self.tier.check_integrity()
 
     # --------------------------------------------------------------- helpers
+
+    def _live_state(self, request: RequestInfo) -> RequestState:
+        """The request's state, created the first time the planner sees it.
+
+        A request that already finished raises ``ValueError``: its id came back (a new
+        request reusing it, or a call after ``request_finished``), and ids must be unique.
+        """
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return self._new_state(request)
+        if st.finished:
+            raise ValueError(f"request {request.request_id!r} already finished; "
+                             "request ids must be unique")
+        return st
 
     def _new_state(self, request: RequestInfo) -> RequestState:
         st = RequestState(request, [GroupState() for _ in self._groups])

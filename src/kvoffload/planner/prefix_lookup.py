@@ -11,6 +11,7 @@ that answers PENDING for slower copies to bring up what would hit.
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from typing import cast
 
 from kvoffload.config import OffloadConfig
@@ -20,6 +21,25 @@ from kvoffload.planner.positions import useful_blocks
 from kvoffload.planner.state import RequestState
 from kvoffload.planner.store_policy import StorePolicy
 from kvoffload.tiers.base import LookupResult, Tier, TierHints
+
+
+@dataclass(frozen=True, slots=True)
+class HitReach:
+    """How far a request's hit reaches now, and whether waiting could make it reach
+    further (``PrefixLookup.find``).
+
+    Attributes:
+        end: the hit's end (tokens) with what the tier can read now.
+        waiting_helps: some keys a longer hit needs are PENDING: asking again later could
+            give more than ``end``.
+        answer_wait_s: when ``waiting_helps``, ``Tier.answer_wait_s`` of the PENDING keys
+            (how long the tier may still take to answer about them; > 0.0 while a lower
+            tier is still asking a server); else 0.0.
+    """
+
+    end: int
+    waiting_helps: bool = False
+    answer_wait_s: float = 0.0
 
 
 class PrefixLookup:
@@ -47,13 +67,9 @@ class PrefixLookup:
                 keys.extend(cast("list[OffloadKey]",
                                  [hashes[i] + suffix for i in range(first, num_hashes, hpb)]))
 
-    def find(self, st: RequestState, num_computed: int) -> tuple[int, bool, float]:
-        """(hit end with what is readable now, whether waiting could give more, how long
-        the tier may still take to answer about keys it found PENDING), within the
-        request's ``max_load_tokens``.
-
-        The third value is ``Tier.answer_wait_s`` of the PENDING keys when waiting could
-        give more (a lower tier still asking a server about some of them), else 0.0.
+    def find(self, st: RequestState, num_computed: int) -> HitReach:
+        """How far the request's hit reaches beyond ``num_computed`` tokens (``HitReach``),
+        within the request's ``max_load_tokens``.
 
         Counts nothing; tells the store policy (``observe_lookup``) where the
         full-attention prefix and the hit reach once the stores in flight land, and
@@ -106,7 +122,7 @@ class PrefixLookup:
         if learns:
             self._policy.observe_lookup(st, full_end, hopeful)
         if not saw_pending or hopeful <= end:
-            return end, False, 0.0
+            return HitReach(end)
         self.tier.hint(TierHints(prefetch=tuple(self.hit_keys(st, num_computed, hopeful))))
         wait_s = self.tier.answer_wait_s(pending_keys)
         if wait_s > 0.0:
@@ -124,7 +140,7 @@ class PrefixLookup:
                                        min(hopeful // obs, len(keys))):
                     if k not in cache:
                         cache[k] = tier_lookup(keys[k])
-        return end, True, wait_s
+        return HitReach(end, waiting_helps=True, answer_wait_s=wait_s)
 
     def hit_keys(self, st: RequestState, start: int, end: int) -> list[OffloadKey]:
         """Keys a load of tokens ``[start, end)`` reads: every block of a full-attention

@@ -10,8 +10,8 @@ all ranks together, LRU eviction of idle keys (a server's ``maxmemory``). One su
 is shared: each engine's cascade gets a ``SharedStoreView`` of it, a ``LowerTier`` that
 answers as a ``RemoteIndex`` does:
 
-* ``status``: PENDING while *this* engine writes the key; PRESENT when the store holds
-  it; ABSENT otherwise -- also while another engine is still writing it (a server has no
+* ``status``: PENDING while *this* engine writes the key; HIT when the store holds
+  it; MISS otherwise -- also while another engine is still writing it (a server has no
   value before the write lands). Existence checks are modelled exact and instant; a real
   ``RemoteIndex`` asks asynchronously and trusts an "absent" answer for
   ``negative_ttl_s``, so a real fleet sees another engine's block a little later.
@@ -37,9 +37,10 @@ from collections.abc import Sequence
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey
+from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.config import DiskTierConfig, RemoteTierConfig, WriteMode
 from kvoffload.tiers.disk import DiskIndex
-from kvoffload.tiers.lower import LowerTier, LowerTierStats, Presence
+from kvoffload.tiers.lower import LowerTier, LowerTierStats
 
 
 class SharedStore:
@@ -95,15 +96,15 @@ class SharedStoreView(LowerTier):
         self._writing: set[OffloadKey] = set()
         self._reading: Counter[OffloadKey] = Counter()
 
-    def status(self, key: OffloadKey) -> Presence:
+    def status(self, key: OffloadKey) -> LookupResult:
         if key in self._writing:
             self.stats.lookups_pending += 1
-            return Presence.PENDING
-        if self.store.index.status(key) is Presence.PRESENT:
+            return LookupResult.PENDING
+        if self.store.index.status(key) is LookupResult.HIT:
             self.stats.lookups_present += 1
-            return Presence.PRESENT
+            return LookupResult.HIT
         self.stats.lookups_absent += 1  # absent, or another engine's write not landed yet
-        return Presence.ABSENT
+        return LookupResult.MISS
 
     def begin_read(self, key: OffloadKey) -> bool:
         if not self.store.index.begin_read(key):

@@ -42,12 +42,15 @@ HOST = "host"
 
 
 class LookupResult(Enum):
+    """What a tier knows about a key right now: ``Tier.lookup`` answers it, and so does a
+    lower tier's ``LowerTier.status`` (``kvoffload.tiers.lower``)."""
+
     HIT = "hit"
-    """Stored and ready to read."""
+    """Stored and ready to read (in a lower tier: a promote can start)."""
     MISS = "miss"
-    """Not stored."""
+    """Not stored (or, for a lower tier, the tier is skipped for now)."""
     PENDING = "pending"
-    """Being written (or not yet known, for slow tiers): ask again later."""
+    """Being written, or the answer is not known yet (slow tiers): ask again later."""
 
 
 @dataclass(frozen=True)

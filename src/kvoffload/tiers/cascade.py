@@ -58,7 +58,7 @@ from kvoffload.tiers.base import (
 )
 from kvoffload.tiers.eviction import WRITING
 from kvoffload.tiers.host import HostTier
-from kvoffload.tiers.lower import LowerTier, Presence
+from kvoffload.tiers.lower import LowerTier
 from kvoffload.tiers.tier_jobs import CascadeStats, TierJobQueue, bump
 
 __all__ = ["HOST", "CascadeStats", "CascadeTier"]
@@ -130,7 +130,7 @@ class CascadeTier(Tier):
         if key in self._want:
             return LookupResult.PENDING
         for lower in self.lowers:
-            if lower.status(key) is not Presence.ABSENT:
+            if lower.status(key) is not LookupResult.MISS:
                 return LookupResult.PENDING
         return LookupResult.MISS
 
@@ -165,10 +165,10 @@ class CascadeTier(Tier):
             if key in self.host or key in self._want or key in self._no_room:
                 continue
             for lower in self.lowers:
-                presence = lower.status(key)
-                if presence is Presence.PRESENT:
+                answer = lower.status(key)
+                if answer is LookupResult.HIT:
                     self._want[key] = lower
-                if presence is not Presence.ABSENT:
+                if answer is not LookupResult.MISS:
                     break
         return cooled
 

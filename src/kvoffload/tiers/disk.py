@@ -27,9 +27,10 @@ from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey, key_group
 from kvoffload.policies import cache_policy
+from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.config import DiskTierConfig
 from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy
-from kvoffload.tiers.lower import LowerTier, LowerTierStats, Presence
+from kvoffload.tiers.lower import LowerTier, LowerTierStats
 from kvoffload.tiers.naming import key_of_file_name, rank_dir
 
 
@@ -95,16 +96,16 @@ class DiskIndex(LowerTier):
 
     # -- LowerTier --------------------------------------------------------------------
 
-    def status(self, key: OffloadKey) -> Presence:
+    def status(self, key: OffloadKey) -> LookupResult:
         state = self._policy.get(key)
         if state is None:
             self.stats.lookups_absent += 1
-            return Presence.ABSENT
+            return LookupResult.MISS
         if state.ref == WRITING:
             self.stats.lookups_pending += 1
-            return Presence.PENDING
+            return LookupResult.PENDING
         self.stats.lookups_present += 1
-        return Presence.PRESENT
+        return LookupResult.HIT
 
     def begin_read(self, key: OffloadKey) -> bool:
         state = self._policy.get(key)

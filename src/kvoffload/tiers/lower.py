@@ -9,10 +9,12 @@ process, decides, and never moves a byte; the workers' tier I/O does.
 
 Lifecycle of a key in a lower tier, driven by ``CascadeTier``::
 
-    begin_write -> (being written: PENDING) -> end_write(ok=True)  -> PRESENT
-                                             -> end_write(ok=False) -> ABSENT
-    PRESENT: begin_read (pins, where the tier can) ... end_read(ok)  (ok=False: the block
-             was missing, truncated, corrupt or foreign -> dropped -> ABSENT)
+    begin_write -> (being written: PENDING) -> end_write(ok=True)  -> HIT
+                                             -> end_write(ok=False) -> MISS
+    HIT: begin_read (pins, where the tier can) ... end_read(ok)  (ok=False: the block
+         was missing, truncated, corrupt or foreign -> dropped -> MISS)
+
+``status`` answers with the tier contract's ``LookupResult`` (HIT, MISS, PENDING).
 
 Deletions a tier decides (evictions, dropped blocks, garbage found at start) are handed
 out by ``take_deletes`` and become ``DELETE`` tier jobs.
@@ -23,21 +25,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 
 from kvoffload.keys import OffloadKey
+from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.config import WriteMode
-
-
-class Presence(Enum):
-    """What a lower tier knows about a key right now."""
-
-    PRESENT = "present"
-    """Stored and readable: a promote can start."""
-    ABSENT = "absent"
-    """Not stored (or the tier is skipped for now)."""
-    PENDING = "pending"
-    """Being written, or the answer is not known yet: ask again later."""
 
 
 @dataclass
@@ -82,13 +73,13 @@ class LowerTier(ABC):
         return 0, 0
 
     @abstractmethod
-    def status(self, key: OffloadKey) -> Presence:
+    def status(self, key: OffloadKey) -> LookupResult:
         """Whether ``key`` can be promoted now. May start an asynchronous existence check
         (then PENDING) but never blocks on I/O."""
 
     @abstractmethod
     def begin_read(self, key: OffloadKey) -> bool:
-        """A promote of a PRESENT key starts; pin it where the tier can. False: not
+        """A promote of a HIT key starts; pin it where the tier can. False: not
         readable after all (nothing changed)."""
 
     @abstractmethod
@@ -104,7 +95,7 @@ class LowerTier(ABC):
 
     @abstractmethod
     def end_write(self, key: OffloadKey, ok: bool) -> None:
-        """The demote of ``key`` ended on every rank: PRESENT on success, dropped else."""
+        """The demote of ``key`` ended on every rank: HIT on success, dropped else."""
 
     def answer_wait_s(self, key: OffloadKey) -> float:
         """Seconds an answer about ``key`` that this tier asked for and has not heard back
@@ -141,4 +132,4 @@ class LowerTier(ABC):
         return True
 
     def close(self) -> None:  # noqa: B027 - optional hook
-        """Release threads and connections; the tier answers ABSENT afterwards."""
+        """Release threads and connections; the tier answers MISS afterwards."""

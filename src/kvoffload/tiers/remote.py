@@ -14,12 +14,12 @@ one lookup and then for ``negative_ttl_s`` (another engine may store the block m
 
 Unreachable or slow server. A check that errors or times out (``timeout_s``), or a worker
 report naming the tier unreachable, marks the tier *down* for ``retry_interval_s``: every
-lookup answers ABSENT and no demote starts, so the engine keeps serving from the other
+lookup answers MISS and no demote starts, so the engine keeps serving from the other
 tiers. One warning is logged when it goes down, one info line when it answers again.
 
 Refused credentials. A server that refuses the user or password (``WRONGPASS``,
 ``NOAUTH``, ``NOPERM``: ``auth_failure``) will not accept them later either: the index
-logs one error naming the options to check and keeps the tier off (every lookup ABSENT,
+logs one error naming the options to check and keeps the tier off (every lookup MISS,
 no demote) for the life of the process; it asks the server nothing more.
 """
 
@@ -38,8 +38,9 @@ from typing import Any
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.keys import OffloadKey
+from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.config import RemoteTierConfig, url_without_credentials
-from kvoffload.tiers.lower import LowerTier, LowerTierStats, Presence
+from kvoffload.tiers.lower import LowerTier, LowerTierStats
 from kvoffload.tiers.naming import remote_key
 
 logger = logging.getLogger(__name__)
@@ -268,21 +269,21 @@ class RemoteIndex(LowerTier):
     def answer_wait_s(self, key: OffloadKey) -> float:
         """While an existence check of ``key`` is queued or in flight: the bound on one
         round trip plus a connection (``timeout_s + connect_timeout_s``), after which the
-        check has answered or the tier is down (every lookup ABSENT). Else 0.0."""
+        check has answered or the tier is down (every lookup MISS). Else 0.0."""
         with self._cond:
             if key not in self._queued and key not in self._probing:
                 return 0.0
         return self.settings.timeout_s + self.settings.connect_timeout_s
 
-    def status(self, key: OffloadKey) -> Presence:
+    def status(self, key: OffloadKey) -> LookupResult:
         if key in self._writing:
             self.stats.lookups_pending += 1
-            return Presence.PENDING
+            return LookupResult.PENDING
         with self._cond:
             now = self._clock()
             if self._closed or now < self._down_until:
                 self.stats.lookups_absent += 1
-                return Presence.ABSENT
+                return LookupResult.MISS
             answer = self._known.get(key)
             if answer is not None:
                 if answer.present or not answer.used or \
@@ -290,16 +291,16 @@ class RemoteIndex(LowerTier):
                     answer.used = True
                     if answer.present:
                         self.stats.lookups_present += 1
-                        return Presence.PRESENT
+                        return LookupResult.HIT
                     self.stats.lookups_absent += 1
-                    return Presence.ABSENT
+                    return LookupResult.MISS
                 del self._known[key]
             if key not in self._queued and key not in self._probing:
                 self._queued[key] = None
                 self._ensure_thread()
                 self._cond.notify_all()
         self.stats.lookups_pending += 1
-        return Presence.PENDING
+        return LookupResult.PENDING
 
     def begin_read(self, key: OffloadKey) -> bool:
         return not self.is_down

@@ -180,20 +180,8 @@ def write_all(fd: int, views: list[memoryview]) -> None:
         _advance(views, os.writev(fd, views))
 
 
-def read_all(fd: int, views: list[memoryview], offset: int = 0) -> bool:
-    """``preadv`` from ``offset`` until every view is full; False if the file ends first."""
-    views = [v for v in views if v.nbytes]
-    while views:
-        n = os.preadv(fd, views, offset)
-        if n == 0:
-            return False
-        offset += n
-        _advance(views, n)
-    return True
-
-
 def _advance(views: list[memoryview], n: int) -> None:
-    """Drop the first ``n`` bytes of ``views`` (done by one ``writev``/``preadv``)."""
+    """Drop the first ``n`` bytes of ``views`` (done by one ``writev``)."""
     while n and views:
         if n >= views[0].nbytes:
             n -= views[0].nbytes

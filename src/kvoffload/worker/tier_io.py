@@ -93,6 +93,22 @@ class TierIOStats:
     failed_jobs: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class TierIOReport:
+    """What ``TierIO.poll`` hands out: the tier jobs that ended since the previous poll,
+    each exactly once, and the tiers found unreachable meanwhile.
+
+    Attributes:
+        finished: tier jobs completed.
+        failed: tier jobs that could not complete (module docstring, "Reporting").
+        unreachable: tiers a job of which raised ``TierUnavailable``, sorted by name.
+    """
+
+    finished: tuple[TierJobId, ...] = ()
+    failed: tuple[TierJobId, ...] = ()
+    unreachable: tuple[str, ...] = ()
+
+
 class TierIO:
     """Runs one rank's tier jobs (see the module docstring)."""
 
@@ -156,13 +172,14 @@ class TierIO:
         for tier, op, chunk in self._chunks(runnable):
             self._submit(tier, op, chunk)
 
-    def poll(self) -> tuple[list[TierJobId], list[TierJobId], list[str]]:
-        """``(finished, failed, unreachable tiers)`` since the previous poll; never blocks."""
+    def poll(self) -> TierIOReport:
+        """The tier jobs that ended and the tiers found unreachable since the previous
+        poll (``TierIOReport``); never blocks."""
         with self._lock:
             finished, self._finished = self._finished, []
             failed, self._failed = self._failed, []
             unreachable, self._unreachable = sorted(self._unreachable), set()
-        return finished, failed, unreachable
+        return TierIOReport(tuple(finished), tuple(failed), tuple(unreachable))
 
     def wait(self, job_ids: Iterable[TierJobId] | None = None) -> None:
         """Block until the listed jobs (default: all in flight) are done; unknown or
@@ -174,11 +191,6 @@ class TierIO:
                 futures = {self._in_flight[j] for j in job_ids if j in self._in_flight}
         if futures:
             wait_futures(futures)
-
-    @property
-    def num_in_flight(self) -> int:
-        with self._lock:
-            return len(self._in_flight)
 
     def take_stats(self) -> TierIOStats:
         with self._lock:

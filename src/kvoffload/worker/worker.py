@@ -55,7 +55,7 @@ from kvoffload.worker.cpu_native import NativeCpuBackend
 from kvoffload.worker.host_pool import HostPool
 from kvoffload.worker.layout import CacheLayout, GroupTensors
 from kvoffload.worker.native_copy import load_native_copy
-from kvoffload.worker.tier_io import TierIO
+from kvoffload.worker.tier_io import TierIO, TierIOReport
 
 logger = logging.getLogger(__name__)
 
@@ -227,15 +227,12 @@ class TransferWorker:
         failed = self._first_reports(broken)
         failed.extend(self._rejected)
         self._rejected = []
-        tier_finished: list[TierJobId] = []
         tier_failed, self._tier_rejected = self._tier_rejected, []
-        unreachable: list[str] = []
-        if self._tier_io is not None:
-            tier_finished, io_failed, unreachable = self._tier_io.poll()
-            tier_failed.extend(io_failed)
+        tier = self._tier_io.poll() if self._tier_io is not None else TierIOReport()
+        tier_failed.extend(tier.failed)
         return WorkerReport(rank=self.rank, finished=tuple(finished), failed=tuple(failed),
-                            stats=self.backend.take_stats(), tier_finished=tuple(tier_finished),
-                            tier_failed=tuple(tier_failed), tier_unreachable=tuple(unreachable))
+                            stats=self.backend.take_stats(), tier_finished=tier.finished,
+                            tier_failed=tuple(tier_failed), tier_unreachable=tier.unreachable)
 
     def _first_reports(self, job_ids: list[JobId]) -> list[JobId]:
         """The reported jobs that were in flight (now no longer); the others are dropped."""
