@@ -22,7 +22,7 @@
  * is written, and hashing the whole payload on a second thread while this one writes it
  * (which only a machine with an idle core can pay for).
  */
-#include "../src/kvoffload/tiers/_checksum.c"
+#include "../src/kvoffload/blockfile/_checksum.c"
 
 #include <pthread.h>
 #include <stdio.h>

@@ -8,7 +8,8 @@ arithmetic out of the stories.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
@@ -95,10 +96,12 @@ def prompt(n: int, base: int = 1000) -> list[int]:
 class Harness:
     """A planner, its host tier, and shorthand for the calls an engine makes."""
 
-    def __init__(self, config: OffloadConfig) -> None:
+    def __init__(self, config: OffloadConfig, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the planner's time source (a fake one for stories about seconds)."""
         self.config = config
         self.tier = HostTier(config)
-        self.planner = Planner(config, self.tier)
+        self.planner = Planner(config, self.tier, clock=clock)
         self.hasher = BlockHasher(config.hash_block_size, seed="scenario")
 
     # -- requests and keys ------------------------------------------------------------

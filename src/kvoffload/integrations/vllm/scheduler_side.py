@@ -64,11 +64,12 @@ class SchedulerSide:
             enable_events: publish KV-cache events for what the tiers hold.
             tiers: lower tiers (disk, remote) behind host memory; None: host only.
             load_deadline_s: seconds a load may run before it is given up; None: never.
-            clock: the time source of the deadline.
+            clock: the time source of the load deadline and of the planner's
+                deferral bounds (``Planner``'s ``clock``).
         """
         self.config = config
         self.tier = make_tier(config, tiers, enable_events=enable_events)
-        self.planner = Planner(config, self.tier)
+        self.planner = Planner(config, self.tier, clock=clock)
         self.enable_events = enable_events
         self._requests: dict[str, Any] = {}
         self._num_groups = len(config.resolved)
