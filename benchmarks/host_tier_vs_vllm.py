@@ -50,6 +50,7 @@ from pathlib import Path
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import TraceError
 from kvoffload.keys import BlockHash, hash_block, make_offload_key, root_hash
+from kvoffload.policies import cache_policy
 from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.host import HostTier
 from kvoffload.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, iter_trace_records
@@ -161,7 +162,7 @@ def host_config(capacity: int, policy: str) -> OffloadConfig:
 def kvoffload_replay(prefixes: Sequence[Sequence[BlockHash]], capacity: int,
                      policy: str) -> Replay:
     """Replay through kvoffload's ``HostTier`` (module docstring loop)."""
-    tier = HostTier(host_config(capacity, policy), enable_events=False)
+    tier = HostTier(host_config(capacity, policy), cache_policy(policy), enable_events=False)
     if tier.capacity != capacity:
         raise RuntimeError(f"host tier has {tier.capacity} slots, wanted {capacity}")
     requests = [[make_offload_key(block, 0) for block in prefix] for prefix in prefixes]

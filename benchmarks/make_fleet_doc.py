@@ -54,7 +54,7 @@ def engine_config(shared: bool) -> SimulationConfig:
         preset="gpt-oss-20b", mode=Mode.ACCOUNTING, block_size=64, block_size_factor=4,
         engine_tokens=ENGINE_TOKENS, host_capacity_bytes=HOST,
         remote_capacity_bytes=SHARED if shared else None, decode_tokens_per_step=16,
-        arrival=Arrival.TRACE)
+        arrival=Arrival.TRACE, eviction_policy="lru")
 
 
 class Trace:

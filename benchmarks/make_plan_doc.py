@@ -62,7 +62,7 @@ def main() -> int:
     start = time.perf_counter()
     for preset, kind in MODELS:
         base = SimulationConfig(preset=preset, mode=Mode.ACCOUNTING, engine_tokens=1 << 20,
-                                decode_tokens_per_step=16)
+                                decode_tokens_per_step=16, eviction_policy="lru")
         plan = make_plan(base, spec, policies=POLICIES, fractions=DEFAULT_FRACTIONS,
                          jobs=args.jobs)
         image = DOCS / "img" / f"plan-{preset}.png"

@@ -91,7 +91,7 @@ def preset_config(preset: str, trace: bool) -> SimulationConfig:
     return SimulationConfig(
         preset=preset, mode=Mode.ACCOUNTING, block_size=None if mamba else 64,
         block_size_factor=1 if mamba else 4, engine_tokens=(1 << 20) if trace else 32768,
-        decode_tokens_per_step=16, baseline=False, host_accounting="bytes")
+        decode_tokens_per_step=16, baseline=False, host_accounting="bytes", eviction_policy="lru")
 
 
 def series_run(config: SimulationConfig, spec: WorkloadSpec,

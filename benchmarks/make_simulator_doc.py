@@ -84,7 +84,7 @@ def preset_config(name: str, limit: int) -> SimulationConfig:
         preset=name, mode=Mode.ACCOUNTING, block_size=None if mamba else 64,
         block_size_factor=1 if mamba else 4, engine_capacity_bytes=ENGINE_BYTES,
         host_capacity_bytes=CAPACITIES[0], decode_tokens_per_step=16, arrival=Arrival.TRACE,
-        baseline=False, sample_interval_s=5.0)
+        baseline=False, sample_interval_s=5.0, eviction_policy="lru")
 
 
 def layout_table(limit: int) -> list[str]:

@@ -35,7 +35,7 @@ def main() -> int:
         sys.exit(f"no trace at {args.trace}: pass --trace FILE (a Mooncake-format trace)")
     spec = WorkloadSpec(name="trace", trace=args.trace, limit=args.limit, seed=0)
     base = SimulationConfig(preset=args.preset, mode=Mode.ACCOUNTING, engine_tokens=1 << 20,
-                            decode_tokens_per_step=16)
+                            decode_tokens_per_step=16, eviction_policy="lru")
     policies = [p for p in args.policy.split(",") if p]
     fractions = [float(f) for f in args.fractions.split(",") if f]
     times = {}

@@ -49,6 +49,7 @@ from kvoffload.jobs import JobId, StepPlan, WorkerReport
 from kvoffload.keys import BlockHash, BlockHasher, OffloadKey
 from kvoffload.planner.contract import ScheduledRequest, StepInput
 from kvoffload.planner.planner import Planner
+from kvoffload.policies import CachePolicy, cache_policy
 from kvoffload.tiers.base import PrepareStoreResult
 from kvoffload.tiers.host import HostTier
 
@@ -85,8 +86,8 @@ class FollowUp:
 class RecordingTier(HostTier):
     """A ``HostTier`` that remembers, per call (not per key), what the planner asked."""
 
-    def __init__(self, config: OffloadConfig) -> None:
-        super().__init__(config, enable_events=False)
+    def __init__(self, config: OffloadConfig, policy: CachePolicy) -> None:
+        super().__init__(config, policy, enable_events=False)
         self.phase = "setup"
         self.ops: list[tuple[str, str, object]] = []
 
@@ -180,8 +181,9 @@ class Bench:
         probe = make_config(args, 1 << 40)
         capacity = sum(stored_blocks(probe, r.num_tokens) for r in self.requests)
         self.config = make_config(args, capacity + args.requests)
-        self.tier = RecordingTier(self.config)
-        self.planner = Planner(self.config, self.tier)
+        policy = cache_policy(self.config.eviction_policy)
+        self.tier = RecordingTier(self.config, policy)
+        self.planner = Planner(self.config, self.tier, policy)
         self.tables: dict[str, list[list[int]]] = {}
 
     def new_ids(self, n: int) -> list[int]:

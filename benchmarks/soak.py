@@ -92,7 +92,7 @@ def main() -> int:
         preset=args.preset, mode=Mode(args.mode), block_size=64, block_size_factor=4,
         engine_capacity_bytes=parse_size(args.engine_capacity, "--engine-capacity"),
         host_capacity_bytes=parse_size(args.host_capacity, "--host-capacity"),
-        decode_tokens_per_step=16, baseline=False)
+        decode_tokens_per_step=16, baseline=False, eviction_policy="lru")
     config = SoakConfig(sim, plan, load_deadline_s=args.deadline)
     report = run_soak(config, read_mooncake_trace(args.trace, limit=args.limit))
     if args.json:

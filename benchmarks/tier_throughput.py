@@ -171,7 +171,7 @@ def worker_for(block_bytes: int, num_slots: int, tiers: TierConfig) -> TransferW
     filled with random bytes."""
     spec = GroupSpec(GroupKind.FULL_ATTENTION, 16, page_bytes=block_bytes)
     config = OffloadConfig(groups=(spec,), hash_block_size=16,
-                           host_capacity_bytes=block_bytes * num_slots)
+                           host_capacity_bytes=block_bytes * num_slots, eviction_policy="lru")
     cache = torch.zeros((2, block_bytes), dtype=torch.uint8)
     worker = TransferWorker(config, 0, pin_memory=False, tiers=tiers)
     worker.register_kv_caches([GroupTensors(0, [("layer", cache)])])

@@ -190,7 +190,7 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device,
     spec = GroupSpec(GroupKind.FULL_ATTENTION, block_size=16, num_layers=segments,
                      page_bytes=page)
     config = OffloadConfig(groups=(spec,), hash_block_size=16, block_size_factor=args.factor,
-                           host_capacity_bytes=2 * num * block_bytes)
+                           host_capacity_bytes=2 * num * block_bytes, eviction_policy="lru")
     # Engine cache: one (blocks, page) uint8 tensor per segment, twice the blocks needed,
     # so stores read and loads write scattered blocks.
     cache = [torch.randint(0, 256, (2 * engine_blocks + 1, page), dtype=torch.uint8,

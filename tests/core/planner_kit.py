@@ -21,9 +21,8 @@ from kvoffload.planner.contract import (
     ScheduledRequest,
     StepInput,
 )
-from kvoffload.planner.planner import Planner
 from kvoffload.tiers.base import LookupResult
-from kvoffload.tiers.host import HostTier
+from support.offload_kit import host_tier, planner_for
 
 Table = tuple[tuple[int, ...], ...]
 
@@ -100,8 +99,8 @@ class Harness:
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``clock``: the planner's time source (a fake one for stories about seconds)."""
         self.config = config
-        self.tier = HostTier(config)
-        self.planner = Planner(config, self.tier, clock=clock)
+        self.tier = host_tier(config)
+        self.planner = planner_for(config, self.tier, clock=clock)
         self.hasher = BlockHasher(config.hash_block_size, seed="scenario")
 
     # -- requests and keys ------------------------------------------------------------

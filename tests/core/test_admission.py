@@ -15,11 +15,12 @@ from kvoffload.planner.planner import Planner
 from kvoffload.planner.store_policy import ADMIT_ALL, StorePolicy
 from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.host import HostTier
+from support.offload_kit import host_tier, planner_for
 
 
 def test_with_free_room_every_window_block_is_stored() -> None:
     hasher = BlockHasher(4)
-    planner = Planner(config(slots=100), HostTier(config(slots=100)))
+    planner = planner_for(config(slots=100), host_tier(config(slots=100)))
     plan = prefill(planner, Req("a", list(range(32)), hasher), 1)
     assert stored_window_blocks(plan) == list(range(8))
 
@@ -31,7 +32,7 @@ def test_when_full_only_the_window_at_the_prompt_end_is_stored() -> None:
     the turn's real end is known). Blocks 0-4 serve no likely hit."""
     hasher = BlockHasher(4)
     cfg = config(slots=12)
-    planner = Planner(cfg, HostTier(cfg))
+    planner = planner_for(cfg, host_tier(cfg))
     filler = prefill(planner, Req("fill", [99] * 24, hasher), 100)  # fills all 12 slots
     complete(planner, filler)
     plan = prefill(planner, Req("a", list(range(32)), hasher), 1)
@@ -44,7 +45,7 @@ def test_a_learned_branch_point_makes_later_requests_store_windows_there() -> No
     window there, so the point is learned, and its own prefill stores the window at 16."""
     hasher = BlockHasher(4)
     cfg = config(slots=30)
-    planner = Planner(cfg, HostTier(cfg))
+    planner = planner_for(cfg, host_tier(cfg))
     complete(planner, prefill(planner, Req("fill", [99] * 60, hasher), 100))  # 30 slots
     system = list(range(16))
     first = Req("a", [*system, 50, 51, 52, 53, 54, 55, 56, 57], hasher)
@@ -63,8 +64,8 @@ def test_a_learned_branch_point_makes_later_requests_store_windows_there() -> No
 def test_decode_blocks_that_miss_the_turn_end_are_demoted_at_finish() -> None:
     hasher = BlockHasher(4)
     cfg = config(slots=100)
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
+    tier = host_tier(cfg)
+    planner = planner_for(cfg, tier)
     req = Req("a", list(range(40)), hasher, prompt=8)  # 8 prompt + 32 generated tokens
     complete(planner, prefill(planner, req, 1))
     planner.request_finished(req)
@@ -80,7 +81,7 @@ def test_decode_blocks_that_miss_the_turn_end_are_demoted_at_finish() -> None:
 
 def test_store_everything_admits_all() -> None:
     cfg = config(slots=10, policy="lru")
-    planner = Planner(cfg, HostTier(cfg))
+    planner = planner_for(cfg, host_tier(cfg))
     policy = planner.store_policy
     assert policy.admission is None and not policy.learns_points
     req = Req("r", list(range(32)), BlockHasher(4))
@@ -111,8 +112,8 @@ def test_blocks_stored_only_for_free_room_are_demoted_at_finish() -> None:
     request finishes, 0-4 lead the eviction order."""
     hasher = BlockHasher(4)
     cfg = config(slots=100)
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
+    tier = host_tier(cfg)
+    planner = planner_for(cfg, tier)
     req = Req("a", list(range(32)), hasher)
     complete(planner, prefill(planner, req, 1))
     window_key = {make_offload_key(req.block_hashes[k], 1): k for k in range(8)}
@@ -147,8 +148,8 @@ def window_planner_with_a_full_tier() -> tuple[BlockHasher, HostTier, Planner]:
     by an 80-token request."""
     hasher = BlockHasher(4)
     cfg = config(slots=40)
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
+    tier = host_tier(cfg)
+    planner = planner_for(cfg, tier)
     complete(planner, prefill(planner, Req("fill", [99] * 80, hasher), 100))
     assert tier.is_full()
     return hasher, tier, planner
@@ -189,8 +190,8 @@ def test_passed_resume_points_stay_demoted_through_the_requests_own_touches(
     2) stay in the demoted front of the eviction order."""
     hasher = BlockHasher(4)
     cfg = config(slots=40, policy=policy)
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
+    tier = host_tier(cfg)
+    planner = planner_for(cfg, tier)
     complete(planner, prefill(planner, Req("fill", [99] * 80, hasher), 100))
     assert tier.is_full()
     req = looked_up(planner, Req("a", list(range(32)), hasher))
@@ -258,8 +259,8 @@ def mamba_planner_with_a_full_tier() -> tuple[BlockHasher, HostTier, Planner]:
     cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
                                 GroupSpec(GroupKind.MAMBA, 4)),
                         hash_block_size=4, host_capacity_bytes=40, eviction_policy="hybrid")
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
+    tier = host_tier(cfg)
+    planner = planner_for(cfg, tier)
     complete(planner, prefill(planner, Req("fill", [99] * 156, hasher), 100))
     assert tier.is_full()
     return hasher, tier, planner
@@ -299,7 +300,7 @@ def test_a_resume_point_needs_a_state_where_a_step_ended() -> None:
 
 def test_reset_cache_starts_the_insertion_duel_afresh() -> None:
     cfg = config(slots=40, policy="value")
-    planner = Planner(cfg, HostTier(cfg))
+    planner = planner_for(cfg, host_tier(cfg))
     duel = planner.insertion
     assert duel is not None
     duel.bimodal_score = 5.0
@@ -318,8 +319,8 @@ def test_a_resume_point_whose_window_was_never_stored_is_not_taken() -> None:
     cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 8),
                                 GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)),
                         hash_block_size=4, host_capacity_bytes=30, eviction_policy="hybrid")
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
+    tier = host_tier(cfg)
+    planner = planner_for(cfg, tier)
     fill = looked_up(planner, Req("fill", [99] * 80, hasher))
     fa, sw = tuple(range(100, 110)), tuple(range(200, 220))
     planner.update_state_after_alloc(fill, (fa, sw), 0)
@@ -348,8 +349,8 @@ def test_with_a_state_at_every_block_a_passed_resume_point_is_demoted() -> None:
                                 GroupSpec(GroupKind.MAMBA, 4)),
                         hash_block_size=4, host_capacity_bytes=40, eviction_policy="hybrid",
                         mamba_states_every_block=True)
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
+    tier = host_tier(cfg)
+    planner = planner_for(cfg, tier)
     for i in range(6):
         complete(planner, prefill(planner, Req(f"fill{i}", [90 + i] * 32, hasher), 100 + 10 * i))
     assert tier.is_full()
@@ -370,8 +371,8 @@ def cheap_window_planner(slots: int = 40, fill: bool = True
     cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),
                                 GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=4)),
                         hash_block_size=4, host_capacity_bytes=slots, eviction_policy="hybrid")
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
+    tier = host_tier(cfg)
+    planner = planner_for(cfg, tier)
     if fill:
         complete(planner, prefill(planner, Req("fill", [99] * 80, hasher), 100))
         assert tier.is_full()
@@ -501,9 +502,9 @@ def test_turn_ends_are_learned_only_in_hybrid_layouts() -> None:
     hasher = BlockHasher(4)
     cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),), hash_block_size=4,
                         host_capacity_bytes=100, eviction_policy="value")
-    planner = Planner(cfg, HostTier(cfg))
+    planner = planner_for(cfg, host_tier(cfg))
     hybrid = config(slots=100, policy="value")
-    hybrid_planner = Planner(hybrid, HostTier(hybrid))
+    hybrid_planner = planner_for(hybrid, host_tier(hybrid))
     for p in (planner, hybrid_planner):
         req = Req("a", list(range(40)), hasher, prompt=8)
         assert p.get_num_new_matched_tokens(req, 0).num_tokens == 0
@@ -540,8 +541,8 @@ def test_turn_end_windows_are_kept_only_where_later_prompts_reach_turn_ends(
     prompt, that window is demoted like the decode block before it (4)."""
     hasher = BlockHasher(4)
     cfg = config(slots=10_000)
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
+    tier = host_tier(cfg)
+    planner = planner_for(cfg, tier)
     finish_turns(planner, hasher, 40, next_extends_output=reached)
     turn = Req("last", [5_000_000 + t for t in range(32)], hasher, prompt=16)
     complete(planner, prefill(planner, turn, 1))
@@ -574,7 +575,7 @@ def test_the_planner_learns_how_far_below_a_prompts_end_continuations_branch() -
     hasher = BlockHasher(4)
     for policy, expected in (("value", 3), ("hybrid", 0)):
         cfg = config(slots=10_000, policy=policy)
-        planner = Planner(cfg, HostTier(cfg))
+        planner = planner_for(cfg, host_tier(cfg))
         for i in range(80):
             tokens = [1000 * i + t for t in range(40)]
             first = Req(f"p{i}", tokens, hasher)
@@ -593,7 +594,7 @@ def test_a_deferred_lookup_counts_the_depth_its_answer_will_have() -> None:
     will reach), once; the lookup asked again after the stores land counts nothing more."""
     hasher = BlockHasher(4)
     cfg = config(slots=10_000, policy="value")
-    planner = Planner(cfg, HostTier(cfg))
+    planner = planner_for(cfg, host_tier(cfg))
     admission = planner.store_policy.admission
     assert isinstance(admission, HitPointAdmission)
     first = Req("a", list(range(40)), hasher)

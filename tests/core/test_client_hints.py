@@ -17,6 +17,7 @@ from kvoffload.planner.planner import Planner
 from kvoffload.planner.selective import HitPointStorePolicy
 from kvoffload.tiers.base import TierHints
 from kvoffload.tiers.host import HostTier
+from support.offload_kit import host_tier, planner_for
 
 
 class DemoteSpy:
@@ -55,8 +56,8 @@ def demoted_window_blocks(controls: RequestControls, *, policy: str = "hybrid",
     blocks 5 and 6), its prompt's end points are 12 and 16 (blocks 1, 2 and 3)."""
     hasher = BlockHasher(4)
     cfg = config(slots=10_000, policy=policy)
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
+    tier = host_tier(cfg)
+    planner = planner_for(cfg, tier)
     learn_turn_ends_unreached(planner, hasher)
     spy = DemoteSpy(tier)
     turn = Req(rid, [5_000_000 + t for t in range(32)], hasher, prompt=16)
@@ -103,7 +104,7 @@ def test_when_full_continues_false_stores_only_shared_points(
     def stored(controls: RequestControls) -> list[int]:
         hasher = BlockHasher(4)
         cfg = config(slots=12, policy=policy)
-        planner = Planner(cfg, HostTier(cfg))
+        planner = planner_for(cfg, host_tier(cfg))
         complete(planner, prefill(planner, Req("fill", [99] * 24, hasher), 100))
         return stored_window_blocks(prefill(planner, Req("a", list(range(prompt)), hasher),
                                             1, controls))
@@ -148,8 +149,8 @@ def test_a_later_request_of_a_seen_session_is_taken_as_continuing() -> None:
 
     hasher = BlockHasher(4)
     cfg = config(slots=10_000)
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier)
+    tier = host_tier(cfg)
+    planner = planner_for(cfg, tier)
     learn_turn_ends_unreached(planner, hasher)
     spy = DemoteSpy(tier)
     policy = planner.store_policy
@@ -173,7 +174,7 @@ def test_lru_ignores_hints() -> None:
     hasher = BlockHasher(4)
     for controls in (NO_CONTROLS, RequestControls(continues=False)):
         cfg = config(slots=100, policy="lru")
-        planner = Planner(cfg, HostTier(cfg))
+        planner = planner_for(cfg, host_tier(cfg))
         plan = prefill(planner, Req("a", list(range(32)), hasher), 1, controls)
         assert stored_window_blocks(plan) == list(range(8))
 

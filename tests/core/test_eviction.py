@@ -10,7 +10,6 @@ from kvoffload import policies
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.keys import BlockHash, OffloadKey, make_offload_key
-from kvoffload.planner.planner import Planner
 from kvoffload.planner.selective import HitPointStorePolicy
 from kvoffload.planner.store_policy import StorePolicy
 from kvoffload.policies import cache_policy, cache_policy_names, register_cache_policy
@@ -21,7 +20,7 @@ from kvoffload.tiers.eviction import (
     EvictionPolicy,
     LRUPolicy,
 )
-from kvoffload.tiers.host import HostTier
+from support.offload_kit import host_tier, planner_for
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
@@ -118,9 +117,9 @@ def test_one_entry_gives_the_tier_its_eviction_and_the_planner_its_store_policy(
     for name, store in (("mine", StorePolicy), ("counted", UsersStorePolicy),
                         ("hybrid", HitPointStorePolicy)):
         config = OffloadConfig(groups, 4, 64, eviction_policy=name)
-        tier = HostTier(config)
+        tier = host_tier(config)
         assert type(tier._policy) is LRUPolicy
-        assert type(Planner(config, tier).store_policy) is store
+        assert type(planner_for(config, tier).store_policy) is store
 
 
 def test_capacity_must_be_positive() -> None:

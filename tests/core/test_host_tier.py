@@ -7,10 +7,12 @@ import pytest
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.keys import BlockHash, OffloadKey, make_offload_key
+from kvoffload.offload import build_offload
 from kvoffload.tiers.base import LookupResult, PrepareStoreResult, TierEvent
 from kvoffload.tiers.eviction import ARCPolicy
 from kvoffload.tiers.host import HostTier
 from kvoffload.tiers.slots import SlotAllocator
+from support.offload_kit import host_tier
 
 FULL_BYTES = 128  # 2 layers x 64-byte pages
 MAMBA_BYTES = 256  # one state snapshot; also the slot size
@@ -26,7 +28,7 @@ def make_config(slots: int, policy: str = "lru") -> OffloadConfig:
 
 
 def make_tier(slots: int, policy: str = "lru", *, events: bool = True) -> HostTier:
-    tier = HostTier(make_config(slots, policy), enable_events=events)
+    tier = host_tier(make_config(slots, policy), enable_events=events)
     assert tier.capacity == slots
     return tier
 
@@ -330,7 +332,7 @@ def test_reset_drops_everything_and_reports_readable_keys_removed() -> None:
 
 def test_unknown_policy_name_in_the_config_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="eviction_policy"):
-        HostTier(make_config(4, "belady"))
+        build_offload(make_config(4, "belady"))
 
 
 def test_check_integrity_detects_corrupted_bookkeeping() -> None:

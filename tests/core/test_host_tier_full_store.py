@@ -10,6 +10,7 @@ import pytest
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.keys import BlockHash, OffloadKey, make_offload_key
 from kvoffload.tiers.host import HostTier
+from support.offload_kit import host_tier
 
 PAGE = 64
 
@@ -21,7 +22,7 @@ def tier(slots: int, policy: str, *, groups: int) -> HostTier:
                             page_bytes=PAGE) for _ in range(groups))
     config = OffloadConfig(groups=specs, hash_block_size=16,
                            host_capacity_bytes=PAGE * slots, eviction_policy=policy)
-    built = HostTier(config)
+    built = host_tier(config)
     assert built.capacity == slots
     return built
 

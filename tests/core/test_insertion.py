@@ -17,9 +17,8 @@ from kvoffload.planner.insertion import (
     ShadowDirectory,
     is_hot_request,
 )
-from kvoffload.planner.planner import Planner
 from kvoffload.tiers.eviction import ValuePolicy
-from kvoffload.tiers.host import HostTier
+from support.offload_kit import host_tier, planner_for
 
 
 def test_about_one_request_in_hot_every_is_hot() -> None:
@@ -131,8 +130,8 @@ class Harness:
         cfg = OffloadConfig(groups=tuple(groups), hash_block_size=4,
                             host_capacity_bytes=capacity, eviction_policy=policy)
         self.hasher = BlockHasher(4)
-        self.tier = HostTier(cfg)
-        self.planner = Planner(cfg, self.tier)
+        self.tier = host_tier(cfg)
+        self.planner = planner_for(cfg, self.tier)
         self.num_groups = len(groups)
 
     def bimodal_ahead(self, ahead: bool = True) -> None:

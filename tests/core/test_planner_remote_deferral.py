@@ -25,6 +25,7 @@ from kvoffload.jobs import TierOp, WorkerReport
 from kvoffload.keys import OffloadKey
 from kvoffload.planner import planner as planner_module
 from kvoffload.planner.contract import MatchResult
+from kvoffload.policies import cache_policy
 from kvoffload.tiers.cascade import CascadeTier
 from kvoffload.tiers.config import RemoteTierConfig
 from kvoffload.tiers.naming import remote_key
@@ -92,6 +93,7 @@ class RemoteHarness(Harness):
                                   clock=lambda: clock[0])
         self.cascade = CascadeTier(self.tier, [self.remote])
         self.planner = planner_module.Planner(self.config, self.cascade,
+                                              cache_policy(self.config.eviction_policy),
                                               clock=lambda: clock[0])
         self.server = server
 

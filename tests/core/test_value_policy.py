@@ -17,7 +17,7 @@ from kvoffload.planner.valuation import PrefixValuer, proxy_prefill_flops
 from kvoffload.policies import cache_policy
 from kvoffload.tiers.eviction import BlockState, ValueHint, ValuePolicy
 from kvoffload.tiers.eviction.base import NORMAL_SHARE
-from kvoffload.tiers.host import HostTier
+from support.offload_kit import host_tier, planner_for
 
 
 def k(i: int, group: int = 0) -> OffloadKey:
@@ -172,7 +172,7 @@ def test_config_validates_host_accounting() -> None:
 
 @pytest.mark.parametrize("policy", ["lru", "arc", "value"])
 def test_byte_budget_charges_each_group_its_own_block_bytes(policy: str) -> None:
-    tier = HostTier(hybrid_config(12, policy))
+    tier = host_tier(hybrid_config(12, policy))
     small = [k(i, 0) for i in range(8)]
     result = tier.prepare_store(small)
     assert result is not None and len(result.keys_to_store) == 8
@@ -189,7 +189,7 @@ def test_byte_budget_charges_each_group_its_own_block_bytes(policy: str) -> None
 
 
 def test_byte_budget_store_is_all_or_nothing() -> None:
-    tier = HostTier(hybrid_config(12))
+    tier = host_tier(hybrid_config(12))
     keys = [k(i, 1) for i in range(3)]  # 12 bytes: the whole budget
     assert tier.prepare_store(keys) is not None
     # Everything is being written: nothing can be evicted, the store is refused whole.
@@ -364,7 +364,7 @@ def test_value_and_hybrid_admit_selectively_lru_stores_everything() -> None:
     for policy, selective in (("value", True), ("hybrid", True), ("lru", False),
                               ("arc", False)):
         config = hybrid_config(64, policy)
-        store_policy = Planner(config, HostTier(config)).store_policy
+        store_policy = planner_for(config, host_tier(config)).store_policy
         assert isinstance(store_policy.admission, HitPointAdmission) is selective
         assert store_policy.learns_points is selective
 
@@ -398,8 +398,8 @@ def run_prefill(planner: Planner, req: Req, first_id: int) -> StepPlan:
 
 def test_planner_values_stored_keys_and_anchors_window_blocks() -> None:
     cfg = hybrid_config(1 << 20)
-    tier = HostTier(cfg)
-    planner = Planner(cfg, tier, prefill_flops=lambda end, start: float(end - start))
+    tier = host_tier(cfg)
+    planner = planner_for(cfg, tier, prefill_flops=lambda end, start: float(end - start))
     req = Req("a", list(range(32)))
     run_prefill(planner, req, 1)
     planner.request_finished(req)
@@ -414,7 +414,7 @@ def test_planner_values_stored_keys_and_anchors_window_blocks() -> None:
 
 def test_when_full_value_stores_windows_only_at_likely_hit_points() -> None:
     cfg = hybrid_config(60)
-    planner = Planner(cfg, HostTier(cfg))
+    planner = planner_for(cfg, host_tier(cfg))
     # Fill the budget with another prompt (12 full + 12 window blocks = 60 bytes).
     run_prefill(planner, Req("fill", [99] * 48), 100)
     plan = run_prefill(planner, Req("a", list(range(64))), 1)

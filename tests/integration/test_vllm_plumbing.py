@@ -121,7 +121,7 @@ def test_tier_events_become_vllm_events_per_group() -> None:
     config = OffloadConfig(
         groups=(GroupSpec(GroupKind.SLIDING_WINDOW, 32, sliding_window=64, page_bytes=8),
                 GroupSpec(GroupKind.FULL_ATTENTION, 32, page_bytes=8)),
-        hash_block_size=32, host_capacity_bytes=1 << 20, block_size_factor=2)
+        hash_block_size=32, host_capacity_bytes=1 << 20, block_size_factor=2, eviction_policy="lru")
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     h1, h2 = BlockHash(b"\x01" * 16), BlockHash(b"\x02" * 16)

@@ -41,7 +41,7 @@ def _side() -> tuple[Any, dict[str, Any]]:
     config = OffloadConfig(groups=(
         GroupSpec(GroupKind.MAMBA, 32, page_bytes=MAMBA_REAL),
         GroupSpec(GroupKind.FULL_ATTENTION, 32, num_layers=2, page_bytes=32 * 64 * 4),
-    ), hash_block_size=32, host_capacity_bytes=16 * 2 * 32 * 64 * 4)
+    ), hash_block_size=32, host_capacity_bytes=16 * 2 * 32 * 64 * 4, eviction_policy="lru")
     side = WorkerSide(config, [["mixer"], ["attn", "split"]], NUM_BLOCKS)
     caches = _caches(torch.Generator().manual_seed(7))
     side.register_kv_caches(caches)
@@ -156,7 +156,7 @@ def test_a_missing_layer_is_named() -> None:
     from kvoffload.integrations.vllm.worker_side import WorkerSide
 
     config = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 32, page_bytes=8192),),
-                           hash_block_size=32, host_capacity_bytes=1 << 20)
+                           hash_block_size=32, host_capacity_bytes=1 << 20, eviction_policy="lru")
     side = WorkerSide(config, [["model.layers.0.attn"]], NUM_BLOCKS)
     with pytest.raises(LayoutError, match=r"model\.layers\.0\.attn"):
         side.register_kv_caches({"other": torch.zeros((NUM_BLOCKS, *ATTN))})

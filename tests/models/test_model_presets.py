@@ -100,7 +100,8 @@ def test_scaled_layout_keeps_real_sizes_for_accounting() -> None:
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_groups_make_a_valid_offload_config(name: str) -> None:
     groups = PRESETS[name].groups(16, scale_bytes=16)
-    config = OffloadConfig(groups=groups, hash_block_size=16, host_capacity_bytes=1 << 20)
+    config = OffloadConfig(groups=groups, hash_block_size=16, host_capacity_bytes=1 << 20,
+                           eviction_policy="lru")
     assert len(config.resolved) == len(groups)
     assert PRESETS[name].name in PRESETS[name].describe()
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import random
 from array import array
-from contextlib import ExitStack
-from dataclasses import replace
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -21,7 +19,7 @@ from hypothesis.stateful import initialize, precondition, rule
 from test_planner_state_machine import EXAMPLES, STEPS, PlannerMachine, layouts
 
 from kvoffload.planner.contract import RequestControls
-from kvoffload.sim.oracle.binding import bind_oracle
+from kvoffload.sim.oracle.binding import oracle_policy
 from kvoffload.sim.oracle.eviction import OraclePolicy
 from kvoffload.sim.oracle.future import WorkloadFuture
 from kvoffload.sim.oracle.store import OracleStorePolicy
@@ -54,10 +52,8 @@ class OracleMachine(PlannerMachine):
         requests = [WorkloadRequest(f"r{i}", 0.0, array("i", tokens), 1)
                     for i, tokens in enumerate(self.pool)]
         future = WorkloadFuture.build(requests, config, hash_seed="sim")
-        self.stack = ExitStack()
-        name = self.stack.enter_context(bind_oracle(future))
-        self.engine = SimEngine(replace(config, eviction_policy=name), num_blocks=pool,
-                                seed=seed)
+        self.engine = SimEngine(config, num_blocks=pool, seed=seed,
+                                policy=oracle_policy(future))
         assert isinstance(self.engine.tier.policy, OraclePolicy)
         assert isinstance(self.engine.planner.store_policy, OracleStorePolicy)
 
@@ -80,13 +76,6 @@ class OracleMachine(PlannerMachine):
     @rule(out=st.integers(0, 4))
     def follow_up(self, out: int) -> None:  # type: ignore[override]
         self._next(out)
-
-    def teardown(self) -> None:
-        try:
-            super().teardown()
-        finally:
-            if hasattr(self, "stack"):
-                self.stack.close()
 
 
 OracleMachine.TestCase.settings = settings(

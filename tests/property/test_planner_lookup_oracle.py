@@ -29,8 +29,7 @@ from kvoffload.config import GroupKind, GroupSpec, OffloadConfig, ResolvedGroup
 from kvoffload.jobs import StepPlan
 from kvoffload.keys import BlockHash, BlockHasher, OffloadKey, make_offload_key
 from kvoffload.planner.contract import StepInput
-from kvoffload.planner.planner import Planner
-from kvoffload.tiers.host import HostTier
+from support.offload_kit import host_tier, planner_for
 
 
 class Req:
@@ -61,7 +60,7 @@ def layouts(draw: st.DrawFn) -> OffloadConfig:
                                 name=f"g{i}"))
     return OffloadConfig(groups=tuple(groups), hash_block_size=hash_bs,
                          block_size_factor=factor, host_capacity_bytes=100_000,
-                         max_deferred_steps=100)
+                         max_deferred_steps=100, eviction_policy="lru")
 
 
 def accepts(g: ResolvedGroup, ok: set[int], t: int, num_computed: int, num_keys: int) -> bool:
@@ -99,8 +98,8 @@ def needed_positions(g: ResolvedGroup, num_computed: int, end: int) -> list[int]
 @settings(max_examples=300, deadline=None)
 @given(config=layouts(), data=st.data())
 def test_lookup_and_load_match_the_oracle(config: OffloadConfig, data: st.DataObject) -> None:
-    tier = HostTier(config)
-    planner = Planner(config, tier)
+    tier = host_tier(config)
+    planner = planner_for(config, tier)
     hasher = BlockHasher(config.hash_block_size, seed="oracle")
     num_tokens = data.draw(st.integers(1, 120), label="num_tokens")
     req = Req(list(range(num_tokens)), hasher)

@@ -38,6 +38,7 @@ from kvoffload.keys import BlockHash, OffloadKey, key_group, make_offload_key
 from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.eviction import ARCPolicy
 from kvoffload.tiers.host import HostTier
+from support.offload_kit import host_tier
 
 BLOCK_BYTES = (128, 256)  # per group: full attention 2 x 64, Mamba 256 (= slot size)
 KEYS = [make_offload_key(BlockHash(i.to_bytes(16, "big")), i % 2) for i in range(10)]
@@ -70,7 +71,7 @@ class TierMachine(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["lru", "arc"]), capacity=st.integers(1, 6),
                 events_on=st.booleans())
     def setup(self, policy: str, capacity: int, events_on: bool) -> None:
-        self.tier = HostTier(make_config(capacity, policy), enable_events=events_on)
+        self.tier = host_tier(make_config(capacity, policy), enable_events=events_on)
         self.policy, self.capacity, self.events_on = policy, capacity, events_on
         self.ready, self.writing, self.slot, self.lru = {}, set(), {}, []
         self.store_jobs, self.done_stores, self.load_jobs = [], [], []

@@ -11,7 +11,7 @@ from kvoffload.jobs import StepPlan
 from kvoffload.keys import BlockHasher, OffloadKey, make_offload_key
 from kvoffload.models.presets import AttentionLayers, MambaLayers, ModelPreset
 from kvoffload.planner.contract import StepInput
-from kvoffload.refengine.engine import EngineConfig, ReferenceEngine
+from kvoffload.refengine.engine import EngineConfig, ReferenceEngine, offload_for
 from kvoffload.refengine.requests import RequestRecord
 from kvoffload.sim.simulation import Mode, assemble
 from kvoffload.workloads import WorkloadRequest
@@ -48,7 +48,7 @@ def make_engine(preset: ModelPreset, *, num_blocks: int = 64, host_slots: int = 
                             block_size_factor=factor, eviction_policy=policy)
     config = EngineConfig(num_blocks=num_blocks, max_num_batched_tokens=budget,
                           max_num_seqs=max_seqs, check_integrity=True)
-    return assemble(layout, config, offload, mode=mode)
+    return assemble(layout, config, offload_for(layout, offload), mode=mode)
 
 
 def req(rid: str, tokens: Sequence[int], output: int = 1, at: float = 0.0) -> WorkloadRequest:

@@ -15,7 +15,7 @@ from engine_kit import BS, Recorder, key_at, make_engine, record, req, tiny_pres
 from kvoffload.blockfile.framing import HEADER_BYTES
 from kvoffload.jobs import Direction, TransferJob
 from kvoffload.refengine.device import WorkerExecutor
-from kvoffload.refengine.engine import EngineConfig
+from kvoffload.refengine.engine import EngineConfig, offload_for
 from kvoffload.refengine.executors import AccountingExecutor
 from kvoffload.sim.replay import replay
 from kvoffload.sim.simulation import Mode, SimulationConfig, assemble, run_one
@@ -66,8 +66,9 @@ def test_a_failed_load_frees_the_request_and_it_recomputes() -> None:
     layout = tiny_preset().layout(BS)
     donor = make_engine(tiny_preset(), mode=Mode.ACCOUNTING)
     assert donor.offload is not None
-    engine = assemble(layout, EngineConfig(num_blocks=9, check_integrity=True), donor.offload,
-                      mode=Mode.ACCOUNTING, executor=AccountingExecutor(fail=fail_loads))
+    engine = assemble(layout, EngineConfig(num_blocks=9, check_integrity=True),
+                      offload_for(layout, donor.offload), mode=Mode.ACCOUNTING,
+                      executor=AccountingExecutor(fail=fail_loads))
     replay(engine, [req("a", PROMPT), req("flush", FLUSH, at=10.0),
                     req("b", PROMPT, at=20.0)])
     b = record(engine, "b")
@@ -101,7 +102,7 @@ def test_mamba_states_are_stored_only_where_a_step_ended() -> None:
     engine a state from another position (wrong bytes, caught here)."""
     config = SimulationConfig(preset="nemotron-h-8b", engine_tokens=16000,
                               host_capacity_bytes=4 << 30, max_num_batched_tokens=2048,
-                              max_num_seqs=4, scale_bytes=16, baseline=False)
+                              max_num_seqs=4, scale_bytes=16, baseline=False, eviction_policy="lru")
     summary = run_one(config, _long_chat())
     assert summary.wrong_bytes == 0 and summary.corrupt_loads == 0
     aligned = run_one(SimulationConfig(**{**config.__dict__,
@@ -111,7 +112,7 @@ def test_mamba_states_are_stored_only_where_a_step_ended() -> None:
 
 def test_bytes_and_accounting_modes_make_the_same_decisions() -> None:
     base = SimulationConfig(preset="gpt-oss-20b", engine_tokens=1200, max_num_batched_tokens=256,
-                            max_num_seqs=4, scale_bytes=16, baseline=False)
+                            max_num_seqs=4, scale_bytes=16, baseline=False, eviction_policy="lru")
     runs = {mode: run_one(SimulationConfig(**{**base.__dict__, "mode": mode}), _chat())
             for mode in Mode}
     moved, counted = runs[Mode.BYTES], runs[Mode.ACCOUNTING]
@@ -129,7 +130,7 @@ def test_every_preset_runs_clean_in_bytes_mode(preset: str) -> None:
     config = SimulationConfig(preset=preset, block_size=16 if preset != "nemotron-h-8b" else 32,
                               engine_tokens=1500, host_capacity_bytes=32 << 30,
                               max_num_batched_tokens=256, max_num_seqs=4, scale_bytes=16,
-                              baseline=False, check_integrity=True)
+                              baseline=False, check_integrity=True, eviction_policy="lru")
     summary = run_one(config, _chat())
     assert summary.requests == len(_chat())
     assert summary.wrong_bytes == 0 and summary.same_step_flushes == 0
@@ -143,7 +144,7 @@ def test_agents_sharing_a_prefix_with_factor_2_store_only_written_blocks() -> No
     config = SimulationConfig(preset="gpt-oss-20b", block_size=16, block_size_factor=2,
                               engine_tokens=20000, host_capacity_bytes=4 << 30,
                               max_num_batched_tokens=256, max_num_seqs=8, scale_bytes=16,
-                              baseline=False)
+                              baseline=False, eviction_policy="lru")
     summary = run_one(config, agents)
     assert summary.same_step_flushes == 0
     assert summary.wrong_bytes == 0
@@ -164,7 +165,8 @@ def test_store_transfers_name_the_positions_of_their_blocks() -> None:
 def test_a_disk_tier_below_host_memory_serves_what_host_memory_evicted() -> None:
     base = SimulationConfig(preset="gpt-oss-20b", mode=Mode.ACCOUNTING, engine_tokens=1200,
                             host_capacity_bytes=8 << 20, max_num_batched_tokens=256,
-                            max_num_seqs=4, baseline=False, check_integrity=True)
+                            max_num_seqs=4, baseline=False, check_integrity=True,
+                            eviction_policy="lru")
     alone = run_one(base, _chat())
     cascade = run_one(SimulationConfig(**{**base.__dict__, "disk_capacity_bytes": 8 << 30}),
                       _chat())
@@ -186,7 +188,7 @@ def test_a_real_disk_tier_serves_a_second_run_verified(preset: str, tmp_path: Pa
                               max_num_batched_tokens=1040 if hybrid else 2048,
                               max_num_seqs=4, scale_bytes=16,
                               baseline=False, disk_capacity_bytes=64 << 30,
-                              disk_path=str(tmp_path))
+                              disk_path=str(tmp_path), eviction_policy="lru")
     chat = _long_chat if hybrid else _chat
     first = run_one(config, chat())
     assert first.lower_tier_blocks["disk"] > 0
@@ -214,7 +216,7 @@ def test_a_real_redis_tier_is_shared_by_two_engines() -> None:
         config = SimulationConfig(preset="gpt-oss-20b", engine_tokens=1200,
                                   host_capacity_bytes=8 << 20, max_num_batched_tokens=256,
                                   max_num_seqs=4, scale_bytes=16, baseline=False,
-                                  remote_url=server.url)
+                                  remote_url=server.url, eviction_policy="lru")
         first = run_one(config, _chat())
         second = run_one(config, _chat())  # a second engine, empty host memory
     assert second.tier_hit_rates.get("remote", 0.0) > first.tier_hit_rates.get("remote", 0.0)
@@ -233,7 +235,8 @@ def test_tier_settings_that_cannot_work_are_refused(changes: dict[str, object],
                                                    field: str) -> None:
     from kvoffload.errors import ConfigError
 
-    config = SimulationConfig(**{**SimulationConfig(baseline=False).__dict__, **changes})
+    base = SimulationConfig(baseline=False, eviction_policy="lru")
+    config = SimulationConfig(**{**base.__dict__, **changes})
     with pytest.raises(ConfigError) as info:
         run_one(config, _chat())
     assert info.value.field == field and info.value.fix

@@ -11,7 +11,7 @@ from kvoffload.faults.soak import Garbler
 from kvoffload.jobs import Direction, TransferJob
 from kvoffload.models.presets import ModelPreset
 from kvoffload.refengine.device import DeviceCaches, HostAuditor, WorkerExecutor
-from kvoffload.refengine.engine import EngineConfig, ReferenceEngine
+from kvoffload.refengine.engine import EngineConfig, ReferenceEngine, offload_for
 from kvoffload.refengine.executors import AccountingExecutor, TransferExecutor
 from kvoffload.sim.replay import Arrival, replay
 from kvoffload.workloads import WorkloadRequest
@@ -31,7 +31,7 @@ def faulty_engine(preset: ModelPreset, plan: FaultPlan, *, num_blocks: int = 64,
     probe = OffloadConfig(groups=layout.specs, hash_block_size=BS, host_capacity_bytes=1 << 40)
     offload = OffloadConfig(groups=layout.specs, hash_block_size=BS,
                             host_capacity_bytes=host_slots * probe.slot_bytes,
-                            num_workers=num_workers, max_deferred_steps=8)
+                            num_workers=num_workers, max_deferred_steps=8, eviction_policy="lru")
     config = EngineConfig(num_blocks=num_blocks, max_num_batched_tokens=budget,
                           max_num_seqs=max_seqs, check_integrity=True,
                           load_deadline_s=deadline)
@@ -47,8 +47,8 @@ def faulty_engine(preset: ModelPreset, plan: FaultPlan, *, num_blocks: int = 64,
         inner = AccountingExecutor(num_workers)
     faulty = FaultyExecutor(inner, plan, mirror_ranks=mirror_ranks, garble=garble,
                             choose=choose)
-    engine = ReferenceEngine(layout, config, offload=offload, executor=faulty, device=device,
-                             auditor=auditor)
+    engine = ReferenceEngine(layout, config, offload=offload_for(layout, offload),
+                             executor=faulty, device=device, auditor=auditor)
     faulty.clock = lambda: engine.clock
     return engine, faulty
 

@@ -35,7 +35,7 @@ def test_a_hybrid_mamba_model_replays_agents_without_a_wrong_byte() -> None:
     """nemotron-h-8b, whose 1040-token blocks no 8192-token chunk ends on: every stored
     state is one a step really produced, and every loaded one matches."""
     sim = SimulationConfig(preset="nemotron-h-8b", mode=Mode.BYTES, engine_tokens=65536,
-                           host_capacity_bytes=8 << 30, baseline=False)
+                           host_capacity_bytes=8 << 30, baseline=False, eviction_policy="lru")
     summary = run_one(sim, builtin_workload("agentic", 0)[:40])
     assert summary.host_hit_tokens > 0
     assert summary.wrong_bytes == 0 and summary.corrupt_loads == 0

@@ -30,7 +30,7 @@ def soak(preset: str, workload: list, *, rate: float, seed: int = 0,
          mode: Mode = Mode.BYTES, engine_tokens: int = 65536) -> SoakReport:
     sim = SimulationConfig(preset=preset, mode=mode, engine_tokens=engine_tokens,
                            host_capacity_bytes=8 << 30, baseline=False,
-                           decode_tokens_per_step=16)
+                           decode_tokens_per_step=16, eviction_policy="lru")
     plan = FaultPlan(rate, seed=seed, hang_s=10.0, min_reset_interval_s=60.0)
     report = run_soak(SoakConfig(sim, plan, load_deadline_s=2.0, check_interval_s=10.0),
                       workload)
@@ -89,7 +89,8 @@ def test_a_soak_with_real_disk_and_redis_tiers_and_tier_faults_is_clean(
                                baseline=False,
                                host_capacity_bytes=(400 << 20) if hybrid else (64 << 20),
                                decode_tokens_per_step=16, disk_capacity_bytes=64 << 30,
-                               disk_path=str(tmp_path), remote_url=server.url)
+                               disk_path=str(tmp_path), remote_url=server.url,
+                               eviction_policy="lru")
         plan = FaultPlan(0.1, seed=3, hang_s=10.0, min_reset_interval_s=60.0)
         report = run_soak(SoakConfig(sim, plan, load_deadline_s=2.0, check_interval_s=10.0,
                                      tier_faults=0.1, num_workers=1),

@@ -1,13 +1,12 @@
-"""The oracle reference policy: its future (``engine.future``), that it uses the future only
+"""The oracle reference policy: its future (``sim.oracle.future``), that it uses the future only
 through its rule, that it cannot be configured outside the simulator, and that it does
 at least as well as LRU where LRU has hits to lose."""
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
-from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -15,12 +14,14 @@ import pytest
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import ConfigError
 from kvoffload.keys import BlockHasher, OffloadKey, make_offload_key
+from kvoffload.offload import build_offload
 from kvoffload.planner.state import RequestState
 from kvoffload.planner.store_policy import StorePolicy, StoreSelection
 from kvoffload.policies import (
+    RESERVED_NAMES,
+    CachePolicy,
     cache_policy,
     cache_policy_names,
-    drop_cache_policy,
     register_cache_policy,
 )
 from kvoffload.sim.oracle.binding import OracleRun
@@ -37,7 +38,7 @@ from kvoffload.workloads.request import WorkloadRequest, derive_tokens
 
 def _config(*groups: GroupSpec, factor: int = 1) -> OffloadConfig:
     return OffloadConfig(groups=groups, hash_block_size=4, block_size_factor=factor,
-                         host_capacity_bytes=100)
+                         host_capacity_bytes=100, eviction_policy="lru")
 
 
 FULL = GroupSpec(GroupKind.FULL_ATTENTION, 4)
@@ -111,16 +112,16 @@ def test_future_rejects_repeated_ids() -> None:
 
 def test_oracle_is_a_simulator_only_reference() -> None:
     assert "oracle" not in cache_policy_names()
-    assert "oracle" in cache_policy_names(references=True)
+    assert "oracle" in RESERVED_NAMES
     with pytest.raises(ConfigError, match="simulator-only reference"):
         cache_policy("oracle")
     with pytest.raises(ConfigError, match="simulator-only reference"):
-        OffloadConfig(groups=(FULL,), hash_block_size=4, host_capacity_bytes=100,
-                      eviction_policy="oracle")
+        build_offload(OffloadConfig(groups=(FULL,), hash_block_size=4, host_capacity_bytes=100,
+                                    eviction_policy="oracle"))
     with pytest.raises(ConfigError, match="future"):
         build_engine(SimulationConfig(mode=Mode.ACCOUNTING, eviction_policy="oracle"))
-    with pytest.raises(ValueError, match="built in"):
-        drop_cache_policy("oracle")
+    with pytest.raises(ValueError, match="reserved"):
+        register_cache_policy("oracle", OraclePolicy)
 
 
 # ------------------------------------------------- eviction by the future, unit
@@ -178,7 +179,7 @@ def test_oracle_eviction_takes_furthest_next_use_per_byte() -> None:
 
 ENGINE = SimulationConfig(preset="gemma3-27b", mode=Mode.ACCOUNTING, block_size=64,
                           block_size_factor=1, engine_tokens=12288, baseline=False,
-                          host_accounting="bytes", decode_tokens_per_step=16)
+                          host_accounting="bytes", decode_tokens_per_step=16, eviction_policy="lru")
 
 
 def _conversation(label: str, turns: int, start_s: float, base: Sequence[int] = ()
@@ -233,9 +234,8 @@ class _LoggedEviction(OraclePolicy):
         return victims
 
 
-@contextmanager
 def _logged_oracle(requests: list[WorkloadRequest], later: AbstractSet[str]
-                   ) -> Iterator[tuple[str, list[tuple[str, object]], WorkloadFuture]]:
+                   ) -> tuple[CachePolicy, list[tuple[str, object]], WorkloadFuture]:
     future = WorkloadFuture.build(requests, resolve(ENGINE, ENGINE.layout())[1],
                                   unstored_tail=ENGINE.decode_tokens_per_step)
     run = OracleRun(future)
@@ -249,11 +249,7 @@ def _logged_oracle(requests: list[WorkloadRequest], later: AbstractSet[str]
     def store(context: object) -> StorePolicy:
         return _LoggedStore(run, log, later)
 
-    register_cache_policy("oracle-logged", eviction, store, replace=True)
-    try:
-        yield "oracle-logged", log, future
-    finally:
-        drop_cache_policy("oracle-logged")
+    return CachePolicy("oracle-logged", eviction, store), log, future
 
 
 def _decisions(later: list[WorkloadRequest], capacity: int
@@ -261,8 +257,8 @@ def _decisions(later: list[WorkloadRequest], capacity: int
     """The oracle's admission verdicts and evictions until the first later request
     starts, and the future it ran with."""
     requests = EARLY + later
-    with _logged_oracle(requests, {r.request_id for r in later}) as (name, log, future):
-        run_one(replace(ENGINE, eviction_policy=name, host_capacity_bytes=capacity), requests)
+    policy, log, future = _logged_oracle(requests, {r.request_id for r in later})
+    run_one(replace(ENGINE, host_capacity_bytes=capacity), requests, policy=policy)
     cut = next((i for i, (kind, _) in enumerate(log) if kind == "later"), len(log))
     return log[:cut], future
 

@@ -15,7 +15,8 @@ from kvoffload.tiers.base import LookupResult
 from refengine.engine_kit import BS, tiny_preset
 
 LAYOUT = tiny_preset().layout(BS)
-CONFIG = OffloadConfig(groups=LAYOUT.specs, hash_block_size=BS, host_capacity_bytes=1 << 20)
+CONFIG = OffloadConfig(groups=LAYOUT.specs, hash_block_size=BS, host_capacity_bytes=1 << 20,
+                       eviction_policy="lru")
 ENTRY = HEADER_BYTES + CONFIG.resolved[0].block_bytes
 """Bytes one key of the one group takes in the store (one rank)."""
 

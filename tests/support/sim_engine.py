@@ -25,10 +25,10 @@ from typing import Protocol
 from kvoffload.config import GroupKind, OffloadConfig
 from kvoffload.jobs import NULL_BLOCK_ID, Direction, JobId, StepPlan, TransferJob, WorkerReport
 from kvoffload.keys import BlockHash, BlockHasher
+from kvoffload.offload import build_offload
 from kvoffload.planner.contract import NO_CONTROLS, RequestControls, ScheduledRequest, StepInput
-from kvoffload.planner.planner import Planner
+from kvoffload.policies import CachePolicy
 from kvoffload.tiers.base import LookupResult
-from kvoffload.tiers.host import HostTier
 
 Content = tuple[int, ...]
 GARBAGE: Content = (-1,)
@@ -160,14 +160,16 @@ class SimEngine:
     """The simulated engine. ``step`` runs one scheduler step and checks the rules."""
 
     def __init__(self, config: OffloadConfig, num_blocks: int, seed: int = 0,
-                 real: RealBackendFactory | None = None) -> None:
+                 real: RealBackendFactory | None = None,
+                 policy: CachePolicy | None = None) -> None:
         self.config = config
         self.max_deferral_s = config.min_deferral_s
         """Rule 8: a request may be deferred past ``max_deferred_steps`` times only this
         long (wall clock) since its first deferral; a run over a tier that waits on a
         server's answers sets the tier's bound (``Tier.answer_wait_s``)."""
-        self.tier = HostTier(config)
-        self.planner = Planner(config, self.tier)
+        offload = build_offload(config, policy=policy)  # policy None: the one config names
+        self.tier = offload.host
+        self.planner = offload.planner
         self.groups = config.resolved
         self.hasher = BlockHasher(config.hash_block_size, seed="sim")
         self.free: list[int] = list(range(num_blocks, 0, -1))

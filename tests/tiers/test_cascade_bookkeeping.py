@@ -25,8 +25,8 @@ from kvoffload.tiers.base import LookupResult, TierHints
 from kvoffload.tiers.cascade import CascadeTier
 from kvoffload.tiers.config import DiskTierConfig, WriteMode
 from kvoffload.tiers.disk import DiskIndex
-from kvoffload.tiers.host import HostTier
 from kvoffload.tiers.naming import block_path
+from support.offload_kit import host_tier
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.PENDING
 
@@ -39,14 +39,14 @@ def config(slots: int = 4, workers: int = 2) -> OffloadConfig:
     groups = (GroupSpec(GroupKind.FULL_ATTENTION, 4, page_bytes=100),
               GroupSpec(GroupKind.MAMBA, 4, page_bytes=300))
     return OffloadConfig(groups=groups, hash_block_size=4, host_capacity_bytes=300 * slots,
-                         num_workers=workers)
+                         num_workers=workers, eviction_policy="lru")
 
 
 def cascade(tmp_path: Path, mode: WriteMode = WriteMode.WRITE_BACK, slots: int = 4,
             capacity: int = 1 << 20) -> tuple[CascadeTier, DiskIndex]:
     cfg = config(slots)
     disk = DiskIndex(cfg, DiskTierConfig(str(tmp_path), capacity, write_mode=mode), "ns")
-    return CascadeTier(HostTier(cfg), [disk]), disk
+    return CascadeTier(host_tier(cfg), [disk]), disk
 
 
 def store(tier: CascadeTier, *keys: OffloadKey) -> None:
@@ -185,7 +185,7 @@ def test_tier_reports_count_once_per_rank_and_stale_ones_are_ignored(tmp_path: P
 
 
 def test_a_host_tier_alone_rejects_tier_reports() -> None:
-    host = HostTier(config())
+    host = host_tier(config())
     assert host.take_tier_work() == TierWork()
     with pytest.raises(InvariantError):
         host.update_from_tier_reports([WorkerReport(0, tier_finished=(TierJobId(0),))])
@@ -265,14 +265,16 @@ def test_disk_index_rebuilds_from_the_directory(tmp_path: Path) -> None:
 
 
 def test_accounting_mode_models_both_lower_tiers_without_io(tmp_path: Path) -> None:
+    from kvoffload.offload import build_tier
+    from kvoffload.policies import cache_policy
     from kvoffload.tiers.config import RemoteTierConfig, TierConfig
-    from kvoffload.tiers.factory import make_tier
 
     cfg = config(slots=1)
     missing = tmp_path / "never-created"
     tiers = TierConfig(disk=DiskTierConfig(str(missing), 1 << 20),
                        remote=RemoteTierConfig("redis://nowhere.invalid:1/0"))
-    tier = make_tier(cfg, tiers, accounting=True, remote_capacity_bytes=1 << 20)
+    tier = build_tier(cfg, cache_policy(cfg.eviction_policy), tiers, accounting=True,
+                      remote_capacity_bytes=1 << 20)
     assert isinstance(tier, CascadeTier)
     assert [lt.name for lt in tier.lowers] == ["disk", "remote"]
     store(tier, key(0))  # write-through to the modelled remote
@@ -293,7 +295,7 @@ def test_demotion_and_cold_insertion_hints_reach_host_memory(tmp_path: Path) -> 
     cfg = OffloadConfig(groups=config().groups, hash_block_size=4,
                         host_capacity_bytes=300 * 4, eviction_policy="value")
     disk = DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20), "ns")
-    tier = CascadeTier(HostTier(cfg), [disk])
+    tier = CascadeTier(host_tier(cfg), [disk])
     store(tier, key(1), key(2), key(3))
     tier.hint(TierHints(demote=(key(3),)))
     tier.hint(TierHints(cool=(key(2),)))
@@ -307,7 +309,7 @@ def test_a_demoted_key_is_not_written_back_when_host_memory_evicts_it(tmp_path: 
     cfg = OffloadConfig(groups=config().groups, hash_block_size=4,
                         host_capacity_bytes=300 * 4, num_workers=2, eviction_policy="value")
     disk = DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20), "ns")
-    tier = CascadeTier(HostTier(cfg), [disk])
+    tier = CascadeTier(host_tier(cfg), [disk])
     store(tier, key(0), key(1), key(2), key(3))
     tier.hint(TierHints(demote=(key(2),)))
     result = tier.prepare_store([key(4), key(5)])
@@ -329,7 +331,7 @@ def two_key_value_cascade(tmp_path: Path) -> CascadeTier:
     """Host memory of two keys under the value policy, over a disk tier."""
     cfg = OffloadConfig(groups=config().groups, hash_block_size=4,
                         host_capacity_bytes=300 * 2, num_workers=2, eviction_policy="value")
-    return CascadeTier(HostTier(cfg), [DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20),
+    return CascadeTier(host_tier(cfg), [DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20),
                                                  "ns")])
 
 

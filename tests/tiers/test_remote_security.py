@@ -103,7 +103,8 @@ def tls_srv(tls_files: TlsFiles) -> Iterator[RedisServer]:
 
 def small_config(workers: int = 2) -> OffloadConfig:
     return OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4, page_bytes=8),),
-                         hash_block_size=4, host_capacity_bytes=64, num_workers=workers)
+                         hash_block_size=4, host_capacity_bytes=64, num_workers=workers,
+                         eviction_policy="lru")
 
 
 def with_password(url: str, password: str, user: str = "") -> str:

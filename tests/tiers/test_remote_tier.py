@@ -165,7 +165,8 @@ def test_a_corrupted_value_is_a_miss(redis_srv: RedisServer) -> None:
 
 def small_config(workers: int = 2) -> OffloadConfig:
     return OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4, page_bytes=8),),
-                         hash_block_size=4, host_capacity_bytes=64, num_workers=workers)
+                         hash_block_size=4, host_capacity_bytes=64, num_workers=workers,
+                         eviction_policy="lru")
 
 
 def test_existence_checks_are_asynchronous_cached_and_need_every_rank(

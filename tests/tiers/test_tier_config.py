@@ -28,7 +28,7 @@ from kvoffload.tiers.naming import block_path, key_of_file_name, namespace, remo
 def config(**changes: object) -> OffloadConfig:
     base = OffloadConfig(groups=(GroupSpec(GroupKind.FULL_ATTENTION, 16, page_bytes=64),
                                  GroupSpec(GroupKind.MAMBA, 16, page_bytes=256)),
-                         hash_block_size=16, host_capacity_bytes=1 << 20)
+                         hash_block_size=16, host_capacity_bytes=1 << 20, eviction_policy="lru")
     return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
 

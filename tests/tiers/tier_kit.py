@@ -30,11 +30,13 @@ import pytest
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.jobs import JobId, StepPlan, TierJobId, WorkerReport
+from kvoffload.offload import build_tier
 from kvoffload.planner.planner import Planner
+from kvoffload.policies import cache_policy
 from kvoffload.tiers.cascade import CascadeTier
 from kvoffload.tiers.config import DiskTierConfig, RemoteTierConfig, TierConfig, WriteMode
-from kvoffload.tiers.factory import make_tier
 from kvoffload.worker import TransferWorker, cpu_backend
+from support.offload_kit import planner_for
 from support.real_workers import RandomFaults, TensorDevice, with_pages
 from support.sim_engine import SimEngine
 
@@ -227,7 +229,7 @@ def hybrid_config(*, host_slots: int, num_workers: int = 2,
     # The simulated engine writes every block's boundary state, Mamba included.
     base = OffloadConfig(groups=groups, hash_block_size=4, host_capacity_bytes=host_slots,
                          num_workers=num_workers, max_deferred_steps=max_deferred_steps,
-                         mamba_states_every_block=True)
+                         mamba_states_every_block=True, eviction_policy="lru")
     return with_pages(base, host_slots)
 
 
@@ -368,9 +370,9 @@ class TieredEngine:
         self.sim = SimEngine(config, num_blocks=num_blocks, seed=seed,
                              real=build)  # type: ignore[arg-type]
         self.sim.rng = _NoEnginePrefixCache(seed)
-        self.any_tier = make_tier(config, tiers)
+        self.any_tier = build_tier(config, cache_policy(config.eviction_policy), tiers)
         self.sim.tier = self.any_tier  # type: ignore[assignment]
-        self.sim.planner = Planner(config, self.any_tier)
+        self.sim.planner = planner_for(config, self.any_tier)
         self.workers = holder["w"]
 
     @property

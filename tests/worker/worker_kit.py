@@ -169,7 +169,7 @@ def make_config(caches: Sequence[CacheSet], *, factor: int = 1, num_slots: int =
                           host_capacity_bytes=1 << 40, num_workers=num_workers)
     return OffloadConfig(groups=specs, hash_block_size=16, block_size_factor=factor,
                          host_capacity_bytes=probe.slot_bytes * num_slots,
-                         num_workers=num_workers)
+                         num_workers=num_workers, eviction_policy="lru")
 
 
 def make_worker(caches: Sequence[CacheSet], *, factor: int = 1, num_slots: int = 16,

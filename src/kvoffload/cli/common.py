@@ -17,6 +17,7 @@ from kvoffload.models.hf_config import is_model_path, resolve_model
 from kvoffload.models.presets import PRESETS
 from kvoffload.policies import cache_policy_names
 from kvoffload.refengine.timing import TimingModel
+from kvoffload.sim.oracle.binding import ORACLE
 from kvoffload.sim.replay import Arrival
 from kvoffload.sim.simulation import Mode, SimulationConfig
 from kvoffload.sizes import parse_size
@@ -235,11 +236,17 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
 
+def simulator_policy_names() -> tuple[str, ...]:
+    """The cache policies the simulator runs: the registry's and the ``oracle``
+    reference."""
+    return (*cache_policy_names(), ORACLE)
+
+
 def check_policy(name: str) -> str:
     """A cache policy the simulator runs (the ``oracle`` reference included)."""
-    if name not in cache_policy_names(references=True):
+    if name not in simulator_policy_names():
         raise UsageError(f"--policy: unknown policy {name!r}; choose one of "
-                         f"{', '.join(cache_policy_names(references=True))}")
+                         f"{', '.join(simulator_policy_names())}")
     return name
 
 

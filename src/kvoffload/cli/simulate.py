@@ -21,6 +21,7 @@ from kvoffload.cli.common import (
 )
 from kvoffload.cli.report import fleet_dict, fleet_text, simulation_dict, simulation_text
 from kvoffload.cli.validate import check_fleet_args, check_simulate_args
+from kvoffload.config import DEFAULT_POLICY
 from kvoffload.sim.fleet import MAX_ENGINES, ROUTER_HELP, FleetConfig, Router, simulate_fleet
 from kvoffload.sim.simulation import Mode, SimulationConfig, simulate
 from kvoffload.sizes import parse_size
@@ -78,10 +79,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                              "for built-in workloads, accounting for traces and lower tiers)")
     parser.add_argument("--host-capacity", default="16GiB", metavar="SIZE",
                         help="host memory for offloaded blocks, real bytes (default 16GiB)")
-    parser.add_argument("--policy", default="value",
-                        help="cache policy: value (default; docs/policy.md), lru, arc, hybrid, "
-                             "or oracle (a reference that knows the workload's future; "
-                             "simulator only)")
+    parser.add_argument("--policy", default=DEFAULT_POLICY,
+                        help=f"cache policy: {DEFAULT_POLICY} (default; docs/policy.md), lru, "
+                             "arc, hybrid, or oracle (a reference that knows the workload's "
+                             "future; simulator only)")
     parser.add_argument("--seed", type=int, default=0, help="seed of a built-in workload")
     parser.add_argument("--scale-bytes", type=int, default=64, metavar="B",
                         help="bytes mode: the smallest moved page, in bytes (default 64)")

@@ -21,7 +21,7 @@ or a wrapped executor that reports several ranks.
 
 Time comes from ``clock`` (the engine's modelled clock; set it after building the engine).
 ``held_until`` and ``next_release`` let the engine wait for withheld jobs
-(``engine.executors.HoldsReports``). ``reset_requested`` asks the driver to reset the cache
+(``refengine.executors.HoldsReports``). ``reset_requested`` asks the driver to reset the cache
 while a ``late`` job is in flight; the driver calls ``note_reset`` afterwards.
 """
 

@@ -210,9 +210,8 @@ def build_soak_engine(config: SoakConfig,
                     faulty_stores.append(faulty)
         return FaultyExecutor(inner, config.faults, mirror_ranks=mirror, garble=garble)
 
-    engine = assemble(parts.layout, parts.engine, parts.offload, mode=sim.mode,
-                      timing=sim.timing, tier=parts.tier, tiers=parts.tiers,
-                      wrap_executor=with_faults)
+    engine = assemble(parts.layout, parts.engine, parts.build_offload(), mode=sim.mode,
+                      timing=sim.timing, tiers=parts.tiers, wrap_executor=with_faults)
     faulty = engine.executor
     assert isinstance(faulty, FaultyExecutor)
     faulty.clock = lambda: engine.clock

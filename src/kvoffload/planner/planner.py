@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
@@ -61,8 +62,10 @@ from kvoffload.planner.state import GroupState, JobState, PlannedLoad, RequestSt
 from kvoffload.planner.store_planning import StorePlanner
 from kvoffload.planner.store_policy import StorePolicy, StorePolicyContext
 from kvoffload.planner.valuation import PrefillFlops
-from kvoffload.policies import cache_policy
 from kvoffload.tiers.base import LookupResult, Tier, TierEvent
+
+if TYPE_CHECKING:
+    from kvoffload.policies import CachePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +76,15 @@ NO_LOAD: Mapping[tuple[str, int], int] = MappingProxyType({})
 class Planner:
     """Engine-neutral scheduler side of kvoffload. See the module docstring."""
 
-    def __init__(self, config: OffloadConfig, tier: Tier, *,
+    def __init__(self, config: OffloadConfig, tier: Tier, policy: CachePolicy, *,
                  prefill_flops: PrefillFlops | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Args:
             config: the offload configuration.
             tier: the tier (or cascade of tiers) the planner plans transfers against.
+            policy: the cache policy whose store half decides what is stored beyond a
+                hit's rules (``kvoffload.offload.build_offload`` gives the tier and the
+                planner the same one).
             prefill_flops: ``prefill_flops(end, start)``, the model's prefill cost of
                 tokens ``[start, end)``, for value-aware policies (a layout-based
                 estimate if not given).
@@ -93,7 +99,7 @@ class Planner:
         self._alignment = config.hit_alignment
         self._requests: dict[str, RequestState] = {}
         self._jobs = JobsInFlight(config.num_workers, tier, self.stats)
-        self._policy = cache_policy(config.eviction_policy).store(
+        self._policy = policy.store(
             StorePolicyContext(config, tier, self.stats, prefill_flops))
         self._lookups = PrefixLookup(config, tier, self._policy)
         self._stores = StorePlanner(config, tier, self._policy, self.stats)
@@ -102,7 +108,7 @@ class Planner:
     @property
     def store_policy(self) -> StorePolicy:
         """What the planner stores beyond a hit's rules, and the hints it sends
-        (``kvoffload.planner.store_policy``; chosen by ``config.eviction_policy``)."""
+        (``kvoffload.planner.store_policy``; built by the cache policy it was given)."""
         return self._policy
 
     @property

@@ -168,7 +168,7 @@ class HostAuditor:
 
 
 class WorkerExecutor:
-    """The real ``TransferWorker`` over ``DeviceCaches`` (see ``engine.executors``).
+    """The real ``TransferWorker`` over ``DeviceCaches`` (see ``refengine.executors``).
 
     ``poll`` waits for every submitted job before polling, so each step's jobs are done
     by the end of the step and a run is deterministic; the engine's modelled clock, not

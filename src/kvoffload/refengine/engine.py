@@ -55,13 +55,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvoffload.config import GroupSpec, OffloadConfig
 from kvoffload.errors import ConfigError
 from kvoffload.jobs import StepPlan
 from kvoffload.keys import BlockHasher
 from kvoffload.models.presets import ModelLayout
+from kvoffload.offload import Offload, build_offload
 from kvoffload.planner.contract import StepInput
 from kvoffload.planner.planner import Planner
 from kvoffload.refengine.block_pool import HybridBlockPool
@@ -124,6 +125,14 @@ class EngineConfig:
             raise ConfigError("sample_interval_s", "must be positive", "Give seconds.")
 
 
+def offload_for(layout: ModelLayout, config: OffloadConfig, **kwargs: Any) -> Offload:
+    """The planner and its tiers for an engine of ``layout``: ``build_offload(config,
+    **kwargs)`` with the layout's prefill cost (for value-aware policies) and no cache
+    events (the reference engine publishes none)."""
+    return build_offload(config, enable_events=False,
+                         prefill_flops=layout.preset.prefill_flops, **kwargs)
+
+
 class ReferenceEngine:
     """The step loop (see the module docstring).
 
@@ -131,50 +140,44 @@ class ReferenceEngine:
         layout: the model laid out for the engine's block size; ``layout.specs`` are the
             pages moved (possibly scaled), the real sizes are used for accounting.
         config: the engine's limits.
-        offload: the planner's configuration, or None to run without offloading.
+        offload: the planner and its tiers (``kvoffload.offload.build_offload``;
+            ``offload_for`` builds them for a layout), or None to run without offloading.
         executor: the worker side; defaults to ``AccountingExecutor``.
         device: the engine's tensors (bytes mode): contents are written by the forward
             pass and every loaded block is verified. None: nothing is written.
         auditor: bytes mode: checks the host arena against what the stores were to write
             (``audit_host``).
-        tier: the planner's tier, built from ``offload`` (e.g. a ``CascadeTier`` with
-            disk and remote tiers); by default a ``HostTier``.
         timing: the modelled accelerator and link.
         hash_seed: seed of the chained block hashes.
     """
 
 
     def __init__(self, layout: ModelLayout, config: EngineConfig, *,
-                 offload: OffloadConfig | None = None,
+                 offload: Offload | None = None,
                  executor: TransferExecutor | None = None,
                  device: DeviceCaches | None = None,
                  auditor: HostAuditor | None = None,
                  timing: TimingModel | None = None,
-                 tier: Tier | None = None,
                  hash_seed: str = "kvoffload") -> None:
         specs = layout.specs
-        hash_block_size = _hash_block_size(specs, offload)
+        offload_config = offload.config if offload is not None else None
+        hash_block_size = _hash_block_size(specs, offload_config)
         self.layout = layout
         self.config = config
         self.specs = specs
         self.timing = timing or TimingModel()
         self.pool = HybridBlockPool(specs, config.num_blocks, hash_block_size)
         self.hasher = BlockHasher(hash_block_size, seed=hash_seed)
-        self.offload = offload
-        self.tier: Tier | None = None
-        self.host: HostTier | None = None
+        self.offload = offload_config
+        self.tier: Tier | None = offload.tier if offload is not None else None
+        self.host: HostTier | None = offload.host if offload is not None else None
         """Host memory: the tier itself, or the first level of a cascade."""
-        self.planner: Planner | None = None
-        if offload is not None:
-            self.tier = tier if tier is not None else HostTier(offload, enable_events=False)
-            self.host = self.tier.host_tier
-            self.planner = Planner(offload, self.tier,
-                                   prefill_flops=layout.preset.prefill_flops)
+        self.planner: Planner | None = offload.planner if offload is not None else None
         self.executor: TransferExecutor = executor or AccountingExecutor(
-            offload.num_workers if offload is not None else 1)
+            offload_config.num_workers if offload_config is not None else 1)
         self.metrics = EngineMetrics(num_groups=len(specs))
         self.checks: ByteChecks | None = None
-        factor = offload.block_size_factor if offload is not None else 1
+        factor = offload_config.block_size_factor if offload_config is not None else 1
         if device is not None:
             from kvoffload.refengine.verify import ByteChecks
 

@@ -12,7 +12,7 @@ num_scheduled_tokens``), while flushes must finish and loads must start before i
 modelled clock reaches the job's completion time (``timing.TransferClock``).
 
 Two executors: ``AccountingExecutor`` here (no tensors: every job completes at once, for
-long traces) and ``engine.device.WorkerExecutor`` (the real ``TransferWorker`` on real
+long traces) and ``refengine.device.WorkerExecutor`` (the real ``TransferWorker`` on real
 tensors, with every loaded byte verified).
 """
 

@@ -3,7 +3,7 @@
 ``ByteChecks`` owns the engine's ``DeviceCaches`` (and, with the real worker, a
 ``HostAuditor``) and knows where each request's blocks sit:
 
-* ``forward`` writes the contents of every block a step fills (``engine.device``);
+* ``forward`` writes the contents of every block a step fills (``refengine.device``);
 * ``check_hit`` compares the blocks the engine's own prefix cache hands a request;
 * ``check_load`` compares the blocks a load wrote (the engine discards the load on any
   difference and recomputes);

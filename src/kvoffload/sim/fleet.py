@@ -44,6 +44,7 @@ from typing import Any
 
 from kvoffload.errors import ConfigError
 from kvoffload.models.presets import ModelLayout
+from kvoffload.offload import disk_index
 from kvoffload.refengine.engine import ReferenceEngine
 from kvoffload.refengine.requests import RequestRecord
 from kvoffload.refengine.timing import TimingModel
@@ -59,10 +60,6 @@ from kvoffload.sim.simulation import (
     resolve,
 )
 from kvoffload.sim.summary import Percentiles, RunSummary, modelled_ttft_s, summarize
-from kvoffload.tiers.base import Tier
-from kvoffload.tiers.cascade import CascadeTier
-from kvoffload.tiers.disk import DiskIndex
-from kvoffload.tiers.host import HostTier
 from kvoffload.tiers.lower import LowerTier
 from kvoffload.tiers.naming import namespace
 from kvoffload.workloads.request import WorkloadRequest
@@ -310,7 +307,7 @@ def build_fleet(config: FleetConfig, *, offload: bool = True
     """The fleet's engines (``offload=False``: without offloading) and its shared store
     (None without a shared tier or offloading)."""
     sim = config.simulation
-    parts = engine_parts(sim, lower_tiers=False)
+    parts = engine_parts(sim, offload=offload, lower_tiers=False)
     tiers = None
     if offload and (sim.disk_capacity_bytes or sim.remote_capacity_bytes):
         tiers = lower_tier_config(sim)  # accounting mode: modelled tiers, checked
@@ -321,20 +318,17 @@ def build_fleet(config: FleetConfig, *, offload: bool = True
     ns = namespace(parts.offload, tiers) if tiers is not None else ""
     engines = []
     for _ in range(config.engines):
-        tier: Tier | None = None
-        if tiers is not None:
-            lowers: list[LowerTier] = []
-            for name in tiers.enabled:
-                if name == "disk":
-                    assert tiers.disk is not None
-                    lowers.append(DiskIndex(parts.offload, tiers.disk, ns, scan=False))
-                else:
-                    assert store is not None
-                    lowers.append(store.view())
-            tier = CascadeTier(HostTier(parts.offload, enable_events=False), lowers)
+        lowers: list[LowerTier] = []
+        for name in tiers.enabled if tiers is not None else ():
+            if name == "disk":
+                assert tiers is not None and tiers.disk is not None
+                lowers.append(disk_index(parts.offload, tiers.disk, ns, scan=False))
+            else:
+                assert store is not None
+                lowers.append(store.view())
         engines.append(assemble(parts.layout, parts.engine,
-                                parts.offload if offload else None, mode=Mode.ACCOUNTING,
-                                timing=sim.timing, tier=tier))
+                                parts.build_offload(lowers) if offload else None,
+                                mode=Mode.ACCOUNTING, timing=sim.timing))
     return engines, store
 
 

@@ -4,8 +4,9 @@ fleets (``kvoffload.sim.fleet``).
 In a deployment, a fleet's shared tier is a Redis/Valkey server that every engine's
 cascade writes through and promotes from, each engine asking it through its own
 ``RemoteIndex``. A simulation moves no bytes and must not need a server, so the store is
-modelled in-process, the way ``make_tier(accounting=True)`` models one engine's remote
-tier: a ``DiskIndex`` named "remote" that starts empty -- the keys held, a byte budget for
+modelled in-process, the way ``kvoffload.offload.build_tier(accounting=True)`` models one
+engine's remote tier: a ``DiskIndex`` named "remote" that starts empty -- the keys held, a
+byte budget for
 all ranks together, LRU eviction of idle keys (a server's ``maxmemory``). One such index
 is shared: each engine's cascade gets a ``SharedStoreView`` of it, a ``LowerTier`` that
 answers as a ``RemoteIndex`` does:

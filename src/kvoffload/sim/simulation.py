@@ -4,7 +4,7 @@
 ``build_engine`` turns it into a ``ReferenceEngine`` wired to the real planner and host tier,
 and in ``bytes`` mode to the real ``TransferWorker`` over real (scaled) tensors;
 ``simulate`` runs the workload with offloading and, for comparison, without it, and
-returns both runs' ``RunSummary`` (``engine.summary``).
+returns both runs' ``RunSummary`` (``sim.summary``).
 
 Sizes. Accounting always uses the model's real page sizes. Bytes mode moves pages scaled
 so that the smallest is ``scale_bytes`` bytes (``ModelPreset.layout``); the host tier gets
@@ -21,25 +21,27 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from kvoffload.config import GroupKind, OffloadConfig
+from kvoffload.config import DEFAULT_POLICY, OffloadConfig
 from kvoffload.errors import ConfigError
 from kvoffload.group_kinds import KIND_RULES
 from kvoffload.models.hf_config import resolve_model
 from kvoffload.models.presets import ModelLayout, ModelPreset
-from kvoffload.policies import ORACLE
-from kvoffload.refengine.engine import EngineConfig, ReferenceEngine
+from kvoffload.offload import Offload
+from kvoffload.policies import CachePolicy, cache_policy
+from kvoffload.refengine.engine import EngineConfig, ReferenceEngine, offload_for
 from kvoffload.refengine.executors import AccountingExecutor, TransferExecutor
 from kvoffload.refengine.timing import TimingModel
+from kvoffload.sim.oracle.binding import ORACLE, oracle_policy
+from kvoffload.sim.oracle.future import WorkloadFuture
 from kvoffload.sim.replay import Arrival, Progress, replay
 from kvoffload.sim.summary import RunSummary, summarize
-from kvoffload.tiers.base import Tier
 from kvoffload.tiers.config import DiskTierConfig, RemoteTierConfig, TierConfig
-from kvoffload.tiers.factory import make_tier
+from kvoffload.tiers.lower import LowerTier
 from kvoffload.workloads.request import WorkloadRequest
 
 if TYPE_CHECKING:
@@ -60,7 +62,7 @@ KERNEL_BLOCK_ALIGNMENT = 16
 
 
 def is_oracle(policy: str) -> bool:
-    """Whether ``policy`` names the simulator-only oracle (``kvoffload.sim.oracle.binding``)."""
+    """Whether ``policy`` names the simulator-only oracle (``kvoffload.sim.oracle``)."""
     return policy == ORACLE
 
 
@@ -100,8 +102,8 @@ class SimulationConfig:
         disk_path: bytes mode: the real disk tier's directory. A second run on the same
             directory finds the blocks the first one stored (a restart).
         remote_url: bytes mode: ``redis://host:port/db`` of a real shared tier.
-        eviction_policy: the host tier's policy (``lru``, ``arc``, ``hybrid``, ``value``;
-            ``oracle``, the simulator-only reference, in ``run_one``).
+        eviction_policy: the cache policy (``value``, the default, ``lru``, ``arc``,
+            ``hybrid``; ``oracle``, the simulator-only reference, in ``run_one``).
         host_accounting: ``slot`` (every block takes a slot of the largest group's size)
             or ``bytes`` (every block is charged its own group's bytes; accounting mode).
         scale_bytes: bytes mode: the smallest moved page, in bytes.
@@ -123,7 +125,7 @@ class SimulationConfig:
     engine_capacity_bytes: int | None = None
     engine_tokens: int = 32768
     host_capacity_bytes: int = 16 * GiB
-    eviction_policy: str = "lru"
+    eviction_policy: str = DEFAULT_POLICY
     host_accounting: str = "slot"
     disk_capacity_bytes: int | None = None
     remote_capacity_bytes: int | None = None
@@ -200,12 +202,10 @@ def resolve(config: SimulationConfig, layout: ModelLayout) -> tuple[Capacities, 
         engine_blocks = -(-config.engine_tokens // layout.block_size)
     _check_engine_size(config, layout, engine_blocks)
     hash_block_size = math.gcd(*(g.spec.block_size for g in layout.groups))
-    # The unbound oracle sizes as any policy does (``run_one`` binds it to a future).
-    policy = "lru" if is_oracle(config.eviction_policy) else config.eviction_policy
     real = OffloadConfig(groups=layout.real_specs, hash_block_size=hash_block_size,
                          host_capacity_bytes=config.host_capacity_bytes,
                          block_size_factor=config.block_size_factor,
-                         eviction_policy=policy,
+                         eviction_policy=config.eviction_policy,
                          host_accounting=config.host_accounting)
     if real.charges_bytes and layout.is_scaled:
         raise ConfigError("host_accounting", "byte accounting is modelled in accounting mode "
@@ -242,24 +242,47 @@ class EngineParts:
     layout: ModelLayout
     offload: OffloadConfig
     engine: EngineConfig
-    tier: Tier | None
-    """The planner's tier with the lower tiers below host memory; None: a ``HostTier``."""
+    policy: CachePolicy | None
+    """The cache policy (None: parts of an engine without offloading)."""
     tiers: TierConfig | None
-    """The lower tiers the real worker reads and writes (bytes mode)."""
+    """The lower tiers below host memory; in bytes mode the real worker reads and writes
+    them too."""
+    accounting: bool
+    """Accounting mode: lower tiers are modelled, not read (``build_tier``)."""
+    remote_capacity_bytes: int
+    """The modelled remote tier's budget (accounting mode)."""
+
+    def build_offload(self, lower_tiers: Sequence[LowerTier] | None = None) -> Offload:
+        """The planner and its tiers (``lower_tiers``: already built, instead of
+        ``tiers``'). Raises ``ValueError`` for parts built without offloading."""
+        if self.policy is None:
+            raise ValueError("these engine parts were built without offloading")
+        return offload_for(self.layout, self.offload, tiers=self.tiers, policy=self.policy,
+                           lower_tiers=lower_tiers, accounting=self.accounting,
+                           remote_capacity_bytes=self.remote_capacity_bytes)
 
 
-def engine_parts(config: SimulationConfig, *, lower_tiers: bool = True,
-                 num_workers: int = 1, load_deadline_s: float | None = None) -> EngineParts:
-    """The layout and configurations of ``config``'s engine; the lower tiers
-    it asks for unless ``lower_tiers`` is False (the run without offloading).
+def named_policy(config: SimulationConfig) -> CachePolicy:
+    """The registered cache policy ``config.eviction_policy`` names.
 
-    The ``oracle`` policy needs its workload's future: ``run_one`` binds it; here it
-    raises ``ConfigError``."""
+    The oracle is no entry: it needs its workload's future, which ``run_one`` builds
+    (``ConfigError`` here)."""
     if is_oracle(config.eviction_policy):
         raise ConfigError("eviction_policy", "the oracle knows the future of the workload "
                           "it replays; an engine built without it has none",
                           "Run it through simulation.run_one / simulate (which build the "
                           "workload's future), or pick another policy.")
+    return cache_policy(config.eviction_policy)
+
+
+def engine_parts(config: SimulationConfig, *, offload: bool = True,
+                 policy: CachePolicy | None = None, lower_tiers: bool = True,
+                 num_workers: int = 1, load_deadline_s: float | None = None) -> EngineParts:
+    """The layout and configurations of ``config``'s engine: with ``offload``, its cache
+    policy (``policy``, or the one ``config`` names: ``named_policy``) and the lower tiers
+    it asks for unless ``lower_tiers`` is False (a fleet builds its own)."""
+    if offload and policy is None:
+        policy = named_policy(config)
     layout = config.layout()
     caps, offload_config = resolve(config, layout)
     offload_config = replace(offload_config, num_workers=num_workers)
@@ -268,27 +291,28 @@ def engine_parts(config: SimulationConfig, *, lower_tiers: bool = True,
         max_num_seqs=config.max_num_seqs, decode_tokens_per_step=config.decode_tokens_per_step,
         sample_interval_s=config.sample_interval_s, check_integrity=config.check_integrity,
         load_deadline_s=load_deadline_s)
-    tier = tiers = None
-    if lower_tiers and (config.disk_capacity_bytes or config.remote_capacity_bytes
-                        or config.disk_path or config.remote_url):
+    tiers = None
+    if offload and lower_tiers and (config.disk_capacity_bytes or config.remote_capacity_bytes
+                                    or config.disk_path or config.remote_url):
         tiers = lower_tier_config(config, offload_config.slot_bytes / caps.host_slot_bytes)
-        tier = make_tier(offload_config, tiers, enable_events=False,
-                         accounting=config.mode is Mode.ACCOUNTING,
-                         remote_capacity_bytes=config.remote_capacity_bytes or 1)
-    return EngineParts(layout, offload_config, engine_config, tier, tiers)
+    return EngineParts(layout, offload_config, engine_config, policy if offload else None,
+                       tiers, accounting=config.mode is Mode.ACCOUNTING,
+                       remote_capacity_bytes=config.remote_capacity_bytes or 1)
 
 
 def build_engine(config: SimulationConfig, *, offload: bool = True,
+                 policy: CachePolicy | None = None,
                  executor: TransferExecutor | None = None) -> ReferenceEngine:
     """The engine for ``config``; ``offload=False`` builds the no-offloading baseline.
+    ``policy``: the cache policy (default: the one ``config`` names).
 
     In bytes mode (and with offloading) the engine gets real tensors and a
     ``WorkerExecutor`` unless ``executor`` is given.
     """
-    parts = engine_parts(config, lower_tiers=offload)
-    return assemble(parts.layout, parts.engine, parts.offload if offload else None,
+    parts = engine_parts(config, offload=offload, policy=policy)
+    return assemble(parts.layout, parts.engine, parts.build_offload() if offload else None,
                     mode=config.mode, executor=executor, timing=config.timing,
-                    tier=parts.tier, tiers=parts.tiers)
+                    tiers=parts.tiers)
 
 
 def lower_tier_config(config: SimulationConfig, byte_scale: float = 1.0) -> TierConfig:
@@ -336,18 +360,19 @@ bytes mode), e.g. to inject faults."""
 
 
 def assemble(layout: ModelLayout, engine_config: EngineConfig,
-             offload_config: OffloadConfig | None, *, mode: Mode = Mode.ACCOUNTING,
+             offload: Offload | None, *, mode: Mode = Mode.ACCOUNTING,
              executor: TransferExecutor | None = None,
-             timing: TimingModel | None = None, tier: Tier | None = None,
+             timing: TimingModel | None = None,
              tiers: TierConfig | None = None,
              wrap_executor: ExecutorWrap | None = None) -> ReferenceEngine:
-    """Wire an engine: ``offload_config`` None runs without offloading; bytes mode gives
+    """Wire an engine: ``offload`` (the planner and its tiers: ``EngineParts.build_offload``
+    or ``refengine.engine.offload_for``) None runs without offloading; bytes mode gives
     it real tensors over ``layout.specs`` pages, the real worker (unless ``executor`` is
-    given) and a host auditor. ``tier``: the planner's tier (default a ``HostTier``);
-    ``tiers``: the lower tiers the real worker reads and writes (bytes mode);
-    ``wrap_executor``: applied to the executor before the engine gets it."""
-    if offload_config is None:
+    given) and a host auditor. ``tiers``: the lower tiers the real worker reads and writes
+    (bytes mode); ``wrap_executor``: applied to the executor before the engine gets it."""
+    if offload is None:
         return ReferenceEngine(layout, engine_config, timing=timing)
+    offload_config = offload.config
     device = worker = auditor = None
     if mode is Mode.BYTES:
         from kvoffload.refengine.device import DeviceCaches, HostAuditor, WorkerExecutor
@@ -361,9 +386,8 @@ def assemble(layout: ModelLayout, engine_config: EngineConfig,
     executor = executor or AccountingExecutor(offload_config.num_workers)
     if wrap_executor is not None:
         executor = wrap_executor(executor, device, worker)
-    return ReferenceEngine(layout, engine_config, offload=offload_config,
-                           executor=executor, device=device, auditor=auditor, timing=timing,
-                           tier=tier)
+    return ReferenceEngine(layout, engine_config, offload=offload,
+                           executor=executor, device=device, auditor=auditor, timing=timing)
 
 
 @dataclass(frozen=True)
@@ -378,34 +402,20 @@ class SimulationResult:
 
 
 def run_one(config: SimulationConfig, workload: Iterable[WorkloadRequest], *,
-            offload: bool = True, progress: Progress | None = None) -> RunSummary:
+            offload: bool = True, progress: Progress | None = None,
+            policy: CachePolicy | None = None) -> RunSummary:
     """Run ``workload`` once, with or without offloading.
 
-    Under the ``oracle`` policy the workload is read into a list first and its future
-    (``engine.future.WorkloadFuture``) built from it; the run binds the oracle to that
-    future (``engine.oracle.bind_oracle``). Without offloading the policy is unused."""
-    if is_oracle(config.eviction_policy):
-        if not offload:
-            return run_one(replace(config, eviction_policy="lru"), workload, offload=False,
-                           progress=progress)
-        from kvoffload.sim.oracle.binding import bind_oracle
-        from kvoffload.sim.oracle.future import WorkloadFuture
-
+    The cache policy is ``policy`` where given, else the one ``config.eviction_policy``
+    names. Under the ``oracle`` the workload is read into a list first and its future
+    (``sim.oracle.future.WorkloadFuture``) built from it; the run's cache policy is the
+    oracle bound to that future (``sim.oracle.binding.oracle_policy``). Without offloading
+    the policy is unused."""
+    if offload and policy is None and is_oracle(config.eviction_policy):
         requests = list(workload)
-        layout = config.layout()
-        caps, offload_config = resolve(config, layout)
-        # Block ids are shared by the groups: a prefix holds one per group per block. An
-        # engine caches a Mamba state only where a step ended on its boundary, which the
-        # future cannot tell: with a Mamba group its prefix cache is not modelled.
-        engine_tokens = 0 if any(g.spec.kind is GroupKind.MAMBA for g in layout.groups) \
-            else (caps.engine_blocks - 1) * layout.block_size // len(layout.groups)
-        future = WorkloadFuture.build(requests, offload_config,
-                                      unstored_tail=config.decode_tokens_per_step,
-                                      engine_tokens=engine_tokens)
-        with bind_oracle(future) as bound:
-            return run_one(replace(config, eviction_policy=bound), requests,
-                           progress=progress)
-    engine = build_engine(config, offload=offload)
+        policy = oracle_policy(_workload_future(config, requests))
+        workload = requests
+    engine = build_engine(config, offload=offload, policy=policy)
     start = time.perf_counter()
     try:
         metrics = replay(engine, workload, arrival=config.arrival, max_queued=config.max_queued,
@@ -417,6 +427,22 @@ def run_one(config: SimulationConfig, workload: Iterable[WorkloadRequest], *,
     if config.check_integrity:
         engine.check_integrity()
     return summarize(engine, metrics, wall_s=time.perf_counter() - start)
+
+
+def _workload_future(config: SimulationConfig,
+                     requests: Sequence[WorkloadRequest]) -> WorkloadFuture:
+    """The future the oracle knows: ``requests`` hashed as ``config``'s engine hashes
+    them, with the engine's own prefix cache modelled."""
+    layout = config.layout()
+    caps, offload_config = resolve(config, layout)
+    # Block ids are shared by the groups: a prefix holds one per group per block. An
+    # engine caches a Mamba state only where a step ended on its boundary, which the
+    # future cannot tell: with a Mamba group its prefix cache is not modelled.
+    engine_tokens = 0 if any(KIND_RULES[g.spec.kind].holds_state for g in layout.groups) \
+        else (caps.engine_blocks - 1) * layout.block_size // len(layout.groups)
+    return WorkloadFuture.build(requests, offload_config,
+                                unstored_tail=config.decode_tokens_per_step,
+                                engine_tokens=engine_tokens)
 
 
 def simulate(config: SimulationConfig, workload: Iterable[WorkloadRequest], *,

@@ -2,7 +2,7 @@
 
 ``TierConfig`` says which lower tiers exist, in which order a lookup asks them, and how
 each one is written. It is plain data (no I/O happens here); the scheduler side builds its
-tier bookkeeping from it (``kvoffload.tiers.factory.make_tier``) and every worker builds
+tier bookkeeping from it (``kvoffload.offload.build_offload``) and every worker builds
 its tier I/O from the same value (``TransferWorker(..., tiers=...)``).
 
 Three ways in, one meaning:
@@ -68,6 +68,13 @@ __all__ = [
 ]
 
 
+DISK_EVICTION_POLICY = "lru"
+"""The disk tier's default eviction order: least recently used. The cache policy
+(``OffloadConfig.eviction_policy``, ``value`` by default) decides what host memory keeps
+and what goes down; the disk tier receives no value hints, so recency is the order that
+carries information there (``docs/tiers.md``)."""
+
+
 @dataclass(frozen=True)
 class DiskTierConfig:
     """A local directory holding offloaded blocks, one file per block and rank.
@@ -79,7 +86,8 @@ class DiskTierConfig:
         capacity_bytes: budget for all files of this namespace, all ranks together,
             headers included; the least valuable blocks are deleted to stay under it.
         write_mode: write-back (host evictions land here) or write-through.
-        eviction_policy: a registered eviction policy name ("lru", "arc", ...).
+        eviction_policy: a registered cache policy whose eviction half orders the disk
+            tier's deletions ("lru", the default, "arc", ...; ``DISK_EVICTION_POLICY``).
         io_threads: threads per worker reading and writing files.
         fsync: flush every file (and its directory entry) to the device before it
             counts as stored. Off: faster, and a power loss may lose recent blocks (a torn
@@ -89,7 +97,7 @@ class DiskTierConfig:
     path: str
     capacity_bytes: int
     write_mode: WriteMode = WriteMode.WRITE_BACK
-    eviction_policy: str = "lru"
+    eviction_policy: str = DISK_EVICTION_POLICY
     io_threads: int = 4
     fsync: bool = True
 
@@ -183,7 +191,7 @@ class TierConfig:
                                           minimum=1),
                 write_mode=parse_write_mode(opts.get("disk_write_mode", "write_back"),
                                        "disk_write_mode"),
-                eviction_policy=str(opts.get("disk_eviction_policy", "lru")),
+                eviction_policy=str(opts.get("disk_eviction_policy", DISK_EVICTION_POLICY)),
                 io_threads=parse_int(opts.get("disk_io_threads", 4), "disk_io_threads"),
                 fsync=parse_bool(opts.get("disk_fsync", True), "disk_fsync"),
             )

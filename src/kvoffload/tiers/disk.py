@@ -3,11 +3,13 @@ budget and its eviction order.
 
 The workers write one file per block and rank (``kvoffload.tiers.naming.block_path``:
 ``<path>/<namespace>/rank<r>/<xx>/<key hex>.kvb``, header and payload as in
-``kvoffload.blockfile.framing``). This index runs in the scheduler process: it owns the budget
-(``DiskTierConfig.capacity_bytes``, all ranks' files together, headers included), picks
-victims with a registered eviction policy, pins blocks being promoted so they are not
-deleted under a reader, and hands out the deletions it decides (``take_deletes``) for the
-cascade to turn into ``DELETE`` tier jobs. It reads directory listings, never a block.
+``kvoffload.blockfile.framing``). This index runs in the scheduler process: it owns the
+budget (``DiskTierConfig.capacity_bytes``, all ranks' files together, headers included),
+picks victims with an eviction policy (the eviction half of the cache policy
+``DiskTierConfig.eviction_policy`` names, which ``kvoffload.offload`` resolves), pins
+blocks being promoted so they are not deleted under a reader, and hands out the deletions
+it decides (``take_deletes``) for the cascade to turn into ``DELETE`` tier jobs. It reads
+directory listings, never a block.
 
 Restart. On construction the index is rebuilt from the directory: a key counts as stored
 when every rank's file exists with exactly the size its group implies; keys are ordered by
@@ -20,16 +22,15 @@ that passes the listing but fails its checksum is a miss, dropped then.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvoffload.blockfile.framing import HEADER_BYTES, MAX_KEY_BYTES
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey, key_group
-from kvoffload.policies import cache_policy
 from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.config import DiskTierConfig
-from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy
+from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy, LRUPolicy
 from kvoffload.tiers.lower import LowerTier, LowerTierStats
 from kvoffload.tiers.naming import key_of_file_name, rank_dir
 
@@ -45,7 +46,8 @@ class DiskIndex(LowerTier):
     name = "disk"
 
     def __init__(self, config: OffloadConfig, disk: DiskTierConfig, ns: str, *,
-                 scan: bool = True, name: str = "disk") -> None:
+                 scan: bool = True, name: str = "disk",
+                 eviction: Callable[[int], EvictionPolicy] = LRUPolicy) -> None:
         """Args:
             config: the offload configuration (groups, block sizes, ranks).
             disk: the disk tier's settings.
@@ -54,6 +56,8 @@ class DiskIndex(LowerTier):
                 simulations that model a tier without touching a disk).
             name: the tier's name in tier jobs (a simulation models the remote tier as a
                 budgeted index too, named "remote").
+            eviction: builds the eviction policy for a capacity in keys (least recently
+                used unless given: the order of a budgeted store).
         """
         self.name = name
         self.write_mode = disk.write_mode
@@ -66,8 +70,7 @@ class DiskIndex(LowerTier):
         self._file_bytes = tuple(HEADER_BYTES + g.block_bytes for g in config.resolved)
         self._entry_bytes = tuple(self._num_ranks * b for b in self._file_bytes)
         capacity_keys = max(1, self.capacity_bytes // min(self._entry_bytes))
-        entry = cache_policy(disk.eviction_policy, "disk_eviction_policy")
-        self._policy: EvictionPolicy = entry.eviction(capacity_keys)
+        self._policy: EvictionPolicy = eviction(capacity_keys)
         self._used = 0
         self._busy = 0  # bytes of keys being written or pinned (never evictable)
         self._deletes: list[OffloadKey] = []

@@ -20,11 +20,11 @@ from collections.abc import Set as AbstractSet
 from itertools import filterfalse, islice
 from operator import attrgetter, itemgetter
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey, key_block_hash, key_group, key_groups
-from kvoffload.policies import cache_policy
 from kvoffload.tiers.base import (
     HOST,
     LoadGrant,
@@ -38,6 +38,9 @@ from kvoffload.tiers.base import (
 from kvoffload.tiers.eviction import WRITING, BlockState, EvictionPolicy, Victims
 from kvoffload.tiers.host_space import HostSpace, swap_states, writing_states
 from kvoffload.tiers.host_stats import HostTierStats
+
+if TYPE_CHECKING:
+    from kvoffload.policies import CachePolicy
 
 __all__ = ["HostTier", "HostTierStats"]
 
@@ -54,8 +57,10 @@ def _fmt(key: OffloadKey) -> str:
 class HostTier(Tier):
     """Host-memory tier bookkeeping with a pluggable eviction policy.
 
-    Built from an ``OffloadConfig``: ``config.num_host_slots`` slots, the policy named by
-    ``config.eviction_policy``. Keys must belong to one of the config's groups.
+    Built from an ``OffloadConfig`` and a cache policy: ``config.num_host_slots`` slots,
+    evicted by the policy's eviction (``policy.eviction(config.num_host_slots)``;
+    ``kvoffload.offload.build_offload`` resolves ``config.eviction_policy`` to it). Keys
+    must belong to one of the config's groups.
 
     Pins: ``prepare_load`` pins each key (ref +1) until the matching ``complete_load``.
     ``prepare_store`` marks its new keys as being written (not readable, not evictable)
@@ -81,14 +86,14 @@ class HostTier(Tier):
 
     name = HOST
 
-    def __init__(self, config: OffloadConfig, *, enable_events: bool = True) -> None:
+    def __init__(self, config: OffloadConfig, policy: CachePolicy, *,
+                 enable_events: bool = True) -> None:
         self.config = config
         self.enable_events = enable_events
         self.stats = HostTierStats()
         self.space = HostSpace(config)
         self.tracks_demotions = False
-        self._policy: EvictionPolicy = cache_policy(config.eviction_policy).eviction(
-                                                   config.num_host_slots)
+        self._policy: EvictionPolicy = policy.eviction(config.num_host_slots)
         self._events: list[TierEvent] = []
         self._demoted: set[OffloadKey] = set()
         # The hot paths read key states through the policy's dict (no frame per key) and

@@ -45,9 +45,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffload.config import checked_min_deferral_s
+from kvoffload.config import DEFAULT_POLICY, checked_min_deferral_s
 from kvoffload.errors import ConfigError
-from kvoffload.policies import cache_policy, cache_policy_names
+from kvoffload.policies import RESERVED_NAMES, cache_policy, cache_policy_names
 from kvoffload.sizes import parse_size
 from kvoffload.tiers.config import MAC_KEY_ENV, OPTION_HELP, TierConfig
 
@@ -56,10 +56,6 @@ AVAILABLE_TIERS = ("host", "disk", "remote")
 TIER_OPTIONS = tuple(key for key in OPTION_HELP if key != "tier_order")
 """Lower-tier keys the connector accepts, passed to ``TierConfig.from_options``."""
 _TIER_ENABLER = {"disk": "disk_path", "remote": "remote_url"}
-DEFAULT_POLICY = "value"
-"""The hybrid-aware policy: in every sweep of docs/policy.md ("The default") it serves at
-most 0.26 points fewer prompt tokens than LRU, and reaches 90 % of the unbounded hit rate
-with 0.34x to 1.00x LRU's host memory."""
 DEFAULT_LOAD_DEADLINE_S = 30.0
 """A load from host memory takes milliseconds and one from disk or Redis well under a
 second; one that is still running after 30 s is stuck (a hung disk or network), and
@@ -98,8 +94,8 @@ class ConnectorOptions:
                             minimum=1)
         policy = extra.get("eviction_policy", DEFAULT_POLICY)
         policies = cache_policy_names()
-        if isinstance(policy, str) and policy in cache_policy_names(references=True):
-            cache_policy(policy, f"{PREFIX}.eviction_policy")  # a reference (oracle) raises
+        if isinstance(policy, str) and policy in RESERVED_NAMES:
+            cache_policy(policy, f"{PREFIX}.eviction_policy")  # says why it is reserved
         if not isinstance(policy, str) or policy not in policies:
             raise ConfigError(f"{PREFIX}.eviction_policy", f"{policy!r} is not a policy",
                               f"Use one of {list(policies)}.")

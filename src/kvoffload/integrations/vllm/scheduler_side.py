@@ -45,10 +45,9 @@ from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWor
 from kvoffload.integrations.vllm.request_params import request_controls
 from kvoffload.integrations.vllm.stats import KVOffloadStats, StatsCollector
 from kvoffload.jobs import JobId, WorkerReport
+from kvoffload.offload import build_offload
 from kvoffload.planner.contract import NO_CONTROLS, ReportOutcome, ScheduledRequest, StepInput
-from kvoffload.planner.planner import Planner
 from kvoffload.tiers.config import TierConfig
-from kvoffload.tiers.factory import make_tier
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +67,9 @@ class SchedulerSide:
                 deferral bounds (``Planner``'s ``clock``).
         """
         self.config = config
-        self.tier = make_tier(config, tiers, enable_events=enable_events)
-        self.planner = Planner(config, self.tier, clock=clock)
+        offload = build_offload(config, tiers, enable_events=enable_events, clock=clock)
+        self.tier = offload.tier
+        self.planner = offload.planner
         self.enable_events = enable_events
         self._requests: dict[str, Any] = {}
         self._num_groups = len(config.resolved)

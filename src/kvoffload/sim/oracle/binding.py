@@ -4,38 +4,38 @@ workload it replays (``docs/policy.md``, "Distance to the oracle").
 It runs through the same planner, engine and byte accounting as every other policy; only
 its knowledge differs. Its two halves:
 
-* store (``planner.oracle.OracleStorePolicy``): full-attention blocks as every policy;
+* store (``sim.oracle.store.OracleStorePolicy``): full-attention blocks as every policy;
   a window block or Mamba state only where a request that has not started yet hits
-  (``engine.future``: the later request's prompt shares the prefix and its hit, nothing
-  evicted, ends where that window or state serves it);
-* eviction (``tiers.eviction.oracle.OraclePolicy``): the idle key whose next use lies
+  (``sim.oracle.future``: the later request's prompt shares the prefix and its hit,
+  nothing evicted, ends where that window or state serves it);
+* eviction (``sim.oracle.eviction.OraclePolicy``): the idle key whose next use lies
   furthest ahead, weighted by its bytes (Belady with sizes: a heuristic bound, not the
   optimum).
 
 What it learns from the replay is only which requests have started (the store policy's
 ``first_lookup``); everything else comes from the ``WorkloadFuture`` built before the
-replay. It cannot be selected from an ``OffloadConfig`` or the vLLM connector: the name
-``oracle`` is registered as a reference whose lookup raises ``ConfigError``. The simulator
-(``engine.simulation.run_one``) builds the future and runs under ``bind_oracle``, which
-registers a one-run entry bound to it.
+replay. It is not an entry of the cache-policy registry, so neither an ``OffloadConfig``
+nor the vLLM connector can name it: the simulator (``sim.simulation.run_one``, for the
+name ``ORACLE``) builds the future and hands the run a ``CachePolicy`` bound to it
+(``oracle_policy``), as an object.
 """
 
 from __future__ import annotations
 
-import itertools
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 
 from kvoffload.keys import OffloadKey
 from kvoffload.planner.store_policy import StorePolicy, StorePolicyContext
-from kvoffload.policies import ORACLE, drop_cache_policy, register_cache_policy
+from kvoffload.policies import CachePolicy
 from kvoffload.sim.oracle.eviction import OraclePolicy
 from kvoffload.sim.oracle.future import NO_USE, WorkloadFuture
 from kvoffload.sim.oracle.store import OracleStorePolicy
 from kvoffload.tiers.eviction.base import EvictionPolicy
 
-_RUNS = itertools.count(1)
+ORACLE = "oracle"
+"""The name the simulator (``--policy``, ``SimulationConfig.eviction_policy``) gives the
+oracle; no registry entry has it."""
 
 ENGINE_ONLY = NO_USE // 2
 """``OracleRun.next_use`` of a key only the engine's own prefix cache is modelled to
@@ -44,7 +44,7 @@ serve: after every key a tier serves (``NO_USE`` is larger still)."""
 
 class OracleRun:
     """One replay's view of the future: which requests have started, and the next use of
-    a key among those that have not (``tiers.eviction.oracle.OracleClock``)."""
+    a key among those that have not (``sim.oracle.eviction.OracleClock``)."""
 
     def __init__(self, future: WorkloadFuture) -> None:
         self.future = future
@@ -100,13 +100,10 @@ class OracleRun:
         self._listeners.append(listener)
 
 
-@contextmanager
-def bind_oracle(future: WorkloadFuture) -> Iterator[str]:
-    """Register a one-run oracle entry bound to ``future``; yield its name (to put in the
-    run's ``eviction_policy``); drop it on exit. Every tier and planner built under that
-    name shares one ``OracleRun``."""
+def oracle_policy(future: WorkloadFuture) -> CachePolicy:
+    """The oracle bound to ``future`` for one run: every tier and planner built from the
+    returned policy shares one ``OracleRun``."""
     run = OracleRun(future)
-    name = f"{ORACLE}#{next(_RUNS)}"
 
     def eviction(capacity: int) -> EvictionPolicy:
         return OraclePolicy(capacity, run)
@@ -115,8 +112,4 @@ def bind_oracle(future: WorkloadFuture) -> Iterator[str]:
         del context
         return OracleStorePolicy(run)
 
-    register_cache_policy(name, eviction, store)
-    try:
-        yield name
-    finally:
-        drop_cache_policy(name)
+    return CachePolicy(ORACLE, eviction, store)

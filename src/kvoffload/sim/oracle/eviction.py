@@ -31,7 +31,7 @@ from kvoffload.tiers.eviction.base import BlockState, DictStatePolicy, Victims
 
 
 class OracleClock(Protocol):
-    """What the oracle's eviction asks of the future (``engine.oracle.OracleRun``)."""
+    """What the oracle's eviction asks of the future (``sim.oracle.binding.OracleRun``)."""
 
     @property
     def now(self) -> int:

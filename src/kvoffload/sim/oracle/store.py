@@ -3,7 +3,7 @@ states only where a later request hits.
 
 Full-attention blocks are stored as under every policy. A window block or Mamba state of
 request ``i`` is stored only when some request that has not started yet, other than
-``i``, uses its key (``engine.future``: its hit, nothing evicted, ends where that window
+``i``, uses its key (``sim.oracle.future``: its hit, nothing evicted, ends where that window
 or state serves it), so nothing is stored that no hit would read. Preemptions are not
 foreseen: a preempted request resumes from what later requests needed. The policy sends
 no hints; it tells the oracle's clock when each request starts, which is all the
@@ -21,7 +21,7 @@ from kvoffload.planner.store_policy import StorePolicy, StoreSelection
 
 
 class OracleRun(Protocol):
-    """What the store policy asks of the oracle's run (``engine.oracle.OracleRun``)."""
+    """What the store policy asks of the oracle's run (``sim.oracle.binding.OracleRun``)."""
 
     def start(self, request_id: str) -> int:
         """Mark the request started; return its index in the workload."""
