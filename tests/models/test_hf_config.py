@@ -32,7 +32,8 @@ from kvoffload.models.hf_config import (
     read_presets_file,
     resolve_model,
 )
-from kvoffload.models.presets import PRESETS, ModelPreset
+from kvoffload.models.preset import ModelPreset
+from kvoffload.models.presets import PRESETS
 
 CONFIGS = Path(__file__).parent / "model_configs"
 # Published config.json files that leave out a field only transformers' class supplies.

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from kvoffload.config import GroupKind, OffloadConfig
@@ -114,3 +119,46 @@ def test_bad_inputs_raise() -> None:
     with pytest.raises(ValueError, match="context_len"):
         LLAMA3_8B.prefill_flops_per_token(0)
     assert get_preset("gemma3-27b") is GEMMA3_27B
+
+
+LAZY_SCRIPT = textwrap.dedent("""
+    import json
+    from kvoffload.models import hf_config
+
+    derived = []
+    derive = hf_config.derive_preset
+
+    def counting(*args, **kwargs):
+        derived.append(kwargs["name"])
+        return derive(*args, **kwargs)
+
+    hf_config.derive_preset = counting
+    from kvoffload.models import presets
+
+    def state():
+        return {"derived": len(derived),
+                "file_reads": hf_config.preset_entries.cache_info().misses,
+                "built": hf_config.builtin_presets.cache_info().currsize}
+
+    steps = {"import": state()}
+    first = presets.PRESETS["llama3-8b"]
+    steps["first use"] = state()
+    assert "gemma3-27b" in presets.PRESETS and len(presets.PRESETS) > 1
+    assert presets.get_preset("llama3-8b") is first is presets.LLAMA3_8B
+    steps["later uses"] = state()
+    steps["entries"] = len(hf_config.preset_entries())
+    print(json.dumps(steps))
+""")
+
+
+def test_importing_the_registry_derives_nothing_and_first_use_derives_once() -> None:
+    """``import kvoffload.models.presets`` reads no file and derives no preset (a fresh
+    interpreter); the first lookup reads presets.json once and derives every preset once."""
+    out = subprocess.run([sys.executable, "-c", LAZY_SCRIPT], capture_output=True,
+                         text=True, check=True).stdout
+    steps = json.loads(out)
+    assert steps["import"] == {"derived": 0, "file_reads": 0, "built": 0}
+    every = steps["entries"]
+    assert every == len(PRESETS)
+    assert steps["first use"] == {"derived": every, "file_reads": 1, "built": 1}
+    assert steps["later uses"] == steps["first use"]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from kvoffload.config import OffloadConfig
 from kvoffload.jobs import StepPlan
 from kvoffload.keys import BlockHasher, OffloadKey, make_offload_key
-from kvoffload.models.presets import AttentionLayers, MambaLayers, ModelPreset
+from kvoffload.models.preset import AttentionLayers, MambaLayers, ModelPreset
 from kvoffload.planner.contract import StepInput
 from kvoffload.refengine.engine import EngineConfig, ReferenceEngine, offload_for
 from kvoffload.refengine.requests import RequestRecord

@@ -9,7 +9,7 @@ from kvoffload.faults.executor import Chooser, FaultyExecutor
 from kvoffload.faults.plan import FaultKind, FaultPlan
 from kvoffload.faults.soak import Garbler
 from kvoffload.jobs import Direction, TransferJob
-from kvoffload.models.presets import ModelPreset
+from kvoffload.models.preset import ModelPreset
 from kvoffload.refengine.device import DeviceCaches, HostAuditor, WorkerExecutor
 from kvoffload.refengine.engine import EngineConfig, ReferenceEngine, offload_for
 from kvoffload.refengine.executors import AccountingExecutor, TransferExecutor

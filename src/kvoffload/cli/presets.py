@@ -11,7 +11,8 @@ from typing import Any
 from kvoffload.cli.common import add_model_options, check_model, format_bytes
 from kvoffload.errors import ConfigError
 from kvoffload.models.hf_config import resolve_model
-from kvoffload.models.presets import PRESETS, ModelPreset
+from kvoffload.models.preset import ModelPreset
+from kvoffload.models.presets import PRESETS
 from kvoffload.sim.simulation import auto_block_size
 
 EPILOG = textwrap.dedent("""\

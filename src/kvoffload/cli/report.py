@@ -6,7 +6,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvoffload.cli.common import format_bytes, format_seconds
-from kvoffload.models.presets import ModelLayout
+from kvoffload.models.layout import ModelLayout
 from kvoffload.sim.fleet import ROUTER_HELP, FleetResult, FleetTotals
 from kvoffload.sim.simulation import (
     Capacities,

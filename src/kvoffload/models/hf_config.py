@@ -1,7 +1,7 @@
 """Model layouts from a model's own config: ``--model PATH``, ``--tp N`` and the presets file.
 
 ``derive_preset`` turns the fields of a Hugging Face ``config.json`` into a ``ModelPreset``
-(``kvoffload.models.presets``): which layers hold a KV cache and of what kind, the
+(``kvoffload.models.preset``): which layers hold a KV cache and of what kind, the
 bytes of one token and of one recurrent-state snapshot, and the parameters the prefill
 FLOPs model needs. It is the one code path for every model the simulator knows:
 
@@ -13,9 +13,11 @@ FLOPs model needs. It is the one code path for every model the simulator knows:
   Without ``transformers`` (or for a ``model_type`` the installed one does not know) the
   JSON is read as data by the same rules, and every field must then be present.
 * ``builtin_presets()`` derives the built-in presets from ``presets.json`` (this package's
-  data: the public config.json fields of popular models, with where each came from). They
-  are read as data, without ``transformers`` (importing it takes seconds); a test checks
-  that its config classes derive the same presets.
+  data: the public config.json fields of popular models, with where each came from), once,
+  on its first call (``preset_entries()`` reads the file, on its first call too); the
+  registry ``kvoffload.models.presets`` is the view callers use. They are read as data,
+  without ``transformers`` (importing it takes seconds); a test checks that its config
+  classes derive the same presets.
 * ``resolve_model(ref, tensor_parallel)`` is what the simulator calls: a preset name or a
   path, for one rank of ``tensor_parallel``.
 
@@ -27,7 +29,9 @@ The derivation is split by what it reads: ``hf_fields`` (``ModelFields``: a conf
 fields, dtype sizes), ``hf_families`` (``FAMILIES``, ``layer_types``: which layers a model
 has) and ``hf_shapes`` (bytes per token and per state, tensor-parallel splits, parameter
 counts; its docstring states the formulas). This module loads configs, derives presets and
-resolves ``--model`` references, and re-exports the names callers import from here.
+resolves ``--model`` references, and re-exports the names callers import from here. Of
+``kvoffload.models`` it imports those three and ``preset`` (the types it builds); importing
+it reads no file and derives nothing.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import Any
 
 from kvoffload.errors import ConfigError
 from kvoffload.models.hf_families import (
@@ -60,9 +65,7 @@ from kvoffload.models.hf_shapes import (
     ssm_dtype,
     state_shape,
 )
-
-if TYPE_CHECKING:
-    from kvoffload.models.presets import AttentionLayers, MambaLayers, ModelPreset
+from kvoffload.models.preset import AttentionLayers, MambaLayers, ModelPreset
 
 __all__ = [
     "FAMILIES", "LAYER_KINDS", "PRESETS_FILE", "Family", "ModelFields", "PresetEntry",
@@ -152,8 +155,6 @@ def derive_preset(f: ModelFields, *, name: str, source: str, tensor_parallel: in
             SSM state take it.
         notes: what the source adds (kept in ``assumptions``).
     """
-    from kvoffload.models.presets import ModelPreset
-
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) \
             or tensor_parallel < 1:
         raise ConfigError("tensor_parallel", f"must be a positive integer, got "
@@ -196,8 +197,6 @@ def _check_kinds(f: ModelFields, family: Family, kinds: Sequence[str]) -> None:
 
 def _attention_layers(f: ModelFields, family: Family, kinds: Sequence[str], *, tp: int,
                       name: str, dtype: int) -> tuple[AttentionLayers, ...]:
-    from kvoffload.models.presets import AttentionLayers
-
     full = sum(k in ("full_attention", "hybrid") for k in kinds)
     sliding = kinds.count("sliding_attention")
     if not full and not sliding:
@@ -218,8 +217,6 @@ def _attention_layers(f: ModelFields, family: Family, kinds: Sequence[str], *, t
 
 def _mamba_layers(f: ModelFields, family: Family, kinds: Sequence[str], *, tp: int, name: str,
                   dtype: int) -> tuple[MambaLayers | None, str]:
-    from kvoffload.models.presets import MambaLayers
-
     count = sum(k in ("linear_attention", "hybrid") for k in kinds)
     if not count:
         return None, ""
@@ -293,9 +290,12 @@ def preset_from_entry(entry: PresetEntry, tensor_parallel: int = 1) -> ModelPres
                          tensor_parallel=tensor_parallel, notes=entry.notes)
 
 
-def builtin_presets() -> dict[str, ModelPreset]:
-    """Every built-in preset, derived from ``presets.json``."""
-    return {name: preset_from_entry(e) for name, e in preset_entries().items()}
+@functools.cache
+def builtin_presets() -> Mapping[str, ModelPreset]:
+    """Every built-in preset by name (in ``presets.json``'s order), derived from
+    ``presets.json`` on the first call; later calls return the same presets."""
+    return MappingProxyType({name: preset_from_entry(e)
+                             for name, e in preset_entries().items()})
 
 
 def model_name(path: str | Path) -> str:
@@ -316,12 +316,10 @@ def is_model_path(ref: str) -> bool:
 def resolve_model(ref: str, tensor_parallel: int = 1) -> ModelPreset:
     """The preset called ``ref``, or the model whose directory or config.json ``ref`` is,
     for one of ``tensor_parallel`` ranks; ``ConfigError`` otherwise."""
-    from kvoffload.models.presets import PRESETS
-
     entries = preset_entries()
     if ref in entries:
         if tensor_parallel == 1:
-            return PRESETS[ref]
+            return builtin_presets()[ref]
         return preset_from_entry(entries[ref], tensor_parallel)
     if is_model_path(ref):
         return derive_preset(load_model_config(ref), name=model_name(ref), source=ref,

@@ -61,7 +61,7 @@ from kvoffload.config import GroupSpec, OffloadConfig
 from kvoffload.errors import ConfigError
 from kvoffload.jobs import StepPlan
 from kvoffload.keys import BlockHasher
-from kvoffload.models.presets import ModelLayout
+from kvoffload.models.layout import ModelLayout
 from kvoffload.offload import Offload, build_offload
 from kvoffload.planner.contract import StepInput
 from kvoffload.planner.planner import Planner

@@ -43,7 +43,7 @@ from enum import Enum
 from typing import Any
 
 from kvoffload.errors import ConfigError
-from kvoffload.models.presets import ModelLayout
+from kvoffload.models.layout import ModelLayout
 from kvoffload.offload import disk_index
 from kvoffload.refengine.engine import ReferenceEngine
 from kvoffload.refengine.requests import RequestRecord

@@ -30,7 +30,8 @@ from kvoffload.config import DEFAULT_POLICY, OffloadConfig
 from kvoffload.errors import ConfigError
 from kvoffload.group_kinds import KIND_RULES
 from kvoffload.models.hf_config import resolve_model
-from kvoffload.models.presets import ModelLayout, ModelPreset
+from kvoffload.models.layout import ModelLayout
+from kvoffload.models.preset import ModelPreset
 from kvoffload.offload import Offload
 from kvoffload.policies import CachePolicy, cache_policy
 from kvoffload.refengine.engine import EngineConfig, ReferenceEngine, offload_for
