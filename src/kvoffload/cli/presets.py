@@ -8,11 +8,12 @@ import sys
 import textwrap
 from typing import Any
 
-from kvoffload.cli.common import add_model_options, check_model, format_bytes
+from kvoffload.cli.common import add_model_options, check_model
 from kvoffload.errors import ConfigError
 from kvoffload.models.hf_config import resolve_model
 from kvoffload.models.presets import PRESETS, ModelPreset
 from kvoffload.sim.simulation import auto_block_size
+from kvoffload.sizes import format_bytes
 
 EPILOG = textwrap.dedent("""\
     examples:
