@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvoffload.cli.common import format_bytes, format_seconds
+from kvoffload.cli.common import format_seconds
 from kvoffload.sim.fleet import (
     PREFIX_ROUTE_TOKENS,
     ROUTER_HELP,
@@ -35,6 +35,7 @@ from kvoffload.sim.fleet import (
 )
 from kvoffload.sim.replay import Arrival
 from kvoffload.sim.simulation import Mode, SimulationConfig, resolve
+from kvoffload.sizes import format_bytes
 from kvoffload.workloads import WorkloadRequest, read_mooncake_trace
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,11 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-from kvoffload.cli.common import WorkloadSpec, format_bytes
-from kvoffload.cli.plan import DEFAULT_FRACTIONS, make_plan, memory_rows, plan_rows
 from kvoffload.cli.plots import plot_plan
-from kvoffload.cli.sweep import format_rows
+from kvoffload.cli.tables import format_rows, memory_rows, plan_rows
+from kvoffload.sim.plan import DEFAULT_FRACTIONS, make_plan
 from kvoffload.sim.simulation import Mode, SimulationConfig
+from kvoffload.sizes import format_bytes
+from kvoffload.workloads.spec import WorkloadSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

@@ -13,7 +13,7 @@ data, at the saved working sets and trace limit, and merges them in, keeping eve
 series. A series is named by its label: a policy name, or ``value+hints90`` for ``value``
 with client hints drawn at 90 % accuracy (a simulator that has ``hint_accuracy``).
 
-Every run goes through ``kvoffload.cli.sweep.run_sweep`` (what ``kvoffload sweep`` runs), in
+Every run goes through ``kvoffload.sim.sweep.run_sweep`` (what ``kvoffload sweep`` runs), in
 accounting mode with per-group byte accounting (``--host-accounting bytes``). The raw
 numbers are kept in ``docs/policy_data.json``. The trace is looked up at
 ``$KVOFFLOAD_TRACE`` or at ``../shared/traces/`` beside the checkout.
@@ -30,18 +30,14 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from kvoffload.cli.common import WorkloadSpec, format_bytes, format_seconds
-from kvoffload.cli.sweep import (
-    Reference,
-    SweepPoint,
-    format_rows,
-    goal_table,
-    memory_to_reach,
-    run_sweep,
-)
+from kvoffload.cli.common import format_seconds
+from kvoffload.cli.tables import format_rows, goal_table
 from kvoffload.models.presets import PRESETS as PRESET_SPECS
 from kvoffload.sim.simulation import Mode, SimulationConfig, auto_block_size, resolve
+from kvoffload.sim.sweep import Reference, SweepPoint, memory_to_reach, run_sweep
+from kvoffload.sizes import format_bytes
 from kvoffload.workloads.mooncake import read_mooncake_trace
+from kvoffload.workloads.spec import WorkloadSpec
 from reuse_report import continuation_report, format_report, quantile
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,9 +20,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from kvoffload.cli.common import WorkloadSpec, format_bytes, format_seconds
+from kvoffload.cli.common import format_seconds
 from kvoffload.cli.plots import plot_simulation, plot_sweep
-from kvoffload.cli.sweep import SweepPoint, format_rows, run_sweep, sweep_table
+from kvoffload.cli.tables import format_rows, sweep_table
 from kvoffload.models.presets import PRESETS
 from kvoffload.sim.replay import Arrival
 from kvoffload.sim.simulation import (
@@ -33,6 +33,8 @@ from kvoffload.sim.simulation import (
     resolve,
     simulate,
 )
+from kvoffload.sim.sweep import SweepPoint, run_sweep
+from kvoffload.sizes import format_bytes
 from kvoffload.workloads import read_mooncake_trace
 from kvoffload.workloads.mooncake import (
     MAX_HASH_ID,
@@ -42,6 +44,7 @@ from kvoffload.workloads.mooncake import (
     MAX_OUTPUT_TOKENS,
     MOONCAKE_BLOCK_TOKENS,
 )
+from kvoffload.workloads.spec import WorkloadSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = Path(os.environ.get("KVOFFLOAD_TRACE", ROOT.parent / "shared" / "traces"

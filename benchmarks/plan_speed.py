@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvoffload.cli.common import WorkloadSpec
-from kvoffload.cli.plan import DEFAULT_FRACTIONS, make_plan
+from kvoffload.sim.plan import DEFAULT_FRACTIONS, make_plan
 from kvoffload.sim.simulation import Mode, SimulationConfig
+from kvoffload.workloads.spec import WorkloadSpec
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / \
     "mooncake_conversation_trace.jsonl"

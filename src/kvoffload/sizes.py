@@ -26,10 +26,15 @@ Grammar (also in docs/configuration.md):
 Exponents (``1e9``), signs, ``nan``, ``inf``, floats and anything else are refused.
 Leading and trailing blanks are ignored. Callers that need a positive size pass
 ``minimum=1``.
+
+The other way: ``format_size(n)`` writes a size in the grammar (whole GiB, else MiB rounded
+up: ``parse_size`` reads it back as at least ``n``); ``format_bytes(n)`` is for people only
+(``"1.5 GiB"``, one decimal, rounded: not meant to be read back).
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 from kvoffload.errors import ConfigError
@@ -84,3 +89,21 @@ def _parse_text(text: str, field: str) -> int:
     if rest:
         raise ConfigError(field, f"{text!r} is not a whole number of bytes", SIZE_FIX)
     return number
+
+
+GiB = 1 << 30
+
+
+def format_size(nbytes: int) -> str:
+    """``nbytes`` in the size grammar: whole GiB, else MiB (rounded up)."""
+    if nbytes % GiB == 0:
+        return f"{nbytes // GiB}GiB"
+    return f"{math.ceil(nbytes / (1 << 20))}MiB"
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes for a reader: the largest binary unit it reaches, one decimal."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"

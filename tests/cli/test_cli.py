@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.cli import main
-from kvoffload.cli.common import WorkloadSpec
 from kvoffload.models.presets import PRESETS
 from kvoffload.workloads import builtin_workload, count_trace_lines
 
@@ -141,22 +140,6 @@ def test_sweep_sessions_size_the_workload_and_the_label_names_every_seed(
     one = [len(builtin_workload("agentic", seed, 6)) for seed in (0, 1)]
     assert one[0] != one[1]
     assert sized["points"][0]["requests"] == round(sum(one) / 2)
-    assert WorkloadSpec("shared-prefix", None, None, 3, 5).label == (
-        "shared-prefix, 5 users (seed 3)")
-
-
-def test_memory_to_reach_interpolates_in_log_capacity() -> None:
-    from kvoffload.cli.sweep import SweepPoint, memory_to_reach
-
-    def point(capacity: int, hit: float) -> SweepPoint:
-        return SweepPoint("p", "lru", capacity, 0.0, hit, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
-                          0.0, 1, 0.0)
-
-    curve = [point(1 << 30, 0.1), point(4 << 30, 0.3), point(16 << 30, 0.5)]
-    assert memory_to_reach(curve, 0.05) == 1 << 30
-    assert memory_to_reach(curve, 0.2) == pytest.approx(2 << 30)
-    assert memory_to_reach(curve, 0.5) == pytest.approx(16 << 30)
-    assert memory_to_reach(curve, 0.6) is None
 
 
 def test_presets_lists_per_token_and_per_state_bytes(capsys: pytest.CaptureFixture[str]) -> None:

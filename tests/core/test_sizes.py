@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.errors import ConfigError
-from kvoffload.sizes import MAX_SIZE, SIZE_FIX, UNITS, parse_size
+from kvoffload.sizes import MAX_SIZE, SIZE_FIX, UNITS, format_bytes, format_size, parse_size
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -76,3 +76,19 @@ def test_valid_strings_round_trip(number: int, unit: str, upper: bool, space: st
     else:
         with pytest.raises(ConfigError, match="whole number"):
             parse_size(half, "f")
+
+
+@given(st.integers(1, 1 << 50))
+def test_format_size_writes_the_grammar_and_never_less(nbytes: int) -> None:
+    written = format_size(nbytes)
+    back = parse_size(written, "x")
+    assert back >= nbytes and back - nbytes < 1 << 20
+    assert written.endswith("GiB") == (nbytes % (1 << 30) == 0)
+
+
+@pytest.mark.parametrize(("nbytes", "shown"), [
+    (0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (64 << 30, "64.0 GiB"),
+    (3 << 40, "3.0 TiB"),
+])
+def test_format_bytes_is_for_people(nbytes: int, shown: str) -> None:
+    assert format_bytes(nbytes) == shown

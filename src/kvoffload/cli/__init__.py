@@ -1,4 +1,9 @@
-"""The ``kvoffload`` command: ``simulate``, ``sweep``, ``presets``, ``trace``.
+"""The ``kvoffload`` command: ``simulate``, ``sweep``, ``plan``, ``presets``, ``trace``.
+
+This package only parses arguments, checks them, calls the library (``kvoffload.sim``,
+``kvoffload.workloads``, ``kvoffload.models``) and prints what it returns: tables, JSON,
+plots. Each command is one module (``add_parser`` and ``run``); ``common`` holds the shared
+options and formatting, ``tables``, ``report`` and ``plots`` the output.
 
 Errors a user can fix (a bad option, a malformed trace line, a configuration that cannot
 work) print one ``error:`` line naming what to change and exit with status 2; no traceback.
@@ -12,6 +17,8 @@ import sys
 import textwrap
 from collections.abc import Sequence
 
+from kvoffload.cli import plan, presets, simulate, sweep, trace
+from kvoffload.cli.common import UsageError, explain_config_error
 from kvoffload.errors import ConfigError, InvariantError, KVOffloadError
 
 EPILOG = textwrap.dedent("""\
@@ -26,8 +33,6 @@ EPILOG = textwrap.dedent("""\
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvoffload.cli import plan, presets, simulate, sweep, trace
-
     parser = argparse.ArgumentParser(
         prog="kvoffload",
         description="Simulate KV-cache offloading for hybrid LLMs: replay workloads and "
@@ -44,8 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
-    from kvoffload.cli.common import UsageError, explain_config_error
-
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -1,6 +1,10 @@
 """Shared pieces of the command-line tool: sizes, workload options, progress, formatting.
 
-Every size flag is read by ``kvoffload.sizes.parse_size`` (the one size grammar).
+Every size flag is read by ``kvoffload.sizes.parse_size`` (the one size grammar). The
+options shared by the commands are added here and turned into library values here:
+``workload_spec`` (a ``kvoffload.workloads.spec.WorkloadSpec``) and ``simulation_config``
+(a ``kvoffload.sim.simulation.SimulationConfig``); a wrong value is a ``UsageError`` naming
+its option.
 """
 
 from __future__ import annotations
@@ -8,8 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvoffload.errors import ConfigError
@@ -21,19 +24,8 @@ from kvoffload.sim.oracle.binding import ORACLE
 from kvoffload.sim.replay import Arrival
 from kvoffload.sim.simulation import Mode, SimulationConfig
 from kvoffload.sizes import parse_size
-from kvoffload.workloads import (
-    BUILTIN_WORKLOADS,
-    DEFAULT_WORKLOAD,
-    MOONCAKE_BLOCK_TOKENS,
-    WorkloadRequest,
-    builtin_workload,
-    count_trace_lines,
-    default_size,
-    open_trace_file,
-    read_mooncake_trace,
-    size_unit,
-)
-from kvoffload.workloads.hints import with_hints
+from kvoffload.workloads import BUILTIN_WORKLOADS, DEFAULT_WORKLOAD, default_size
+from kvoffload.workloads.spec import WorkloadSpec
 
 
 class UsageError(Exception):
@@ -58,13 +50,6 @@ def parse_sizes(text: str, option: str) -> list[int]:
     if not items:
         raise UsageError(f"{option}: give a comma-separated list of sizes, e.g. 4GiB,16GiB")
     return [parse_size(t, option) for t in items]
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def format_seconds(s: float) -> str:
@@ -262,78 +247,14 @@ def check_preset(name: str) -> str:
                      f"{', '.join(PRESETS)} (see 'kvoffload presets'), or give --model PATH")
 
 
-@dataclass(frozen=True)
-class WorkloadSpec:
-    """Where requests come from; ``load`` returns a re-iterable sequence or stream."""
-
-    name: str
-    trace: Path | None
-    limit: int | None
-    seed: int
-    sessions: int | None = None
-    """The built-in workload's size (``builtin_workload``'s ``size``); None: its default."""
-    hint_accuracy: float | None = None
-    """Give each request client hints drawn from the workload's future with this accuracy
-    (``kvoffload.workloads.hints``; seeded by ``seed``); None: no hints."""
-
-    @property
-    def label(self) -> str:
-        return self.label_for((self.seed,))
-
-    def label_for(self, seeds: Sequence[int]) -> str:
-        """The label of figures taken over ``seeds`` (a mean when there are several)."""
-        hints = ("" if self.hint_accuracy is None
-                 else f", hints {self.hint_accuracy:.0%} accurate")
-        if self.trace is not None:
-            return (f"trace {self.trace.name}" + (f" (first {self.limit})" if self.limit
-                                                  else "") + hints)
-        size = (f", {self.sessions} {size_unit(self.name)}" if self.sessions is not None
-                else "")
-        seed = (f"seed {seeds[0]}" if len(seeds) == 1
-                else f"mean of seeds {', '.join(map(str, seeds))}")
-        return (f"{self.name}{size} ({seed})" + (f", first {self.limit}" if self.limit else "")
-                + hints)
-
-    def load(self) -> Sequence[WorkloadRequest] | TraceStream:
-        """The requests; with ``hint_accuracy``, a list of them carrying hints (a trace is
-        read whole: the hints need its future)."""
-        if self.trace is not None:
-            open_trace_file(self.trace).close()  # a TraceError says what the path is
-            stream = TraceStream(self.trace, self.limit)
-            if self.hint_accuracy is None:
-                return stream
-            # The trace's last, partial hash block is never shared: compare at its blocks.
-            return with_hints(stream, self.hint_accuracy, self.seed, MOONCAKE_BLOCK_TOKENS)
-        requests = builtin_workload(self.name, self.seed, self.sessions)
-        requests = requests[:self.limit] if self.limit is not None else requests
-        if self.hint_accuracy is None:
-            return requests
-        return with_hints(requests, self.hint_accuracy, self.seed)
-
-    def count(self) -> int:
-        if self.trace is None:
-            return len(self.load())  # type: ignore[arg-type]
-        n = count_trace_lines(self.trace)
-        return n if self.limit is None else min(n, self.limit)
-
-
-class TraceStream:
-    """A trace read afresh on every iteration (each run streams it again)."""
-
-    def __init__(self, path: Path, limit: int | None) -> None:
-        self.path = path
-        self.limit = limit
-
-    def __iter__(self) -> Iterator[WorkloadRequest]:
-        return read_mooncake_trace(self.path, limit=self.limit)
-
-
 MAX_SESSIONS = 10_000
 """The largest built-in workload ``--sessions`` asks for: generating it stays within
 seconds (a larger one would keep the command busy before it prints anything)."""
 
 
 def workload_spec(args: argparse.Namespace, seed: int) -> WorkloadSpec:
+    """The workload options (``add_workload_options``, ``add_hint_option``) as a
+    ``WorkloadSpec`` with ``seed``; ``UsageError`` naming the option for a wrong value."""
     if args.limit is not None and args.limit < 1:
         raise UsageError("--limit: must be at least 1")
     if args.sessions is not None:

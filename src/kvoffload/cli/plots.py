@@ -1,17 +1,19 @@
-"""Figures: a simulation over time, and a sweep's curves. Needs matplotlib (``cli`` extra)."""
+"""Figures: a simulation over time, a sweep's curves, a plan's curves.
+
+Each ``plot_*`` function draws library results (``kvoffload.sim``) into a file. Needs
+matplotlib (the ``cli`` extra): without it, ``--plot`` is a ``UsageError``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvoffload.cli.common import UsageError
+from kvoffload.sim.plan import Plan
 from kvoffload.sim.simulation import SimulationResult
-
-if TYPE_CHECKING:
-    from kvoffload.cli.plan import Plan
-    from kvoffload.cli.sweep import SweepPoint
+from kvoffload.sim.sweep import SweepPoint
 
 GIB = float(1 << 30)
 

@@ -8,12 +8,13 @@ import sys
 import textwrap
 from typing import Any
 
-from kvoffload.cli.common import add_model_options, check_model, format_bytes
+from kvoffload.cli.common import add_model_options, check_model
 from kvoffload.errors import ConfigError
 from kvoffload.models.hf_config import resolve_model
 from kvoffload.models.preset import ModelPreset
 from kvoffload.models.presets import PRESETS
 from kvoffload.sim.simulation import auto_block_size
+from kvoffload.sizes import format_bytes
 
 EPILOG = textwrap.dedent("""\
     examples:

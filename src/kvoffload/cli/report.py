@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from kvoffload.cli.common import format_bytes, format_seconds
+from kvoffload.cli.common import format_seconds
 from kvoffload.models.layout import ModelLayout
 from kvoffload.sim.fleet import ROUTER_HELP, FleetResult, FleetTotals
 from kvoffload.sim.simulation import (
@@ -16,6 +16,7 @@ from kvoffload.sim.simulation import (
     describe_groups,
 )
 from kvoffload.sim.summary import Percentiles, RunSummary
+from kvoffload.sizes import format_bytes
 from kvoffload.tiers.config import masked_url
 
 

@@ -6,9 +6,9 @@ import argparse
 import json
 import textwrap
 from collections.abc import Iterable
+from dataclasses import replace
 
 from kvoffload.cli.common import (
-    WorkloadSpec,
     add_engine_options,
     add_hint_option,
     add_output_options,
@@ -19,6 +19,7 @@ from kvoffload.cli.common import (
     simulation_config,
     workload_spec,
 )
+from kvoffload.cli.plots import plot_simulation
 from kvoffload.cli.report import fleet_dict, fleet_text, simulation_dict, simulation_text
 from kvoffload.cli.validate import check_fleet_args, check_simulate_args
 from kvoffload.config import DEFAULT_POLICY
@@ -26,6 +27,7 @@ from kvoffload.sim.fleet import MAX_ENGINES, ROUTER_HELP, FleetConfig, Router, s
 from kvoffload.sim.simulation import Mode, SimulationConfig, simulate
 from kvoffload.sizes import parse_size
 from kvoffload.workloads.request import WorkloadRequest
+from kvoffload.workloads.spec import WorkloadSpec
 
 EPILOG = textwrap.dedent("""\
     examples:
@@ -143,8 +145,6 @@ def run(args: argparse.Namespace) -> int:
     config = simulation_config(args, preset=preset, policy=policy, mode=mode,
                                host_capacity=parse_size(args.host_capacity, "--host-capacity"))
     if args.no_baseline:
-        from dataclasses import replace
-
         config = replace(config, baseline=False)
     workload = spec.load()
     if fleet is not None:
@@ -159,8 +159,6 @@ def run(args: argparse.Namespace) -> int:
                           baseline_progress=(start(f"{preset} without offloading", total)
                                              if config.baseline else None))
     if args.plot is not None:
-        from kvoffload.cli.plots import plot_simulation
-
         plot_simulation(result, args.plot, f"{preset}, {spec.label}")
     if args.json:
         print(json.dumps(simulation_dict(result, spec.label), indent=2))
@@ -175,7 +173,6 @@ def run_soak_command(args: argparse.Namespace, config: SimulationConfig,
                      workload: Iterable[WorkloadRequest]) -> int:
     """``--faults``: a soak run (``kvoffload.faults.soak``); prints its figures."""
     import logging
-    from dataclasses import replace
 
     from kvoffload.faults.plan import FaultPlan
     from kvoffload.faults.soak import SoakConfig, run_soak

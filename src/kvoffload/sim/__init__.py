@@ -7,4 +7,8 @@ offloading, and what is built on it.
 * ``fleet``: several engines behind a router, sharing a modelled remote tier
   (``shared_store``).
 * ``oracle``: the reference policy that knows a workload's future.
+* ``sweep``: a grid of runs (preset x policy x host capacity, averaged over seeds) and
+  reading the memory a hit rate needs off its curves; ``plan``: capacity planning, the
+  host memory (and disk) a model and its traffic need and the ``--kv-transfer-config``
+  that deploys it.
 """
