@@ -4,11 +4,11 @@ planner with its tiers.
 ``build_offload(config, tiers)`` reads the cache policy's name once
 (``kvoffload.policies.cache_policy``: ``config.eviction_policy``, and
 ``tiers.disk.eviction_policy`` for a disk tier), builds the tier the planner talks to (a
-``HostTier``, wrapped in a ``CascadeTier`` when ``tiers`` configures a disk or remote
-tier) and the ``Planner`` over it, and gives the host tier and the planner the same
-``CachePolicy``. Every engine builds its scheduler side here: the vLLM connector, the
-reference engine, the simulator and its fleet. A caller holding a policy object the
-registry does not name (the simulator's oracle) passes it as ``policy``.
+``HostTier``, wrapped in a ``CascadeTier`` over the lower tiers ``tiers`` configures) and
+the ``Planner`` over it, and gives the host tier and the planner the same ``CachePolicy``.
+Every engine builds its scheduler side here: the vLLM connector, the reference engine, the
+simulator and its fleet. A caller holding a policy object the registry does not name (the
+simulator's oracle) passes it as ``policy``.
 
 Lower tiers are chosen from a table (``LOWER_TIERS``), by name, in ``TierConfig.order``.
 """
@@ -32,7 +32,7 @@ from kvoffload.tiers.lower import LowerTier
 from kvoffload.tiers.naming import namespace
 from kvoffload.tiers.remote import RemoteIndex
 
-__all__ = ["Offload", "build_offload", "build_tier", "disk_index"]
+__all__ = ["Offload", "build_lower_tiers", "build_offload", "disk_index"]
 
 
 @dataclass(frozen=True)
@@ -43,19 +43,17 @@ class Offload:
         config: the configuration both were built from.
         policy: the cache policy both use (the tier its eviction, the planner its store
             policy).
+        host: host memory: the tier itself, or the first level of the cascade; it owns
+            the host slots every load and store names.
         tier: the planner's tier: host memory, or a cascade with lower tiers below it.
         planner: the scheduler side an engine calls each step.
     """
 
     config: OffloadConfig
     policy: CachePolicy
+    host: HostTier
     tier: Tier
     planner: Planner
-
-    @property
-    def host(self) -> HostTier:
-        """Host memory: the tier itself, or the first level of a cascade."""
-        return self.tier.host_tier
 
 
 def build_offload(config: OffloadConfig, tiers: TierConfig | None = None, *,
@@ -75,8 +73,11 @@ def build_offload(config: OffloadConfig, tiers: TierConfig | None = None, *,
         lower_tiers: lower tiers already built, used instead of building ``tiers``' (a
             simulated fleet gives each engine a view of one shared store).
         enable_events: publish cache events (``Planner.take_events``).
-        accounting: see ``build_tier``.
-        remote_capacity_bytes: see ``build_tier``.
+        accounting: for simulations whose workers move no bytes (they report every tier
+            job done): the disk tier starts empty without reading its directory, and the
+            remote tier is modelled as a budgeted index of ``remote_capacity_bytes`` (all
+            ranks, LRU, like a server's ``maxmemory``) instead of asking a server.
+        remote_capacity_bytes: the modelled remote tier's budget (``accounting``).
         prefill_flops: the model's prefill cost (``Planner``).
         clock: the planner's clock (``Planner``).
 
@@ -85,14 +86,13 @@ def build_offload(config: OffloadConfig, tiers: TierConfig | None = None, *,
     """
     if policy is None:
         policy = cache_policy(config.eviction_policy)
-    if lower_tiers is not None:
-        host = HostTier(config, policy, enable_events=enable_events)
-        tier: Tier = CascadeTier(host, list(lower_tiers)) if lower_tiers else host
-    else:
-        tier = build_tier(config, policy, tiers, enable_events=enable_events,
-                          accounting=accounting, remote_capacity_bytes=remote_capacity_bytes)
+    host = HostTier(config, policy, enable_events=enable_events)
+    if lower_tiers is None:
+        lower_tiers = build_lower_tiers(config, tiers, accounting=accounting,
+                                        remote_capacity_bytes=remote_capacity_bytes)
+    tier: Tier = CascadeTier(host, list(lower_tiers)) if lower_tiers else host
     planner = Planner(config, tier, policy, prefill_flops=prefill_flops, clock=clock)
-    return Offload(config, policy, tier, planner)
+    return Offload(config, policy, host, tier, planner)
 
 
 def disk_index(config: OffloadConfig, disk: DiskTierConfig, ns: str, *,
@@ -121,24 +121,17 @@ LOWER_TIERS: dict[str, Callable[[OffloadConfig, TierConfig, str], LowerTier]] = 
 namespace fingerprint."""
 
 
-def build_tier(config: OffloadConfig, policy: CachePolicy, tiers: TierConfig | None = None,
-               *, enable_events: bool = True, accounting: bool = False,
-               remote_capacity_bytes: int = 1 << 50) -> Tier:
-    """The tier the planner talks to: a ``HostTier`` evicting by ``policy``, wrapped in a
-    ``CascadeTier`` when ``tiers`` configures a disk or remote tier.
-
-    ``accounting=True`` is for simulations whose workers move no bytes (they report every
-    tier job done): the disk tier starts empty without reading its directory, and the
-    remote tier is modelled as a budgeted index of ``remote_capacity_bytes`` (all ranks,
-    LRU, like a server's ``maxmemory``) instead of asking a server.
-    """
-    host = HostTier(config, policy, enable_events=enable_events)
+def build_lower_tiers(config: OffloadConfig, tiers: TierConfig | None, *,
+                      accounting: bool = False,
+                      remote_capacity_bytes: int = 1 << 50) -> list[LowerTier]:
+    """The bookkeeping of the tiers ``tiers`` configures below host memory, in lookup
+    order (empty for None); ``accounting`` and ``remote_capacity_bytes`` as in
+    ``build_offload``."""
     if tiers is None or not tiers.enabled:
-        return host
+        return []
     ns = namespace(config, tiers)
     if not accounting:
-        return CascadeTier(host, [LOWER_TIERS[name](config, tiers, ns)
-                                  for name in tiers.enabled])
+        return [LOWER_TIERS[name](config, tiers, ns) for name in tiers.enabled]
     lowers: list[LowerTier] = []
     for name in tiers.enabled:
         if name == "disk":
@@ -149,4 +142,4 @@ def build_tier(config: OffloadConfig, policy: CachePolicy, tiers: TierConfig | N
             model = DiskTierConfig("(simulated remote)", remote_capacity_bytes,
                                    write_mode=tiers.remote.write_mode)
             lowers.append(DiskIndex(config, model, ns, scan=False, name="remote"))
-    return CascadeTier(host, lowers)
+    return lowers

@@ -12,6 +12,7 @@ import pytest
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import ConfigError
+from kvoffload.offload import build_offload
 
 FA = GroupKind.FULL_ATTENTION
 SW = GroupKind.SLIDING_WINDOW
@@ -75,11 +76,11 @@ def test_invalid_values_name_the_field_and_the_fix(make: Callable[[], object], f
     assert isinstance(info.value, ValueError)  # callers catching ValueError still work
 
 
-def test_unknown_eviction_policy_is_rejected_when_the_config_is_built() -> None:
-    # One registry (kvoffload.policies) answers for the tier and the planner alike, so the
-    # configuration can check the name before either is built.
+def test_unknown_eviction_policy_is_rejected_when_the_offload_is_built() -> None:
+    # One registry (kvoffload.policies) answers for the tier and the planner alike, read
+    # once where both are built (kvoffload.offload), before either exists.
     with pytest.raises(ConfigError) as info:
-        cfg(FULL16, eviction_policy="fifo")
+        build_offload(cfg(FULL16, eviction_policy="fifo"))
     assert info.value.field == "eviction_policy"
     assert "'lru'" in info.value.fix and "'arc'" in info.value.fix
 

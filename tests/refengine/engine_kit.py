@@ -11,7 +11,8 @@ from kvoffload.jobs import StepPlan
 from kvoffload.keys import BlockHasher, OffloadKey, make_offload_key
 from kvoffload.models.preset import AttentionLayers, MambaLayers, ModelPreset
 from kvoffload.planner.contract import StepInput
-from kvoffload.refengine.engine import EngineConfig, ReferenceEngine, offload_for
+from kvoffload.refengine.context import EngineConfig
+from kvoffload.refengine.engine import ReferenceEngine, offload_for
 from kvoffload.refengine.requests import RequestRecord
 from kvoffload.sim.simulation import Mode, assemble
 from kvoffload.workloads import WorkloadRequest

@@ -13,7 +13,8 @@ import pytest
 from engine_kit import BS, Recorder, make_engine, record, req, tiny_preset, toks
 
 from kvoffload.errors import ConfigError
-from kvoffload.refengine.engine import EngineConfig, ReferenceEngine
+from kvoffload.refengine.context import EngineConfig
+from kvoffload.refengine.engine import ReferenceEngine
 from kvoffload.sim.replay import Arrival, replay
 from kvoffload.sim.simulation import Mode
 

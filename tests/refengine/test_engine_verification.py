@@ -14,8 +14,9 @@ from engine_kit import BS, Recorder, key_at, make_engine, record, req, tiny_pres
 
 from kvoffload.blockfile.framing import HEADER_BYTES
 from kvoffload.jobs import Direction, TransferJob
+from kvoffload.refengine.context import EngineConfig
 from kvoffload.refengine.device import WorkerExecutor
-from kvoffload.refengine.engine import EngineConfig, offload_for
+from kvoffload.refengine.engine import offload_for
 from kvoffload.refengine.executors import AccountingExecutor
 from kvoffload.sim.replay import replay
 from kvoffload.sim.simulation import Mode, SimulationConfig, assemble, run_one

@@ -10,8 +10,9 @@ from kvoffload.faults.plan import FaultKind, FaultPlan
 from kvoffload.faults.soak import Garbler
 from kvoffload.jobs import Direction, TransferJob
 from kvoffload.models.preset import ModelPreset
+from kvoffload.refengine.context import EngineConfig
 from kvoffload.refengine.device import DeviceCaches, HostAuditor, WorkerExecutor
-from kvoffload.refengine.engine import EngineConfig, ReferenceEngine, offload_for
+from kvoffload.refengine.engine import ReferenceEngine, offload_for
 from kvoffload.refengine.executors import AccountingExecutor, TransferExecutor
 from kvoffload.sim.replay import Arrival, replay
 from kvoffload.workloads import WorkloadRequest

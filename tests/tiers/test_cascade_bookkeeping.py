@@ -265,16 +265,14 @@ def test_disk_index_rebuilds_from_the_directory(tmp_path: Path) -> None:
 
 
 def test_accounting_mode_models_both_lower_tiers_without_io(tmp_path: Path) -> None:
-    from kvoffload.offload import build_tier
-    from kvoffload.policies import cache_policy
+    from kvoffload.offload import build_offload
     from kvoffload.tiers.config import RemoteTierConfig, TierConfig
 
     cfg = config(slots=1)
     missing = tmp_path / "never-created"
     tiers = TierConfig(disk=DiskTierConfig(str(missing), 1 << 20),
                        remote=RemoteTierConfig("redis://nowhere.invalid:1/0"))
-    tier = build_tier(cfg, cache_policy(cfg.eviction_policy), tiers, accounting=True,
-                      remote_capacity_bytes=1 << 20)
+    tier = build_offload(cfg, tiers, accounting=True, remote_capacity_bytes=1 << 20).tier
     assert isinstance(tier, CascadeTier)
     assert [lt.name for lt in tier.lowers] == ["disk", "remote"]
     store(tier, key(0))  # write-through to the modelled remote

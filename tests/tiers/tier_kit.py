@@ -30,13 +30,11 @@ import pytest
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.jobs import JobId, StepPlan, TierJobId, WorkerReport
-from kvoffload.offload import build_tier
+from kvoffload.offload import build_offload
 from kvoffload.planner.planner import Planner
-from kvoffload.policies import cache_policy
 from kvoffload.tiers.cascade import CascadeTier
 from kvoffload.tiers.config import DiskTierConfig, RemoteTierConfig, TierConfig, WriteMode
 from kvoffload.worker import TransferWorker, cpu_backend
-from support.offload_kit import planner_for
 from support.real_workers import RandomFaults, TensorDevice, with_pages
 from support.sim_engine import SimEngine
 
@@ -370,9 +368,10 @@ class TieredEngine:
         self.sim = SimEngine(config, num_blocks=num_blocks, seed=seed,
                              real=build)  # type: ignore[arg-type]
         self.sim.rng = _NoEnginePrefixCache(seed)
-        self.any_tier = build_tier(config, cache_policy(config.eviction_policy), tiers)
+        offload = build_offload(config, tiers)
+        self.any_tier = offload.tier
         self.sim.tier = self.any_tier  # type: ignore[assignment]
-        self.sim.planner = planner_for(config, self.any_tier)
+        self.sim.planner = offload.planner
         self.workers = holder["w"]
 
     @property

@@ -1,0 +1,1 @@
+"""Engine adapters: ``vllm``, the vLLM KV connector (``docs/vllm.md``)."""

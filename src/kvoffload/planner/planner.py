@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from kvoffload.config import OffloadConfig
@@ -56,21 +55,19 @@ from kvoffload.planner.contract import (
 )
 from kvoffload.planner.insertion import InsertionDuel
 from kvoffload.planner.jobs_in_flight import JobsInFlight
-from kvoffload.planner.positions import load_transfers, with_slots
+from kvoffload.planner.load_planning import NO_LOAD, LoadPlanner
 from kvoffload.planner.prefix_lookup import PrefixLookup
 from kvoffload.planner.state import GroupState, JobState, PlannedLoad, RequestState
 from kvoffload.planner.store_planning import StorePlanner
 from kvoffload.planner.store_policy import StorePolicy, StorePolicyContext
 from kvoffload.planner.valuation import PrefillFlops
-from kvoffload.tiers.base import LookupResult, Tier, TierEvent
+from kvoffload.tiers.base import Tier, TierEvent
 
 if TYPE_CHECKING:
     from kvoffload.policies import CachePolicy
 
 logger = logging.getLogger(__name__)
 
-NO_LOAD: Mapping[tuple[str, int], int] = MappingProxyType({})
-"""``update_state_after_alloc``'s answer when it planned no load."""
 
 
 class Planner:
@@ -103,6 +100,7 @@ class Planner:
             StorePolicyContext(config, tier, self.stats, prefill_flops))
         self._lookups = PrefixLookup(config, tier, self._policy)
         self._stores = StorePlanner(config, tier, self._policy, self.stats)
+        self._loads = LoadPlanner(config, tier, self._jobs, self.stats)
         self._clock = clock
 
     @property
@@ -216,34 +214,7 @@ class Planner:
         if st.jobs:
             raise InvariantError(f"request {request.request_id!r} has jobs in flight; "
                                  "a load needs none")
-        return self._plan_load(st, planned, blocks_per_group)
-
-    def _plan_load(self, st: RequestState, planned: PlannedLoad,
-                   tables: Sequence[Sequence[int]]) -> Mapping[tuple[str, int], int]:
-        rid = st.request.request_id
-        keys, parts = load_transfers(self._groups, st.groups, tables, planned)
-        if any(self.tier.lookup(k) is not LookupResult.HIT for k in keys):
-            # Evicted between lookup and allocation: the engine recomputes instead.
-            self._jobs.load_failed_early(rid, planned.num_local_tokens)
-            return NO_LOAD
-        if not keys:
-            self._jobs.load_done_early(rid)
-            return NO_LOAD
-        grant = self.tier.prepare_load(keys)
-        for g, gs in zip(self._groups, st.groups, strict=True):
-            gs.next_stored = max(gs.next_stored, planned.end // g.offloaded_block_size)
-        filled = with_slots(parts, grant.slots)
-        for t in filled:
-            self.stats.add_blocks(self.stats.blocks_loaded, t.group, len(t.block_ids))
-        dests = tuple(b for t in filled for b in t.block_ids)
-        job_id = self._jobs.issue(lambda job_id: JobState(
-            job_id, rid, Direction.LOAD, tuple(keys), (), dests,
-            num_local_tokens=planned.num_local_tokens)).job_id
-        st.jobs.add(job_id)
-        self._jobs.allocated(dests)
-        self._jobs.loads.append(TransferJob(job_id, Direction.LOAD, rid, filled))
-        self.stats.load_jobs += 1
-        return grant.blocks_by_source
+        return self._loads.plan(st, planned, blocks_per_group)
 
     # ------------------------------------------------------------------ stores
 

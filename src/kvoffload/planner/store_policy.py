@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvoffload.config import ResolvedGroup
@@ -59,52 +59,6 @@ class StorePolicyContext:
     tier: Tier
     stats: PlannerStats
     prefill_flops: PrefillFlops | None = None
-
-
-@dataclass
-class PolicyRequestState:
-    """What a store policy keeps for one live request (under ``StorePolicy``, only
-    ``first_hit_tokens``).
-
-    Every list holds keys this request stored or passed: the state of a key itself (demoted,
-    cold, valued) is the tier's, which answers it.
-    """
-
-    first_hit_tokens: int = 0
-    """Tokens of the prompt already cached (engine or tier) at the first lookup."""
-    session_seen: bool = False
-    """An earlier request had this request's ``session_id`` (hit-point policies)."""
-    resume_point: int = 0
-    """The prefill point (tokens) whose windows and states ``resume_keys`` hold."""
-    resume_keys: list[tuple[int, int, OffloadKey]] = field(default_factory=list)
-    """(group, offloaded block, key) stored only because a resume at ``resume_point``
-    needs them (provisional: demoted once a later resume point does not need them, or the
-    request finishes, unless kept as a cheap checkpoint)."""
-    kept_point: int = 0
-    """The last resume point (tokens) whose blocks were kept as a cheap checkpoint
-    (``selective.CHECKPOINT_SHARE``); 0 for none."""
-    passed_keys: list[OffloadKey] = field(default_factory=list)
-    """Blocks of resume points the prefill moved past, demoted: the request's own
-    touches (a lookup after a preemption, its finish) leave them demoted."""
-    spare_keys: list[OffloadKey] = field(default_factory=list)
-    """Window blocks and states the request stored only because the tier had free room
-    (``Admit.SPARE_ROOM``): demoted when it finishes."""
-    cold_candidate: bool = False
-    """Bimodal insertion stores this request's blocks cold (not ``is_hot_request``)."""
-    stores_cold: bool = False
-    """The request stores its new blocks cold: a cold candidate that arrived while
-    bimodal insertion was ahead."""
-    cold_keys: list[OffloadKey] = field(default_factory=list)
-    """Keys the request stored cold (bimodal insertion): the touch at its finish leaves
-    them cold. Cleared on a preemption, which warms the request's whole prefix."""
-
-    def forget_stores(self) -> None:
-        """The cache was reset: nothing the request stored is left."""
-        self.resume_point = self.kept_point = 0
-        self.resume_keys = []
-        self.spare_keys = []
-        self.passed_keys = []
-        self.cold_keys = []
 
 
 class StoreSelection:

@@ -3,7 +3,9 @@
 It drives the planner through its public contract exactly as an engine adapter would, so
 the simulator (``kvoffload.sim``) and most end-to-end tests exercise what vLLM would.
 
-* ``engine``: the step loop (``ReferenceEngine``, the entry point, and ``EngineConfig``);
+* ``engine``: the step loop (``ReferenceEngine``, the entry point, and ``offload_for``);
+  ``context``: what its parts share (``EngineConfig``, the engine's limits, and
+  ``EngineContext``);
   ``scheduler``: queues, scheduling, preemption, admission (``Scheduler``);
   ``transfers``: jobs in flight, report delivery, loads waiting, late loads and parked
   blocks; ``recording``: hits per request and tier, samples.

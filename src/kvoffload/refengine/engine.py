@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.config import GroupSpec, OffloadConfig
@@ -66,6 +65,7 @@ from kvoffload.offload import Offload, build_offload
 from kvoffload.planner.contract import StepInput
 from kvoffload.planner.planner import Planner
 from kvoffload.refengine.block_pool import HybridBlockPool
+from kvoffload.refengine.context import BlockBytes, EngineConfig, EngineContext
 from kvoffload.refengine.executors import AccountingExecutor, TransferExecutor
 from kvoffload.refengine.metrics import EngineMetrics
 from kvoffload.refengine.recording import Recorder
@@ -79,50 +79,6 @@ from kvoffload.tiers.host import HostTier
 if TYPE_CHECKING:  # bytes mode imports torch; accounting mode never does
     from kvoffload.refengine.device import DeviceCaches, HostAuditor
     from kvoffload.refengine.verify import ByteChecks
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The engine's own limits.
-
-    Attributes:
-        num_blocks: engine block ids, the null block 0 included.
-        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
-        max_num_seqs: requests running or loading at once.
-        decode_tokens_per_step: engine iterations one step stands for (K). 1 is a real
-            engine. With K > 1 (long replays in fewer steps) a decoding request computes K
-            tokens per step, the step's token budget is K x ``max_num_batched_tokens``
-            (one request's chunk stays within ``max_num_batched_tokens``), and a step
-            with decodes lasts at least K decode iterations: the same blocks fill in the
-            same order, in coarser steps.
-        sample_interval_s: modelled seconds between two ``Sample`` values.
-        check_integrity: check the pool's and the planner's bookkeeping every step (slow;
-            for tests).
-        load_deadline_s: modelled seconds a request waits for its load before it gives
-            up and recomputes (module docstring, point 7); None waits for ever.
-    """
-
-    num_blocks: int
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 64
-    decode_tokens_per_step: int = 1
-    sample_interval_s: float = 1.0
-    check_integrity: bool = False
-    load_deadline_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.load_deadline_s is not None and not self.load_deadline_s > 0:
-            raise ConfigError("load_deadline_s", f"must be positive, got {self.load_deadline_s}",
-                              "Give seconds, or None to wait for every load.")
-        for name in ("max_num_batched_tokens", "max_num_seqs", "decode_tokens_per_step"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}",
-                                  "Give a positive count.")
-        if self.num_blocks < 2:
-            raise ConfigError("engine capacity", f"{self.num_blocks} block ids leave no "
-                              "block to allocate", "Raise the engine capacity.")
-        if not self.sample_interval_s > 0:
-            raise ConfigError("sample_interval_s", "must be positive", "Give seconds.")
 
 
 def offload_for(layout: ModelLayout, config: OffloadConfig, **kwargs: Any) -> Offload:
@@ -189,24 +145,18 @@ class ReferenceEngine:
         self._build_parts(factor)
 
     def _build_parts(self, factor: int) -> None:
-        """The transfer tracker, the recorder and the scheduler, over the engine's parts."""
-        real_block_bytes = [g.real_block_bytes for g in self.layout.groups]
-        real_offloaded_bytes = [b * factor for b in real_block_bytes]
-        self._transfers = TransferTracker(
-            self, self.timing, executor=self.executor, planner=self.planner, pool=self.pool,
-            metrics=self.metrics, real_block_bytes=real_block_bytes,
-            real_offloaded_bytes=real_offloaded_bytes,
-            load_deadline_s=self.config.load_deadline_s)
-        self._recorder = Recorder(
-            self, self.metrics, self.pool, self.tier, self.host,
-            real_block_bytes=real_block_bytes,
-            moved_offloaded_bytes=[g.page_bytes * g.num_layers * factor for g in self.specs],
-            real_offloaded_bytes=real_offloaded_bytes,
-            sample_interval_s=self.config.sample_interval_s)
-        self._scheduler = Scheduler(
-            self, self.config, specs=self.specs, pool=self.pool, planner=self.planner,
-            transfers=self._transfers, recorder=self._recorder, metrics=self.metrics,
-            checks=self.checks)
+        """The transfer tracker, the recorder and the scheduler, over one context."""
+        real = tuple(g.real_block_bytes for g in self.layout.groups)
+        context = EngineContext(
+            clock=self, config=self.config, pool=self.pool, planner=self.planner,
+            metrics=self.metrics, block_bytes=BlockBytes(
+                real=real, real_offloaded=tuple(b * factor for b in real),
+                moved_offloaded=tuple(g.page_bytes * g.num_layers * factor
+                                      for g in self.specs)))
+        self._transfers = TransferTracker(context, self.timing, executor=self.executor)
+        self._recorder = Recorder(context, self.tier, self.host)
+        self._scheduler = Scheduler(context, specs=self.specs, transfers=self._transfers,
+                                    recorder=self._recorder, checks=self.checks)
         if self.planner is not None:
             self.pool.avoid = self._transfers.used_by_overdue_job
 

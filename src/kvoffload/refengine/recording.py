@@ -22,10 +22,9 @@ token, finish) are written by the step loop itself (``scheduler``), where they a
 from __future__ import annotations
 
 from kvoffload.jobs import TransferJob
-from kvoffload.refengine.block_pool import HybridBlockPool
-from kvoffload.refengine.metrics import EngineMetrics, Sample
+from kvoffload.refengine.context import EngineContext
+from kvoffload.refengine.metrics import Sample
 from kvoffload.refengine.requests import EngineRequest
-from kvoffload.refengine.transfers import Clocked
 from kvoffload.tiers.base import HOST, Tier
 from kvoffload.tiers.host import HostTier
 
@@ -34,30 +33,23 @@ class Recorder:
     """Hit attribution and samples (module docstring).
 
     Args:
-        clock: the engine, whose ``clock`` is now.
-        metrics: the engine's metrics, written to.
-        pool: the engine's block pool (blocks in use).
+        context: the engine's clock, limits (``sample_interval_s``), pool (blocks in
+            use), metrics (written to) and block sizes.
         tier: the planner's tier, None without offloading.
         host: host memory (the tier, or a cascade's first level).
-        real_block_bytes: real bytes of one engine block, per group.
-        moved_offloaded_bytes: bytes one offloaded block takes in the tier (pages moved).
-        real_offloaded_bytes: real bytes of one offloaded block, per group.
-        sample_interval_s: modelled seconds between two samples.
     """
 
-    def __init__(self, clock: Clocked, metrics: EngineMetrics, pool: HybridBlockPool,
-                 tier: Tier | None, host: HostTier | None, *, real_block_bytes: list[int],
-                 moved_offloaded_bytes: list[int], real_offloaded_bytes: list[int],
-                 sample_interval_s: float) -> None:
-        self._clock = clock
-        self._metrics = metrics
-        self._pool = pool
+    def __init__(self, context: EngineContext, tier: Tier | None,
+                 host: HostTier | None) -> None:
+        self._clock = context.clock
+        self._metrics = context.metrics
+        self._pool = context.pool
         self._tier = tier
         self._host = host
-        self._real_block_bytes = real_block_bytes
-        self._moved_offloaded_bytes = moved_offloaded_bytes
-        self._real_offloaded_bytes = real_offloaded_bytes
-        self._interval = sample_interval_s
+        self._real_block_bytes = context.block_bytes.real
+        self._moved_offloaded_bytes = context.block_bytes.moved_offloaded
+        self._real_offloaded_bytes = context.block_bytes.real_offloaded
+        self._interval = context.config.sample_interval_s
         self._next_sample = 0.0
 
     # ------------------------------------------------------------------ hits

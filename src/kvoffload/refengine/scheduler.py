@@ -33,16 +33,14 @@ from kvoffload.config import GroupSpec
 from kvoffload.errors import ConfigError
 from kvoffload.group_kinds import KIND_RULES
 from kvoffload.planner.contract import ReportOutcome, ScheduledRequest
-from kvoffload.planner.planner import Planner
-from kvoffload.refengine.block_pool import Allocation, HybridBlockPool
-from kvoffload.refengine.metrics import EngineMetrics
+from kvoffload.refengine.block_pool import Allocation
+from kvoffload.refengine.context import EngineContext
 from kvoffload.refengine.recording import Recorder
 from kvoffload.refengine.requests import EngineRequest, Status
-from kvoffload.refengine.transfers import Clocked, TransferTracker
+from kvoffload.refengine.transfers import TransferTracker
 from kvoffload.tiers.base import HOST
 
 if TYPE_CHECKING:  # bytes mode imports torch; accounting mode never does
-    from kvoffload.refengine.engine import EngineConfig
     from kvoffload.refengine.verify import ByteChecks
 
 
@@ -69,29 +67,25 @@ class Scheduler:
     """The engine's queues and each step's scheduling decision (module docstring).
 
     Args:
-        clock: the engine, whose ``clock`` is now.
-        config: the engine's limits.
+        context: the engine's clock, limits, pool, planner (None without offloading) and
+            metrics (where preemptions and deferral give-ups are counted).
         specs: the KV-cache groups (a Mamba group sets the chunk alignment).
-        pool: the engine's block pool.
-        planner: the planner, None without offloading.
         transfers: loads in flight and the offload path's waits.
         recorder: hit attribution.
-        metrics: where preemptions and deferral give-ups are counted.
         checks: bytes mode's checks, or None.
     """
 
-    def __init__(self, clock: Clocked, config: EngineConfig, *, specs: tuple[GroupSpec, ...],
-                 pool: HybridBlockPool, planner: Planner | None, transfers: TransferTracker,
-                 recorder: Recorder, metrics: EngineMetrics,
+    def __init__(self, context: EngineContext, *, specs: tuple[GroupSpec, ...],
+                 transfers: TransferTracker, recorder: Recorder,
                  checks: ByteChecks | None) -> None:
-        self._clock = clock
-        self._config = config
-        self._pool = pool
-        self._planner = planner
+        self._clock = context.clock
+        self._config = context.config
+        self._pool = context.pool
+        self._planner = context.planner
         self._transfers = transfers
         self._loading = transfers.loading
         self._recorder = recorder
-        self._metrics = metrics
+        self._metrics = context.metrics
         self._checks = checks
         self._state_block = max((s.block_size for s in specs
                                  if KIND_RULES[s.kind].holds_state), default=0)

@@ -23,14 +23,14 @@ waits for from it:
 * **Fences.** ``used_by_overdue_job`` is the pool's ``avoid`` rule: a block a job still
   uses after its modelled completion is handed out last.
 
-Times are modelled seconds; "now" is the engine's clock, read live (``Clocked``).
+Times are modelled seconds; "now" is the engine's clock, read live (``context.Clocked``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from kvoffload.jobs import (
     Direction,
@@ -43,18 +43,10 @@ from kvoffload.jobs import (
     WorkerReport,
 )
 from kvoffload.planner.contract import ReportOutcome
-from kvoffload.planner.planner import Planner
-from kvoffload.refengine.block_pool import HybridBlockPool
+from kvoffload.refengine.context import EngineContext
 from kvoffload.refengine.executors import HoldsReports, TransferExecutor
-from kvoffload.refengine.metrics import EngineMetrics
 from kvoffload.refengine.requests import EngineRequest
 from kvoffload.refengine.timing import TimingModel, TransferClock
-
-
-class Clocked(Protocol):
-    """What holds the modelled clock (the engine): ``clock`` is now, in seconds."""
-
-    clock: float
 
 
 @dataclass
@@ -100,18 +92,16 @@ class TransferTracker:
         load_deadline_s: ``EngineConfig.load_deadline_s``.
     """
 
-    def __init__(self, clock: Clocked, timing: TimingModel, *, executor: TransferExecutor,
-                 planner: Planner | None, pool: HybridBlockPool, metrics: EngineMetrics,
-                 real_block_bytes: list[int], real_offloaded_bytes: list[int],
-                 load_deadline_s: float | None) -> None:
-        self._clock = clock
+    def __init__(self, context: EngineContext, timing: TimingModel, *,
+                 executor: TransferExecutor) -> None:
+        self._clock = context.clock
         self._executor = executor
-        self._planner = planner
-        self._pool = pool
-        self._metrics = metrics
-        self._real_block_bytes = real_block_bytes
-        self._real_offloaded_bytes = real_offloaded_bytes
-        self._deadline = load_deadline_s
+        self._planner = context.planner
+        self._pool = context.pool
+        self._metrics = context.metrics
+        self._real_block_bytes = context.block_bytes.real
+        self._real_offloaded_bytes = context.block_bytes.real_offloaded
+        self._deadline = context.config.load_deadline_s
         self.transfers = TransferClock(timing)
         """Modelled time of transfer jobs on the host link."""
         self.tier_transfers = TransferClock(timing, timing.lower_bytes_per_s)

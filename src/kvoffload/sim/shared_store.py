@@ -4,7 +4,7 @@ fleets (``kvoffload.sim.fleet``).
 In a deployment, a fleet's shared tier is a Redis/Valkey server that every engine's
 cascade writes through and promotes from, each engine asking it through its own
 ``RemoteIndex``. A simulation moves no bytes and must not need a server, so the store is
-modelled in-process, the way ``kvoffload.offload.build_tier(accounting=True)`` models one
+modelled in-process, the way ``kvoffload.offload.build_offload(accounting=True)`` models one
 engine's remote tier: a ``DiskIndex`` named "remote" that starts empty -- the keys held, a
 byte budget for
 all ranks together, LRU eviction of idle keys (a server's ``maxmemory``). One such index

@@ -34,7 +34,8 @@ from kvoffload.models.layout import ModelLayout
 from kvoffload.models.preset import ModelPreset
 from kvoffload.offload import Offload
 from kvoffload.policies import CachePolicy, cache_policy
-from kvoffload.refengine.engine import EngineConfig, ReferenceEngine, offload_for
+from kvoffload.refengine.context import EngineConfig
+from kvoffload.refengine.engine import ReferenceEngine, offload_for
 from kvoffload.refengine.executors import AccountingExecutor, TransferExecutor
 from kvoffload.refengine.timing import TimingModel
 from kvoffload.sim.oracle.binding import ORACLE, oracle_policy
@@ -249,7 +250,7 @@ class EngineParts:
     """The lower tiers below host memory; in bytes mode the real worker reads and writes
     them too."""
     accounting: bool
-    """Accounting mode: lower tiers are modelled, not read (``build_tier``)."""
+    """Accounting mode: lower tiers are modelled, not read (``kvoffload.offload.build_offload``)."""
     remote_capacity_bytes: int
     """The modelled remote tier's budget (accounting mode)."""
 

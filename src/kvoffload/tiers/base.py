@@ -27,15 +27,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from kvoffload.errors import InvariantError
 from kvoffload.jobs import TierWork, WorkerReport
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.eviction.base import ValueHint
-
-if TYPE_CHECKING:
-    from kvoffload.tiers.host import HostTier
 
 HOST = "host"
 """Tier name of host memory (``LoadGrant.blocks_by_source``, ``CascadeStats``)."""
@@ -295,13 +291,6 @@ class Tier(ABC):
         """Release threads and connections (lower tiers); the tier is not used after."""
 
     # -- structure (for engines and reports; the planner needs none of it) -------------
-
-    @property
-    def host_tier(self) -> HostTier:
-        """The ``HostTier`` that owns the host slots this tier's loads and stores name
-        (the tier itself, or the host memory under a cascade). For audits that compare
-        host bytes with the bookkeeping, read-only use. Changes nothing."""
-        raise NotImplementedError(f"{type(self).__name__} has no host tier")
 
     def lower_usage(self) -> tuple[LowerUsage, ...]:
         """Occupancy of each tier below host memory, in lookup order (empty without lower

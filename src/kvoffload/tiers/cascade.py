@@ -103,11 +103,6 @@ class CascadeTier(Tier):
     def __iter__(self) -> Iterator[OffloadKey]:
         return iter(self.host)
 
-    @property
-    def host_tier(self) -> HostTier:
-        """The host memory under the cascade (the only tier the engine loads from)."""
-        return self.host
-
     def lower(self, name: str) -> LowerTier:
         """The lower tier called ``name``."""
         return self._by_name[name]

@@ -113,11 +113,6 @@ class HostTier(Tier):
         """The eviction policy (read-only use: it holds the keys' states)."""
         return self._policy
 
-    @property
-    def host_tier(self) -> HostTier:
-        """This tier (it owns the host slots)."""
-        return self
-
     def __len__(self) -> int:
         """Keys present, ready or being written."""
         return len(self._policy)
