@@ -547,15 +547,17 @@ and *which* idle keys are evicted. One entry of the cache-policy registry
 
 ## The default
 
-`value` is the default cache policy of `kvoffload simulate`, `sweep` and `plan` and of the
-vLLM connector (`"eviction_policy"` in `kv_connector_extra_config`; the library's
-`OffloadConfig` keeps `lru`, the plain store-everything reference). In every sweep below --
-four models (dense, sliding window, Mamba hybrid), two workloads, 11 host capacities from 1
-to 100 % of the working set -- it is nowhere more than 0.26 points of prompt tokens below
-LRU (the largest gaps: the agentic workload, Nemotron-H at 10 % and gpt-oss-20b at 30 % of
-the working set), and it reaches 90 % of the unbounded hit rate with 0.34x (Gemma 3 on the
-trace) to 1.00x (Llama 3, a dense model, where it stores exactly what LRU stores) of LRU's
-host memory. Nothing is lost by choosing it, and hybrid models need far less memory.
+`value` is the default cache policy everywhere: the library's `OffloadConfig`
+(`kvoffload.config.DEFAULT_POLICY`), the vLLM connector (`"eviction_policy"` in
+`kv_connector_extra_config`) and `kvoffload simulate`; `sweep` compares it with `lru`, the
+plain store-everything reference, and `plan` with every registered policy. In every sweep
+below -- four models (dense, sliding window, Mamba hybrid), two workloads, 11 host
+capacities from 1 to 100 % of the working set -- it is nowhere more than 0.26 points of
+prompt tokens below LRU (the largest gaps: the agentic workload, Nemotron-H at 10 % and
+gpt-oss-20b at 30 % of the working set), and it reaches 90 % of the unbounded hit rate
+with 0.34x (Gemma 3 on the trace) to 1.00x (Llama 3, a dense model, where it stores
+exactly what LRU stores) of LRU's host memory. Nothing is lost by choosing it, and hybrid
+models need far less memory.
 Pass `--policy lru` (or `"eviction_policy": "lru"`) for plain store-everything.
 
 ## What it does

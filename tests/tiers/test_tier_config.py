@@ -160,7 +160,7 @@ def test_a_framed_block_checks_out_and_every_kind_of_damage_is_named() -> None:
 
 def test_scheduler_side_tier_modules_import_without_torch() -> None:
     modules = ["kvoffload.tiers.cascade", "kvoffload.tiers.disk", "kvoffload.tiers.remote",
-               "kvoffload.tiers.factory", "kvoffload.blockfile.framing", "kvoffload.tiers.config"]
+               "kvoffload.offload", "kvoffload.blockfile.framing", "kvoffload.tiers.config"]
     result = run_blocked(modules)
     assert result["blocker_works"] is True
     assert result["errors"] == {}

@@ -26,6 +26,7 @@ from kvoffload.cli.common import (
 from kvoffload.cli.plots import plot_sweep
 from kvoffload.cli.tables import format_rows, goal_table, sweep_table
 from kvoffload.cli.validate import check_common_args
+from kvoffload.config import DEFAULT_POLICY
 from kvoffload.models.presets import PRESETS
 from kvoffload.sim.simulation import Mode
 from kvoffload.sim.sweep import Reference, run_sweep
@@ -52,9 +53,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gpt-oss-20b",
                         help="comma-separated presets, or 'all' (default gpt-oss-20b)")
-    parser.add_argument("--policy", default="value,lru",
-                        help="comma-separated cache policies (default value,lru); oracle "
-                             "is the reference that knows the workload's future "
+    parser.add_argument("--policy", default=f"{DEFAULT_POLICY},lru",
+                        help=f"comma-separated cache policies (default {DEFAULT_POLICY},lru); "
+                             "oracle is the reference that knows the workload's future "
                              "(docs/policy.md)")
     parser.add_argument("--host-capacity", default="1GiB,4GiB,16GiB,64GiB", metavar="SIZES",
                         help="comma-separated host capacities (default 1GiB,4GiB,16GiB,64GiB)")
