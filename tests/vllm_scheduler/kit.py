@@ -9,6 +9,16 @@ forward pass, ``start_load_kv``, ``wait_for_save``, ``get_transfer_results``,
 ``build_connector_worker_meta``. The worker half is the real connector (WORKER role) over
 real tensors shaped like vLLM's CPU caches, so loads and stores move real bytes.
 
+Outside the forward pass the runner also writes blocks as vLLM does when it updates the
+batch: it zeroes the blocks the scheduler lists in ``new_block_ids_to_zero`` (attention
+groups; vLLM asks for it with a Mamba group), applies ``kv_cache_block_copies`` and copies
+Mamba states into their running column. ``runner="v1"`` does that after
+``handle_preemptions`` (vLLM's V1 model runner, 0.32 and 0.33), ``runner="v2"`` before it
+(the V2 runner, the only one of 0.34); by default the runner the connector detected
+(``compat.runner_writes_before_flush``). ``lazy_stores`` puts a copy engine that runs
+behind under the worker (``lazy_copies``), so a store copies as late as the connector
+lets it.
+
 The "forward pass" (``attention_runner``) writes, for every token it computes, a value that
 depends only on the token, its position and the layer, and, before that, checks every
 cached position the step's attention reads (all earlier tokens for full attention, the
@@ -45,6 +55,7 @@ import torch
 
 from vllm_scheduler import attention_runner as attention
 from vllm_scheduler.attention_runner import BLOCK, HEAD, WINDOW
+from vllm_scheduler.lazy_copies import LazyStores
 from vllm_scheduler.mamba_runner import MambaGroup, MambaRunner, mamba_spec, mamba_tensors
 from vllm_scheduler.stored_bytes import StoreCheck
 
@@ -135,6 +146,12 @@ class Engine:
     """(scheduler output, model runner output) of steps executed, not yet delivered."""
     undelivered: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     """Per request, (step, token) the runner sampled whose output vLLM has not seen."""
+    runner: str = "v1"
+    """Whose order the scripted runner follows: ``"v1"`` or ``"v2"`` (module docstring)."""
+    lazy: LazyStores | None = None
+    """The copy engine that runs behind, with ``lazy_stores``."""
+    zeroed_blocks: int = 0
+    """Blocks the runner zeroed for vLLM (``new_block_ids_to_zero``)."""
     flushed: set[Any] = field(default_factory=set)
     """Job ids a step's plan flushed (the workers waited for them before the forward)."""
     abandoned: set[Any] = field(default_factory=set)
@@ -229,18 +246,22 @@ class Engine:
         self.flushed.update(meta.plan.flush)
         self.abandoned.update(meta.abandoned_loads)
         worker = self.worker
+        req_ids = list(so.num_scheduled_tokens)
+        computed = _computed_before(so)
+        if self.runner == "v2":
+            self._update_batch(so, computed)
         worker.handle_preemptions(meta)
+        if self.lazy is not None:
+            self.lazy.catch_up()  # the copy engine runs during this step's compute
+        if self.runner == "v1":
+            self._update_batch(so, computed)
         worker.bind_connector_metadata(meta)
         sampled = []
         step_tokens: dict[str, list[int]] = {}
-        req_ids = list(so.num_scheduled_tokens)
-        computed = _computed_before(so)
         for new in so.scheduled_new_reqs:  # new or back from preemption: vLLM's tokens only
             self.undelivered.pop(new.req_id, None)
         for rid in so.scheduled_cached_reqs.resumed_req_ids:
             self.undelivered.pop(rid, None)
-        if self.mamba is not None:
-            self.mamba.begin_step(so)
         for rid in req_ids:
             request = self.scheduler.requests[rid]
             start, count = computed[rid], so.num_scheduled_tokens[rid]
@@ -252,7 +273,7 @@ class Engine:
             self._check(rid, tokens, tables, start)
             self._write(tokens, tables, start, start + count)
             if self.mamba is not None:
-                self.mamba.run(rid, tokens, tables, start, start + count)
+                self.mamba.run(rid, tokens, tables, start, start + count, copied=True)
             done_prefill = start + count == len(tokens)
             sampled.append([next_token(tokens)] if done_prefill else [])
             if done_prefill and self.async_scheduling:
@@ -277,6 +298,25 @@ class Engine:
         return ModelRunnerOutput(req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled, kv_connector_output=kv_out)
+
+    def _update_batch(self, so: Any, computed: dict[str, int]) -> None:
+        """What vLLM's model runner writes when it updates the batch, before the forward
+        pass: zero new blocks, apply copy-on-write copies, copy Mamba states into their
+        running column (module docstring)."""
+        for block in so.new_block_ids_to_zero or ():
+            for layers, _ in self.groups:
+                for name in layers:
+                    self.caches[name][block] = 0.0
+            self.zeroed_blocks += 1
+        for copy in so.kv_cache_block_copies or ():
+            for cache in self.caches.values():
+                for tensor in cache if isinstance(cache, list) else (cache,):
+                    tensor[copy.dst_block_id] = tensor[copy.src_block_id]
+        if self.mamba is not None:
+            self.mamba.begin_step(so)
+            for rid, count in so.num_scheduled_tokens.items():
+                tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
+                self.mamba.copy_states(rid, tables, computed[rid], computed[rid] + count)
 
     def expected_pages(self, group: int, position: int, tokens: list[int]) -> list[torch.Tensor]:
         """What the forward pass wrote in engine block ``position`` of ``group`` for a
@@ -316,10 +356,15 @@ def _block_hasher() -> Any:
 
 def build(root: Path, layout: Layout, *, num_blocks: int = 256,
           extra: dict[str, Any] | None = None, max_num_batched_tokens: int = 256,
-          max_num_seqs: int = 16, async_scheduling: bool = False) -> Engine:
+          max_num_seqs: int = 16, async_scheduling: bool = False,
+          runner: str | None = None, lazy_stores: bool = False) -> Engine:
     """An engine of ``layout`` with ``num_blocks`` engine blocks per group and connector
     options ``extra`` (``host_memory_bytes`` defaults to room for 512 blocks); vLLM's
-    ``AsyncScheduler`` and a batch queue of two with ``async_scheduling``."""
+    ``AsyncScheduler`` and a batch queue of two with ``async_scheduling``. ``runner``:
+    whose order the scripted runner follows, ``"v1"`` or ``"v2"`` (default: the runner
+    the connector detected); the connector's worker side is told, as vLLM's
+    configuration tells it (``compat.runner_writes_before_flush``). ``lazy_stores``: a
+    copy engine that runs behind (``lazy_copies``)."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.engine.arg_utils import EngineArgs
@@ -365,9 +410,20 @@ def build(root: Path, layout: Layout, *, num_blocks: int = 256,
         for name in group.layer_names:
             caches[name] = torch.full((num_blocks, 1, BLOCK, 2 * HEAD), -1.0)
     worker.register_kv_caches(caches)
+    side = worker.worker_side
+    if runner is None:
+        runner = "v2" if side.fence_store_reads else "v1"
+    elif runner not in ("v1", "v2"):
+        raise ValueError(f"unknown runner {runner!r}; use 'v1' or 'v2'")
+    side.fence_store_reads = runner == "v2"
+    lazy = None
+    if lazy_stores:
+        transfer = side.worker
+        lazy = LazyStores(transfer.backend)  # already bound to the caches
+        transfer._backend = lazy
     mamba = MambaRunner(mamba_groups, caches, BLOCK) if mamba_groups else None
     eng = Engine(scheduler, worker, caches, groups, mamba=mamba,
-                 async_scheduling=async_scheduling)
+                 async_scheduling=async_scheduling, runner=runner, lazy=lazy)
     eng.stores = StoreCheck(eng.expected_pages, lambda: eng.worker_side.worker.host_pool,
                             worker.offload_config.block_size_factor)
     return eng

@@ -129,10 +129,12 @@ class MambaRunner:
                     *(new.req_id for new in so.scheduled_new_reqs)):
             self.state_column.pop(rid, None)
 
-    def run(self, rid: str, tokens: Sequence[int], tables: Sequence[Sequence[int]],
-            start: int, end: int) -> None:
-        """One request's step over every Mamba group: copy, check, write, checkpoint."""
-        digests = self.digests(rid, tokens, end)
+    def copy_states(self, rid: str, tables: Sequence[Sequence[int]], start: int,
+                    end: int) -> None:
+        """Point 1 of the module docstring alone, for every Mamba group: copy the state the
+        step starts from into its running column. ``run`` does it unless told the runner
+        did it already (vLLM's V2 runner copies before the connector's
+        ``handle_preemptions``, the V1 runner after)."""
         for group in self.groups:
             table = tables[group.index]
             bs = group.spec.block_size
@@ -140,6 +142,18 @@ class MambaRunner:
             curr = -(-end // bs) - 1
             if prev not in (-1, curr):
                 self._copy(group, table[prev], table[curr])
+
+    def run(self, rid: str, tokens: Sequence[int], tables: Sequence[Sequence[int]],
+            start: int, end: int, *, copied: bool = False) -> None:
+        """One request's step over every Mamba group: copy (unless ``copied``), check,
+        write, checkpoint."""
+        if not copied:
+            self.copy_states(rid, tables, start, end)
+        digests = self.digests(rid, tokens, end)
+        for group in self.groups:
+            table = tables[group.index]
+            bs = group.spec.block_size
+            curr = -(-end // bs) - 1
             if start > 0:
                 self._check(rid, group, table[curr], digests[start], start)
             self._write(group, table[curr], digests[end], end)

@@ -76,6 +76,16 @@ class TransferBackend(ABC):
     def wait(self, job_ids: Iterable[JobId]) -> None:
         """Block until every listed job that is still in flight is done."""
 
+    def fence_engine_reads(self, job_ids: Iterable[JobId]) -> None:
+        """Order every later use of the engine cache after the engine-side reads of the
+        listed store jobs: whatever the engine does next to those blocks (zero them,
+        copy into them, run a kernel writing them) cannot change what the stores copy.
+
+        This default waits for the jobs (the host blocks until they are done); a backend
+        whose stores read the engine cache in a step of their own (the CUDA backend's
+        device gather) orders only that step before the engine's later work."""
+        self.wait(job_ids)
+
     @abstractmethod
     def take_stats(self) -> TransferStats:
         """Bytes and seconds of successful transfers since the previous call."""

@@ -256,6 +256,15 @@ class TransferWorker:
         if jobs and self._backend is not None and self._layout is not None:
             self._backend.wait(jobs)
 
+    def fence_engine_reads(self, jobs: Iterable[JobId]) -> None:
+        """Make the listed stores' reads of the engine cache complete before the engine's
+        next use of it (``TransferBackend.fence_engine_reads``): for an engine that may
+        zero or copy into blocks before the next plan's flush runs. Unknown or finished
+        ids are ignored."""
+        jobs = [job for job in jobs if job in self._in_flight]
+        if jobs and self._backend is not None and self._layout is not None:
+            self._backend.fence_engine_reads(jobs)
+
     @property
     def jobs_in_flight(self) -> int:
         """Transfer jobs submitted to the backend and not yet reported by ``poll``."""

@@ -1,4 +1,4 @@
-"""What the installed vLLM offers that the connector must honour or refuse (0.32 and 0.33).
+"""What the installed vLLM offers that the connector must honour or refuse (0.32 to 0.34).
 
 Detected from the objects vLLM hands over, not from its version number, so a 0.33.x
 patch release or a backport to 0.32.x is handled by what it does. ``docs/vllm.md``
@@ -18,6 +18,9 @@ does about each; the ones refused at start-up are checked here, each with what t
   hash only once the tokens after it exist, and such hashes differ from the ones kvoffload
   keys blocks by. vLLM turns them off whenever a KV connector is configured; an engine
   where they are on anyway is refused rather than offloaded under the wrong keys.
+
+And one difference the worker role adapts to rather than refuses: which model runner calls
+it, and so in which order vLLM writes blocks and flushes (``runner_writes_before_flush``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,16 @@ def check_engine_features(vllm_config: Any, kv_cache_config: Any) -> None:
         raise ConfigError("num_hash_lookahead_tokens", f"is {lookahead}: vLLM publishes "
                           "lookahead block hashes, which kvoffload does not key blocks by",
                           "Set speculative_config.disable_lookahead_block_hashes to true.")
+
+
+def runner_writes_before_flush(vllm_config: Any) -> bool:
+    """Whether vLLM's model runner may write engine blocks before it calls the connector's
+    ``handle_preemptions``: the V2 runner zeroes newly allocated blocks, applies
+    copy-on-write block copies and copies Mamba states across block boundaries first, then
+    calls the connector. It is the only runner of vLLM 0.34 (which has no
+    ``use_v2_model_runner`` to ask) and optional in 0.32 and 0.33 (on CUDA with Triton by
+    default). The V1 runner calls ``handle_preemptions`` first."""
+    return bool(getattr(vllm_config, "use_v2_model_runner", True))
 
 
 def draft_layers(kv_cache_config: Any) -> list[str]:

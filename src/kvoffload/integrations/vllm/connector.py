@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvoffload.integrations.vllm.compat import check_engine_features
+from kvoffload.integrations.vllm.compat import check_engine_features, runner_writes_before_flush
 from kvoffload.integrations.vllm.metadata import KVOffloadMetadata
 from kvoffload.integrations.vllm.options import ConnectorOptions
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
@@ -88,9 +88,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 tiers=self.tier_config, load_deadline_s=self.options.load_deadline_s)
         else:
             rank = int(vllm_config.parallel_config.rank) % num_workers
-            self.worker_side = WorkerSide(self.offload_config, self.layout.layer_names,
-                                          self.layout.num_blocks, rank=rank,
-                                          tiers=self.tier_config)
+            self.worker_side = WorkerSide(
+                self.offload_config, self.layout.layer_names, self.layout.num_blocks,
+                rank=rank, tiers=self.tier_config,
+                fence_store_reads=runner_writes_before_flush(vllm_config))
         logger.info("kvoffload: %s role, groups %s, %d host slots of %d bytes, tiers %s",
                     role.name, [g.name for g in self.layout.groups],
                     self.offload_config.num_host_slots, self.offload_config.slot_bytes,

@@ -1,14 +1,26 @@
 """The connector's worker role: vLLM's per-rank hooks mapped onto ``TransferWorker``.
 
-vLLM calls, every engine step, on every rank (``gpu_model_runner``, also used on CPU)::
+vLLM calls, every engine step, on every rank::
 
-    handle_preemptions(meta)   before the batch is updated (blocks about to be reused
-                               or zeroed are still intact)          -> flush
+    handle_preemptions(meta)   before the forward pass              -> flush
     ... forward pass ...
     start_load_kv()            async loads start after the forward is launched
-    wait_for_save()            after the forward                    -> stores
+    wait_for_save()            after the forward                    -> stores (fenced)
     get_transfer_results()     finished / failed loads for the scheduler
     build_connector_worker_meta()   reports for the scheduler side
+
+Where vLLM writes engine blocks outside the forward pass matters. Blocks freed by a
+finished or preempted request, or sliding out of a window, can be handed to another
+request at the next step, and a store of their old contents may still be reading them.
+The V1 model runner (vLLM 0.32 and 0.33 without ``VLLM_USE_V2_MODEL_RUNNER``) calls
+``handle_preemptions`` before it updates the batch, so the plan's ``flush`` (every job
+using a block vLLM handed out again) is waited for before vLLM zeroes or copies into
+such a block. The V2 runner (the only one in 0.34) zeroes new blocks, applies
+copy-on-write copies and copies Mamba states *before* ``handle_preemptions``
+(``compat.runner_writes_before_flush``); there the flush comes too late, so every store
+is fenced when it is submitted (``TransferWorker.fence_engine_reads``): its reads of the
+engine cache complete before the engine's next work on it. The CUDA backend orders only
+its device gather before the next kernels; a CPU backend waits for the copy.
 
 The plan is executed in three slices with ``TransferWorker.execute``:
 
@@ -63,7 +75,8 @@ class WorkerSide:
     def __init__(self, config: OffloadConfig, layer_names: Sequence[Sequence[str]],
                  num_blocks: int, *, rank: int = 0,
                  backend: TransferBackend | None = None,
-                 tiers: TierConfig | None = None) -> None:
+                 tiers: TierConfig | None = None,
+                 fence_store_reads: bool = True) -> None:
         """Args:
             config: the offload configuration every rank and the scheduler share.
             layer_names: per group, the vLLM layers whose caches belong to it.
@@ -71,11 +84,16 @@ class WorkerSide:
             rank: this worker's tensor-parallel rank.
             backend: transfer backend; chosen from the caches' device by default.
             tiers: lower tiers (disk, remote) this rank reads and writes; None: host only.
+            fence_store_reads: vLLM may write engine blocks before the next
+                ``handle_preemptions`` (``compat.runner_writes_before_flush``): each
+                step's stores are fenced when submitted (module docstring). False only
+                where vLLM calls ``handle_preemptions`` first.
         """
         self.config = config
         self.layer_names = [tuple(names) for names in layer_names]
         self.num_blocks = num_blocks
         self.worker = TransferWorker(config, rank=rank, backend=backend, tiers=tiers)
+        self.fence_store_reads = fence_store_reads
         self.after_load: LoadHook | None = None
         self.same_step_flushes = 0
         """Stores the plan flushed in the step that created them (submitted after the
@@ -147,12 +165,15 @@ class WorkerSide:
             self.worker.execute(StepPlan(loads=meta.plan.loads))
 
     def submit_stores(self, meta: KVOffloadMetadata) -> None:
-        """After the forward pass: submit the plan's stores."""
+        """After the forward pass: submit the plan's stores, and fence them where vLLM
+        writes blocks before the next flush (``fence_store_reads``)."""
         self.start_loads(meta)
         if not self._enter(meta, 3):
             return
         if meta.plan.stores:
             self.worker.execute(StepPlan(stores=meta.plan.stores))
+            if self.fence_store_reads:
+                self.worker.fence_engine_reads(job.job_id for job in meta.plan.stores)
 
     def transfer_results(self, meta: KVOffloadMetadata | None) -> tuple[set[str], set[str]]:
         """``(finished receiving, failed receiving)`` request ids, from a poll of the worker.
