@@ -435,3 +435,41 @@ def test_a_slot_shared_by_two_partial_transfers_of_one_group_is_accepted() -> No
     for a, b in zip((3, 4, 7, 8), (10, 11, 12, 13), strict=True):
         assert torch.equal(cache.block(a), cache.block(b))
     worker.shutdown()
+
+
+@pytest.mark.parametrize("native", COPY_PATHS)
+def test_a_suspended_worker_waits_for_its_transfers_then_touches_no_cache(
+        native: bool) -> None:
+    """The engine releases its cache memory between ``suspend`` and ``resume`` (vLLM's
+    ``unregister_kv_caches``): what was in flight is done first, and a job arriving
+    meanwhile is reported failed without a byte moved."""
+    cache = _cache(seed=7)
+    backend = cpu_backend(native_copy=native)
+    worker = make_worker([cache], backend=backend)
+    backend.hold(Direction.STORE)
+    s = store(0, [1, 2], [0, 1])
+    worker.execute(StepPlan(stores=(s,)))
+    suspended = threading.Event()
+    thread = threading.Thread(target=lambda: (worker.suspend(), suspended.set()))
+    thread.start()
+    assert not suspended.wait(0.2)  # the store in flight holds the suspension
+    backend.hold(Direction.STORE, False)
+    thread.join(5)
+    assert suspended.is_set() and worker.suspended
+    assert worker.poll().finished == (s.job_id,)
+    engine_before = cache.block(5).clone()
+    host_before = worker.host_pool.slot_view(2, 0).clone()
+    refused_load, refused_store = load(0, [5], [0]), store(0, [6], [2])
+    worker.execute(StepPlan(stores=(refused_store,), loads=(refused_load,)))
+    report = worker.poll()
+    assert set(report.failed) == {refused_load.job_id, refused_store.job_id}
+    assert report.finished == ()
+    assert torch.equal(cache.block(5), engine_before)
+    assert torch.equal(worker.host_pool.slot_view(2, 0), host_before)
+    worker.resume()
+    again = load(0, [5], [0])
+    worker.execute(StepPlan(loads=(again,)))
+    worker.wait([again.job_id])
+    assert worker.poll().finished == (again.job_id,)
+    assert torch.equal(cache.block(5), cache.block(1))  # slot 0 holds block 1's store
+    worker.shutdown()

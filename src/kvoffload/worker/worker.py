@@ -131,6 +131,7 @@ class TransferWorker:
         """Engine blocks of every registered group (``_plainly_valid``'s bounds)."""
         self._factor = 1
         self._num_slots = 0
+        self._suspended = False
         self.backend_errors = 0
         """Reports the backend made for jobs not in flight (dropped; see module docstring)."""
 
@@ -265,6 +266,25 @@ class TransferWorker:
         if jobs and self._backend is not None and self._layout is not None:
             self._backend.fence_engine_reads(jobs)
 
+    def suspend(self) -> None:
+        """The engine is about to release its cache memory (vLLM's
+        ``unregister_kv_caches``): block until every transfer in flight is done; until
+        ``resume`` every job submitted is rejected (reported failed by the next ``poll``;
+        no byte moves), so nothing reads or writes the caches meanwhile. The host arena
+        and the lower tiers keep what they hold. Idempotent."""
+        self._suspended = True
+        self.wait(list(self._in_flight))
+
+    def resume(self) -> None:
+        """The engine's cache memory is back at the registered addresses (vLLM's
+        ``restore_kv_caches``): jobs run again. Idempotent."""
+        self._suspended = False
+
+    @property
+    def suspended(self) -> bool:
+        """Between ``suspend`` and ``resume``."""
+        return self._suspended
+
     @property
     def jobs_in_flight(self) -> int:
         """Transfer jobs submitted to the backend and not yet reported by ``poll``."""
@@ -309,6 +329,8 @@ class TransferWorker:
         per transfer (min, max, set sizes). A job it does not clear goes through
         ``_find_problem``, the exact page-by-page check, which also names the fault.
         """
+        if self._suspended:
+            return "the engine's cache memory is released (suspended until it is restored)"
         if job.direction is not expected:
             return f"a {job.direction.value} job listed among the {expected.value}s"
         if self._plainly_valid(job):

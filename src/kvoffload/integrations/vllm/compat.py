@@ -13,7 +13,11 @@ does about each; the ones refused at start-up are checked here, each with what t
 * **Sleep mode** (``enable_sleep_mode``): vLLM 0.33 asks ``supports_sleep_mode`` and
   calls ``unregister_kv_caches`` / ``restore_kv_caches`` around it; the worker role keeps
   views of vLLM's cache tensors for the transfers it has in flight, so kvoffload answers
-  False there and refuses the option on 0.32, which asks nothing.
+  False there and refuses the option on 0.32, which asks nothing. vLLM 0.34's extensible
+  KV cache also gives the caches' memory back without sleep mode (``release_kv_cache_memory``,
+  a weight update that borrows it); it calls the same two hooks, and the connector follows
+  them: every transfer is waited for and none runs until the memory is restored
+  (``WorkerSide.unregister``).
 * **Lookahead block hashes** (``num_hash_lookahead_tokens``): 0.33 can publish a block's
   hash only once the tokens after it exist, and such hashes differ from the ones kvoffload
   keys blocks by. vLLM turns them off whenever a KV connector is configured; an engine

@@ -130,6 +130,15 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33+ before it releases the caches' memory (sleep; 0.34's extensible KV
+        cache also on ``release_kv_cache_memory`` and weight updates): every transfer is
+        waited for and none runs until ``restore_kv_caches``."""
+        self.worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        self.worker.restore()
+
     def _meta(self) -> KVOffloadMetadata | None:
         meta = self._connector_metadata
         return meta if isinstance(meta, KVOffloadMetadata) else None

@@ -212,6 +212,17 @@ class WorkerSide:
             self._reports.append(report)
         return finished, failed
 
+    def unregister(self) -> None:
+        """vLLM releases the caches' memory (``unregister_kv_caches``: sleep, or vLLM
+        0.34's extensible KV cache giving its memory back): wait for every transfer, then
+        reject jobs until ``restore`` (``TransferWorker.suspend``)."""
+        self.worker.suspend()
+
+    def restore(self) -> None:
+        """vLLM committed the caches' memory again, at the same addresses
+        (``restore_kv_caches``)."""
+        self.worker.resume()
+
     def take_worker_meta(self) -> KVOffloadWorkerMetadata | None:
         """The reports since the last call, for the scheduler side; None when empty."""
         if not self._reports:
