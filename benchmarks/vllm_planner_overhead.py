@@ -1,13 +1,13 @@
 """Scheduler-side cost per engine step: kvoffload's connector vs vLLM's OffloadingConnector.
 
-Both connectors run inside vLLM's real ``Scheduler`` (0.32 in .venv, 0.33 in .venv-vllm033;
-platform-neutral, so this runs on a CPU-only machine), fed the same synthetic requests:
-prompts that share a few long system prefixes, chunked prefill, decode, requests finishing
-and new ones arriving, then the same prompts again after vLLM's own prefix cache is
-dropped, so the second pass is served by the connector. No model runs: a fake worker
-samples one token per request that finished its prefill, and completes every transfer job
-of a step at the end of that step (the cheapest possible worker, so only scheduler-side
-work is measured).
+Both connectors run inside vLLM's real ``Scheduler`` (0.32 in .venv, 0.33 in .venv-vllm033,
+0.34 in .venv-vllm034; platform-neutral, so this runs on a CPU-only machine), fed the same
+synthetic requests: prompts that share a few long system prefixes, chunked prefill, decode,
+requests finishing and new ones arriving, then the same prompts again after vLLM's own
+prefix cache is dropped, so the second pass is served by the connector. No model runs: a
+fake worker samples one token per request that finished its prefill, and completes every
+transfer job of a step at the end of that step (the cheapest possible worker, so only
+scheduler-side work is measured).
 
 Every scheduler-side method vLLM calls on the connector is timed (lookups, allocation
 updates, building the step's metadata, completion handling, request end, events, stats,
@@ -16,7 +16,7 @@ ratio kvoffload / vLLM, measured in the same run, for a full-attention layout an
 hybrid one (sliding window + full attention, like gpt-oss).
 
     .venv/bin/python benchmarks/vllm_planner_overhead.py [--requests 192] [--repeat 5]
-    VLLM_TARGET_DEVICE=cpu .venv-vllm033/bin/python benchmarks/vllm_planner_overhead.py
+    VLLM_TARGET_DEVICE=cpu .venv-vllm034/bin/python benchmarks/vllm_planner_overhead.py
 
 Goal: ratio <= 1 for kvoffload-lru (kvoffload costs no more than vLLM's own scheduler side
 doing the same work); kvoffload-value, the default, is printed beside it.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import logging
 import os
@@ -106,6 +107,26 @@ def kv_cache_config(layout: str, num_blocks: int) -> Any:
                          hash_block_size=BLOCK, cache_hit_alignment_tokens=BLOCK)
 
 
+def create_engine_config(args: Any) -> Any:
+    """``args.create_engine_config()``; where vLLM (0.34) refuses an x86 CPU without Triton,
+    built again with Triton claimed present for the call. Only the scheduler runs here,
+    which no Triton kernel is part of (the same as ``tests/vllm_scheduler/kit.py``'s
+    ``create_engine_config``, which says why)."""
+    try:
+        return args.create_engine_config()
+    except RuntimeError as error:
+        if "requires Triton" not in str(error):
+            raise
+    from vllm import triton_utils
+
+    had = triton_utils.HAS_TRITON
+    triton_utils.HAS_TRITON = True
+    try:
+        return args.create_engine_config()
+    finally:
+        triton_utils.HAS_TRITON = had
+
+
 def build_scheduler(which: str, layout: str, model: Path, host_bytes: int) -> Any:
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
@@ -126,7 +147,7 @@ def build_scheduler(which: str, layout: str, model: Path, host_bytes: int) -> An
                       block_size=BLOCK, enable_prefix_caching=True, max_model_len=8192,
                       max_num_batched_tokens=4096, max_num_seqs=64, enforce_eager=True,
                       kv_transfer_config=transfer)
-    vllm_config = args.create_engine_config()
+    vllm_config = create_engine_config(args)
     config = kv_cache_config(layout, num_blocks=NUM_GPU_BLOCKS)
     vllm_config.cache_config.num_gpu_blocks = NUM_GPU_BLOCKS
     return Scheduler(vllm_config=vllm_config, kv_cache_config=config,
@@ -195,9 +216,12 @@ def fake_worker_output(which: str, so: Any, scheduler: Any) -> Any:
         worker_meta = OffloadingWorkerMetadata(completed_jobs=completed) if completed else None
     kv_out = KVConnectorOutput(finished_recving=finished_recving or None,
                                kv_connector_worker_meta=worker_meta)
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in
-                                                               enumerate(req_ids)},
-                             sampled_token_ids=sampled, kv_connector_output=kv_out)
+    # req_id_to_index: required by vLLM 0.32 and 0.33, gone in 0.34.
+    index = ({"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+             if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+             else {})
+    return ModelRunnerOutput(req_ids=req_ids, **index, sampled_token_ids=sampled,
+                             kv_connector_output=kv_out)
 
 
 @dataclass

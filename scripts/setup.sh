@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Set up kvoffload on a fresh machine: a virtual environment in .venv with the library,
-# its optional extras, the test tools, vLLM's CPU build (for the connector tests), a second
-# environment with vLLM 0.33 (.venv-vllm033, for the connector's scheduler-side tests) and
-# a local redis-server (for the shared-tier tests).
+# its optional extras, the test tools, vLLM's CPU build (for the connector tests), two more
+# environments with vLLM 0.33 and 0.34 (.venv-vllm033, .venv-vllm034, for the connector's
+# scheduler-side tests) and a local redis-server (for the shared-tier tests).
 #
 #   bash scripts/setup.sh            # everything
 #   KVOFFLOAD_SKIP_VLLM=1 bash scripts/setup.sh   # without vLLM (saves ~5 minutes)
-#   KVOFFLOAD_SKIP_VLLM_NEXT=1 bash scripts/setup.sh   # without the vLLM 0.33 environment
+#   KVOFFLOAD_SKIP_VLLM_NEXT=1 bash scripts/setup.sh   # without the vLLM 0.33/0.34 environments
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,7 +22,7 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 
 if [ -z "${KVOFFLOAD_SKIP_VLLM:-}" ] && [ -f scripts/install_vllm.sh ]; then
   bash scripts/install_vllm.sh
-  # A second environment with vLLM 0.33 for the scheduler-side tests (~1.5 minutes).
+  # Environments with vLLM 0.33 and 0.34 for the scheduler-side tests (~2-3 minutes each).
   if [ -z "${KVOFFLOAD_SKIP_VLLM_NEXT:-}" ]; then
     bash scripts/install_vllm_next.sh
   fi

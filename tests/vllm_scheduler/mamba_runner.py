@@ -125,7 +125,7 @@ class MambaRunner:
         """Forget the running columns of requests finished, preempted, new or resumed
         (``cleanup_mamba_state_idx``; a new request may reuse a finished one's id)."""
         for rid in (*so.finished_req_ids, *(so.preempted_req_ids or ()),
-                    *so.scheduled_cached_reqs.resumed_req_ids,
+                    *getattr(so.scheduled_cached_reqs, "resumed_req_ids", ()),  # 0.32, 0.33
                     *(new.req_id for new in so.scheduled_new_reqs)):
             self.state_column.pop(rid, None)
 

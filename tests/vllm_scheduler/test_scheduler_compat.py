@@ -1,5 +1,6 @@
-"""What differs between vLLM 0.32 and 0.33 for the connector, checked on the installed vLLM
-(``kvoffload.integrations.vllm.compat``; ``docs/vllm.md``, "What changed in vLLM 0.33")."""
+"""What differs between vLLM 0.32, 0.33 and 0.34 for the connector, checked on the installed
+vLLM (``kvoffload.integrations.vllm.compat``; ``docs/vllm.md``, "What changed in vLLM 0.33"
+and "What changed in vLLM 0.34")."""
 
 from __future__ import annotations
 
@@ -92,9 +93,21 @@ def test_lookahead_block_hashes_are_refused() -> None:
         check(config, full_config())
 
 
+def test_lookahead_block_hashes_are_declared_unsupported() -> None:
+    """What vLLM 0.34 asks before it turns lookahead hashing on for a connector."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvoffload.integrations.vllm.connector import KVOffloadConnector
+
+    assert KVOffloadConnector.supports_lookahead_block_hashes(None) is False
+    if hasattr(KVConnectorBase_V1, "supports_lookahead_block_hashes"):  # vLLM 0.34
+        assert "supports_lookahead_block_hashes" in vars(KVOffloadConnector)
+
+
 def test_ngram_speculative_decoding_runs_inside_the_real_scheduler(root: Path) -> None:
     """n-gram proposals have no draft KV: the connector starts, and vLLM itself keeps
-    lookahead hashes off because a connector is configured."""
+    lookahead hashes off (0.33: a connector is configured; 0.34: n-gram drops no EAGLE
+    blocks, and the connector declares no support)."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
 
@@ -106,6 +119,6 @@ def test_ngram_speculative_decoding_runs_inside_the_real_scheduler(root: Path) -
                       block_size=kit.BLOCK, enforce_eager=True, kv_transfer_config=transfer,
                       speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                           "prompt_lookup_max": 3})
-    vllm_config = args.create_engine_config()
+    vllm_config = kit.create_engine_config(args)
     assert getattr(vllm_config, "num_hash_lookahead_tokens", 0) == 0
     check(vllm_config, full_config())

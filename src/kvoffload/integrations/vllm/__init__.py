@@ -1,4 +1,4 @@
-"""kvoffload as a vLLM KV connector (vLLM 0.32.x and 0.33.x; see ``docs/vllm.md``).
+"""kvoffload as a vLLM KV connector (vLLM 0.32.x to 0.34.x; see ``docs/vllm.md``).
 
 Use it with one flag::
 

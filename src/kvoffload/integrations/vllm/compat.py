@@ -1,27 +1,30 @@
 """What the installed vLLM offers that the connector must honour or refuse (0.32 to 0.34).
 
-Detected from the objects vLLM hands over, not from its version number, so a 0.33.x
-patch release or a backport to 0.32.x is handled by what it does. ``docs/vllm.md``
-("What changed in vLLM 0.33") lists every change a connector sees and what kvoffload
-does about each; the ones refused at start-up are checked here, each with what to change:
+Detected from the objects vLLM hands over, not from its version number, so a patch
+release or a backport is handled by what it does. ``docs/vllm.md`` ("What changed in
+vLLM 0.33", "What changed in vLLM 0.34") lists every change a connector sees and what
+kvoffload does about each; the ones refused at start-up are checked here, each with what
+to change:
 
 * **Draft-model KV of speculative decoding** (EAGLE, MTP, a draft model): vLLM 0.33 marks
   draft layers (``KVCacheSpec.is_draft``) but merges them into the target's groups when
   their specs match, and the last block of a draft layer changes while it decodes. Stored
   as the target's, such blocks would load draft KV that no longer matches. Speculative
   methods without draft KV (n-gram, suffix) are fine.
-* **Sleep mode** (``enable_sleep_mode``): vLLM 0.33 asks ``supports_sleep_mode`` and
-  calls ``unregister_kv_caches`` / ``restore_kv_caches`` around it; the worker role keeps
+* **Sleep mode** (``enable_sleep_mode``): vLLM 0.33 and 0.34 ask ``supports_sleep_mode``
+  and call ``unregister_kv_caches`` / ``restore_kv_caches`` around it; the worker role keeps
   views of vLLM's cache tensors for the transfers it has in flight, so kvoffload answers
   False there and refuses the option on 0.32, which asks nothing. vLLM 0.34's extensible
-  KV cache also gives the caches' memory back without sleep mode (``release_kv_cache_memory``,
-  a weight update that borrows it); it calls the same two hooks, and the connector follows
-  them: every transfer is waited for and none runs until the memory is restored
-  (``WorkerSide.unregister``).
+  KV cache also gives the caches' memory back without sleep mode
+  (``release_kv_cache_memory``, a weight update that borrows it); it calls the same two
+  hooks, and the connector follows them: every transfer is waited for and none runs until
+  the memory is restored (``WorkerSide.unregister``).
 * **Lookahead block hashes** (``num_hash_lookahead_tokens``): 0.33 can publish a block's
   hash only once the tokens after it exist, and such hashes differ from the ones kvoffload
-  keys blocks by. vLLM turns them off whenever a KV connector is configured; an engine
-  where they are on anyway is refused rather than offloaded under the wrong keys.
+  keys blocks by. vLLM 0.33 turns them off whenever a KV connector is configured; 0.34
+  turns them off because the connector declares no support
+  (``KVOffloadConnector.supports_lookahead_block_hashes``). An engine where they are on
+  anyway is refused rather than offloaded under the wrong keys.
 
 And one difference the worker role adapts to rather than refuses: which model runner calls
 it, and so in which order vLLM writes blocks and flushes (``runner_writes_before_flush``).
@@ -64,7 +67,7 @@ def runner_writes_before_flush(vllm_config: Any) -> bool:
 
 
 def draft_layers(kv_cache_config: Any) -> list[str]:
-    """Layers vLLM marks as a draft model's (``is_draft``, vLLM 0.33), in group order."""
+    """Layers vLLM marks as a draft model's (``is_draft``, from vLLM 0.33), in group order."""
     found: list[str] = []
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec

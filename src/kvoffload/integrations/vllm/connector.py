@@ -1,4 +1,4 @@
-"""``KVOffloadConnector``: kvoffload as a vLLM v1 KV connector (vLLM 0.32.x and 0.33.x).
+"""``KVOffloadConnector``: kvoffload as a vLLM v1 KV connector (vLLM 0.32.x to 0.34.x).
 
 Loaded by vLLM from ``--kv-transfer-config``::
 
@@ -116,8 +116,19 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        """vLLM 0.33 asks at start-up; False makes it refuse ``--enable-sleep-mode``
-        (the worker keeps views of the caches: ``compat``)."""
+        """vLLM 0.33 and 0.34 ask at start-up; False makes them refuse
+        ``--enable-sleep-mode`` (the worker keeps views of the caches: ``compat``)."""
+        return False
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """No: kvoffload keys blocks by vLLM's plain block hashes (the ones 0.32 and every
+        tier written by an earlier engine use), not by lookahead hashes, which differ and
+        are published only once a speculative drafter's tokens after the block exist.
+        vLLM 0.34 asks this and leaves lookahead hashing off for a connector that says
+        False (0.33 turns it off whenever a connector is set; 0.32 has no such hashes);
+        ``compat`` refuses an engine where it is on anyway. Stated here rather than
+        inherited so that a change of vLLM's default cannot turn it on."""
         return False
 
     @classmethod

@@ -179,7 +179,10 @@ class SchedulerSide:
                 num_scheduled_tokens=num_tokens[rid], resumed=True,
                 num_freed_blocks=self._freed(rid), state_ends=checkpoints.get(rid, ())))
         cached = so.scheduled_cached_reqs
-        resumed_ids = cached.resumed_req_ids
+        # vLLM 0.32/0.33 may send a request back from preemption among the cached ones,
+        # named in ``resumed_req_ids``; 0.34 drops the field and re-sends every resumed
+        # request in ``scheduled_new_reqs`` with its whole table (handled above).
+        resumed_ids = getattr(cached, "resumed_req_ids", ())
         for i, rid in enumerate(cached.req_ids):
             ids = cached.new_block_ids[i]
             scheduled.append(ScheduledRequest(

