@@ -9,6 +9,7 @@ depends on the context, so a corrupted KV cache changes it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,48 @@ def _granite_hybrid() -> Any:
         position_embedding_type="rope", initializer_range=0.2)
 
 
+# Qwen3-Next's gated delta-net state: the decay is ``exp(-A * softplus(a + dt_bias))`` per
+# token. transformers draws A per head from [0.01, 16], so a head may forget everything
+# within a token and a loaded state then hardly reaches the output. A small A keeps it.
+GDN_DECAY = 0.01
+# Gain of the attention layers' q/k RMSNorms ((1 + weight) * x). At the default 1 the
+# normalised q.k logits stay below sqrt(head_dim) and attention over hundreds of random
+# tokens is nearly uniform, so no single early token decides the answer.
+QK_NORM_GAIN = 3.0
+
+
+def _qwen3_next() -> Any:
+    """Qwen3-Next: gated delta-net (linear attention) and gated full attention alternating,
+    a small MoE on every layer. The CPU GDN kernels need bf16 and linear head dims that are
+    a multiple of 32 other than 32 (128, as in the real model)."""
+    from transformers import Qwen3NextConfig
+
+    config = Qwen3NextConfig(
+        **{**COMMON, "max_position_embeddings": 2048, "tie_word_embeddings": False},
+        num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+        linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        decoder_sparse_step=1, initializer_range=0.2)
+    config.tie_word_embeddings = False
+    return config
+
+
+def _tune_qwen3_next(model: Any) -> None:
+    """Long-lived GDN states and sharp attention (see ``GDN_DECAY``, ``QK_NORM_GAIN``),
+    weights in bf16 as vLLM's CPU GDN kernels run them."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.fill_(math.log(GDN_DECAY))
+            if hasattr(layer, "self_attn"):
+                layer.self_attn.q_norm.weight.fill_(QK_NORM_GAIN - 1)
+                layer.self_attn.k_norm.weight.fill_(QK_NORM_GAIN - 1)
+    model.to(torch.bfloat16)
+
+
 def _two_kv_heads(make: Callable[[], Any]) -> Callable[[], Any]:
     """``make``'s model with two KV heads (and its Mamba heads), so that each of two
     tensor-parallel ranks holds a shard of its own."""
@@ -97,7 +140,11 @@ MODELS: dict[str, Callable[[], Any]] = {
     "llama_tp2": _two_kv_heads(_llama),
     "gemma3_tp2": _two_kv_heads(_gemma3),
     "granite_hybrid_tp2": _two_kv_heads(_granite_hybrid),
+    "qwen3_next": _qwen3_next,
 }
+
+# Changes to a model's random weights after ``from_config``, by model name.
+TUNE: dict[str, Callable[[Any], None]] = {"qwen3_next": _tune_qwen3_next}
 
 
 def make_model(name: str, root: Path) -> Path:
@@ -111,6 +158,8 @@ def make_model(name: str, root: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(MODELS[name]())
+    if name in TUNE:
+        TUNE[name](model)
     model.save_pretrained(out)
     train_tokenizer(out)
     return out

@@ -140,18 +140,28 @@ class Engine:
 def start_engine(model: Path, *, host_memory: str = "64MiB", block_size: int = 32,
                  max_num_batched_tokens: int = 256, kv_cache_bytes: int = 16 << 20,
                  max_num_seqs: int = 8, extra: dict[str, Any] | None = None,
-                 **llm_kwargs: Any) -> Engine:
-    """An in-process ``LLM`` on ``model`` with kvoffload's connector (CPU, float32, eager)."""
+                 dtype: str = "float32", max_model_len: int = 512,
+                 torch_threads: int | None = None, **llm_kwargs: Any) -> Engine:
+    """An in-process ``LLM`` on ``model`` with kvoffload's connector (CPU, eager; float32
+    unless ``dtype`` says otherwise).
+
+    ``torch_threads`` sets torch's intra-op threads once the engine runs. vLLM 0.32's CPU
+    worker means to drop them to 1 for serving, but the no-op it puts in place of
+    ``torch.set_num_threads`` swallows its own call; ops that fall back to torch's
+    multi-threaded CPU kernels (the gated delta-net's bf16 prefill conv1d on a CPU without
+    AVX-512 BF16) then spin on a busy machine, up to a second per call.
+    """
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     restore = save_thread_state()
+    set_num_threads = torch.set_num_threads
     # Store everything (LRU) unless a test says otherwise: the stories count exact hits.
     config = dict(CONNECTOR, kv_connector_extra_config={"host_memory_bytes": host_memory,
                                                         "eviction_policy": "lru",
                                                         **(extra or {})})
     try:
-        llm = LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=512,
+        llm = LLM(model=str(model), dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
                   enable_prefix_caching=True, kv_cache_memory_bytes=kv_cache_bytes,
                   max_num_seqs=max_num_seqs, block_size=block_size,
                   max_num_batched_tokens=max_num_batched_tokens, seed=0,
@@ -159,6 +169,8 @@ def start_engine(model: Path, *, host_memory: str = "64MiB", block_size: int = 3
     except BaseException:
         restore()
         raise
+    if torch_threads is not None:
+        set_num_threads(torch_threads)
     return Engine(llm, restore)
 
 
@@ -185,8 +197,10 @@ def expected_hit(num_tokens: int, alignment: int, windowed: bool) -> int:
     return limit - limit % alignment
 
 
-def corrupt_groups(groups: set[int]) -> Callable[[TransferJob, CacheLayout], None]:
-    """A ``WorkerSide.after_load`` hook overwriting the loaded pages of ``groups``."""
+def corrupt_groups(groups: set[int], dtype: torch.dtype = torch.float32,
+                   ) -> Callable[[TransferJob, CacheLayout], None]:
+    """A ``WorkerSide.after_load`` hook overwriting the loaded pages of ``groups`` with
+    large random values of ``dtype`` (the cache's dtype: finite garbage, never NaN)."""
     gen = torch.Generator().manual_seed(1234)
 
     def hook(job: TransferJob, layout: CacheLayout) -> None:
@@ -195,7 +209,7 @@ def corrupt_groups(groups: set[int]) -> Callable[[TransferJob, CacheLayout], Non
                 continue
             for seg in layout.groups[transfer.group].segments:
                 for block in transfer.block_ids:
-                    page = seg.pages[block].view(torch.float32)  # (page_bytes / 4,)
+                    page = seg.pages[block].view(dtype)  # (page_bytes / itemsize,)
                     page.copy_(torch.randn(page.shape, generator=gen) * 4)
 
     return hook
@@ -251,14 +265,15 @@ def roundtrip(eng: Engine, prompts: Sequence[Sequence[int]], alignment: int,
 
 
 def corrupted_roundtrip_changes_output(eng: Engine, prompts: Sequence[Sequence[int]],
-                                       groups: set[int]) -> list[bool]:
+                                       groups: set[int], dtype: torch.dtype = torch.float32,
+                                       ) -> list[bool]:
     """Whether each prompt's output changed when the loaded pages of ``groups`` are garbage.
 
     "Changed" means other tokens, or logprobs that moved by more than 1e-2.
     """
     first = eng.generate(prompts)
     eng.reset_prefix_cache()
-    eng.worker.after_load = corrupt_groups(groups)
+    eng.worker.after_load = corrupt_groups(groups, dtype)
     try:
         second = eng.generate(prompts)
     finally:

@@ -1,0 +1,129 @@
+"""End to end on a real vLLM engine: Qwen3-Next's gated delta-net (tiny, random weights).
+
+Qwen3-Next alternates gated delta-net layers (linear attention: a conv state and one
+recurrent matrix per value head, kept by vLLM as a Mamba-like state group) with full
+attention layers. vLLM 0.32 describes the GDN layers by a plain ``MambaSpec`` (type
+``gdn_attention``), so kvoffload treats them as a Mamba group: a hit at token t needs
+the attention blocks before t and exactly the state at t. The attention page must hold
+a whole GDN state page, so vLLM makes every block long (``BLOCK`` tokens here) and only
+prompts longer than one block can hit.
+
+A loaded state proves something only if the output depends on it: the model is tuned
+(``tiny_models.GDN_DECAY``, ``QK_NORM_GAIN``) so that its greedy output changes with
+the prompt's first token, and the negative controls garble or zero each loaded group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from integration.markers import VLLM
+
+pytestmark = VLLM
+
+torch = pytest.importorskip("torch")
+
+GDN, ATTENTION = 0, 1
+# vLLM sizes every block so that one attention page (1 KV head x 32 dims, K and V, bf16:
+# 128 bytes a token) holds one GDN page: a conv state of (128 + 128 + 2 x 128) channels
+# x 3 taps and a 2 x 128 x 128 recurrent state, all bf16; rounded up to 32 tokens.
+GDN_PAGE = (512 * 3 + 2 * 128 * 128) * 2
+BLOCK = 544
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_model: Callable[[str], Path]) -> Iterator[Any]:
+    from integration.vllm_kit import engine
+
+    # vLLM's CPU GDN kernels run bf16 only. Prefill chunks of 256 tokens are shorter
+    # than a block: vLLM then carries the state across chunks to the next block boundary.
+    with engine(tiny_model("qwen3_next"), dtype="bfloat16", max_model_len=2048,
+                torch_threads=1) as e:
+        yield e
+
+
+@pytest.fixture(autouse=True)
+def idle_after(eng: Any) -> Iterator[None]:
+    yield
+    eng.assert_idle()
+
+
+def test_gdn_layers_are_one_mamba_group(eng: Any) -> None:
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    vllm_groups = eng.core.scheduler.kv_cache_config.kv_cache_groups
+    assert vllm_groups[GDN].kv_cache_spec.mamba_type == MambaAttentionBackendEnum.GDN_ATTN
+    assert vllm_groups[GDN].layer_names == ["model.layers.0.linear_attn",
+                                            "model.layers.2.linear_attn"]
+    groups = eng.scheduler.config.resolved
+    assert [g.kind.value for g in groups] == ["mamba", "full_attention"]
+    assert all(g.spec.block_size == BLOCK for g in groups)
+    # Only the state's own bytes move, not vLLM's padding up to the attention page.
+    assert groups[GDN].spec.page_bytes == GDN_PAGE < groups[ATTENTION].spec.page_bytes
+
+
+def test_greedy_output_depends_on_the_context(eng: Any) -> None:
+    """What makes the negative controls meaningful: the answer changes with the prompt,
+    and with its first token alone (a token every hit loads)."""
+    from integration.vllm_kit import random_prompts
+
+    prompts = random_prompts([BLOCK + 40] * 3, seed=31)
+    first_changed = [[3 + (p[0] - 2) % 997, *p[1:]] for p in prompts]
+    outputs = [r.tokens for r in eng.generate(prompts + first_changed)]
+    assert len({tuple(t) for t in outputs[:3]}) == 3
+    assert all(a != b for a, b in zip(outputs[:3], outputs[3:], strict=True))
+
+
+def test_second_round_hits_and_outputs_are_identical(eng: Any) -> None:
+    from integration.vllm_kit import random_prompts, roundtrip
+
+    prompts = random_prompts([BLOCK + 1, BLOCK + 90, 2 * BLOCK + 30], seed=32)
+    stats = eng.scheduler.planner.stats
+    before = stats.blocks_loaded.get(GDN, 0)
+    roundtrip(eng, prompts, BLOCK, windowed=True)
+    # Exactly one GDN state per request comes back: the one at its hit.
+    assert stats.blocks_loaded.get(GDN, 0) - before == len(prompts)
+
+
+def test_shared_prefix_is_served_to_every_request(eng: Any) -> None:
+    from integration.vllm_kit import shared_prefix_outputs_match
+
+    shared_prefix_outputs_match(eng, BLOCK + 20, [BLOCK + 60 + 7 * i for i in range(4)],
+                                seed=33, min_cached=BLOCK)
+
+
+@pytest.mark.parametrize("groups", [{GDN}, {ATTENTION}], ids=["gdn", "attention"])
+def test_garbling_one_loaded_group_changes_the_output(eng: Any, groups: set[int]) -> None:
+    from integration.vllm_kit import corrupted_roundtrip_changes_output, random_prompts
+
+    prompts = random_prompts([BLOCK + 20, BLOCK + 70], seed=34 + min(groups))
+    changed = corrupted_roundtrip_changes_output(eng, prompts, groups, torch.bfloat16)
+    assert all(changed), changed
+
+
+def test_a_zeroed_gdn_state_changes_the_output(eng: Any) -> None:
+    """A state that comes back as zeros (as if none had been loaded) is caught too: the
+    state carries the prefix, not just some bytes whose garbling blows the output up."""
+    from integration.vllm_kit import random_prompts
+
+    def zero_gdn(job: Any, layout: Any) -> None:
+        for transfer in job.groups:
+            if transfer.group == GDN:
+                for seg in layout.groups[GDN].segments:
+                    for block in transfer.block_ids:
+                        seg.pages[block].zero_()
+
+    prompts = random_prompts([BLOCK + 20, BLOCK + 70], seed=36)
+    first = eng.generate(prompts)
+    eng.reset_prefix_cache()
+    eng.worker.after_load = zero_gdn
+    try:
+        second = eng.generate(prompts)
+    finally:
+        eng.worker.after_load = None
+    assert all(r.num_cached_tokens == BLOCK for r in second)
+    assert all(a.tokens != b.tokens for a, b in zip(first, second, strict=True))
