@@ -39,6 +39,15 @@ class GroupSpec:
             one page is one state snapshot (conv and SSM states together, possibly padded).
         state_alignment: Mamba only: a hit must land on a multiple of this many tokens
             (the engine's state checkpoint interval). Defaults to ``block_size``.
+        proof_tokens: full attention only; 0 for a model's own layers. Tokens after a
+            position that the group's KV at that position depends on, or that may still
+            change it once computed: a draft model's layers under speculative decoding
+            (EAGLE, MTP), whose KV at a position is computed from the token after it and
+            rewritten once the speculated tokens after it are verified
+            (``num_speculative_tokens + 1``). Each offloaded block is keyed by the prefix
+            that covers those tokens as well, ``ResolvedGroup.key_lag_blocks`` blocks
+            further: it is stored only once they are computed, and hit only by a request
+            that shares them (``docs/architecture.md``, rule 5).
         name: a label for reports.
     """
 
@@ -48,6 +57,7 @@ class GroupSpec:
     num_layers: int = 1
     page_bytes: int = 0
     state_alignment: int | None = None
+    proof_tokens: int = 0
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -71,6 +81,17 @@ class GroupSpec:
         if self.page_bytes < 0:
             raise ConfigError(f"{where}.page_bytes", f"must be >= 0, got {self.page_bytes}",
                               "Give the bytes of one block of one layer on one rank.")
+        if self.proof_tokens:
+            if self.proof_tokens < 0:
+                raise ConfigError(f"{where}.proof_tokens",
+                                  f"must be >= 0, got {self.proof_tokens}",
+                                  "Give num_speculative_tokens + 1 for a draft model's layers, "
+                                  "0 otherwise.")
+            if not rules.takes_proof_tokens:
+                raise ConfigError(f"{where}.proof_tokens",
+                                  f"is set on a {self.kind.value} group",
+                                  "Only full-attention groups (a draft model's layers) take "
+                                  "proof_tokens.")
         if self.state_alignment is not None:
             if not rules.takes_state_alignment:
                 raise ConfigError(f"{where}.state_alignment", "is set on a non-Mamba group",
@@ -93,6 +114,8 @@ class ResolvedGroup:
         offloaded_block_size: tokens per offloaded block.
         hashes_per_block: hash blocks per offloaded block (>= 1).
         window_blocks: offloaded blocks a hit needs at its end; ``None`` for full attention.
+        key_lag_blocks: ``ceil(proof_tokens / offloaded_block_size)``: offloaded block ``b``
+            is keyed by the hash at the end of block ``b + key_lag_blocks`` (0: its own).
         alignment: a hit must be a multiple of this many tokens for this group.
         block_bytes: bytes of one offloaded block across the group's layers, on one rank.
         rules: the rules of the group's kind (``kvoffload.group_kinds.KIND_RULES``).
@@ -107,6 +130,16 @@ class ResolvedGroup:
     alignment: int
     block_bytes: int
     rules: KindRules = field(repr=False, compare=False)
+    key_lag_blocks: int = 0
+
+    def key_hash_index(self, block: int) -> int:
+        """The index, in a request's block hashes, of the hash offloaded block ``block``
+        is keyed by."""
+        return (block + 1 + self.key_lag_blocks) * self.hashes_per_block - 1
+
+    def num_keys(self, num_hashes: int) -> int:
+        """Offloaded blocks that have a key once ``num_hashes`` block hashes exist."""
+        return max(0, num_hashes // self.hashes_per_block - self.key_lag_blocks)
 
     @property
     def kind(self) -> GroupKind:
@@ -235,7 +268,7 @@ class OffloadConfig:
             index=index, spec=spec, factor=factor, offloaded_block_size=obs,
             hashes_per_block=obs // self.hash_block_size, window_blocks=window,
             alignment=alignment, block_bytes=spec.page_bytes * spec.num_layers * factor,
-            rules=rules,
+            rules=rules, key_lag_blocks=-(-spec.proof_tokens // obs),
         )
 
     @property

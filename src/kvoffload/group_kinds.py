@@ -55,6 +55,11 @@ class KindRules:
     position is stored, and only where a step ended there."""
     attention_cost: ClassVar[bool] = True
     """Its prefill cost grows with the attended span (attention), not only with tokens."""
+    takes_proof_tokens: ClassVar[bool] = False
+    """Its spec may give ``proof_tokens`` (a draft model's layers): its blocks are keyed,
+    stored and hit that many tokens late. Only where a hit needs every block before it:
+    a window's blocks would have slid out before they could be stored, and a Mamba state
+    is the state at its block's end."""
 
     def window_blocks(self, spec: GroupSpec, offloaded_block_size: int) -> int | None:
         """Offloaded blocks a hit needs just before its end; None: every block before it."""
@@ -95,6 +100,7 @@ class FullAttentionRules(KindRules):
 
     kind = GroupKind.FULL_ATTENTION
     whole_prefix = True
+    takes_proof_tokens = True
 
 
 class SlidingWindowRules(KindRules):

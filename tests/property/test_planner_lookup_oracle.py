@@ -56,8 +56,11 @@ def layouts(draw: st.DrawFn) -> OffloadConfig:
         align = None
         if kind is GroupKind.MAMBA and draw(st.booleans()):
             align = bs * draw(st.sampled_from([1, 2, 4]))
+        # A draft model's layers: keyed, stored and hit up to two offloaded blocks late.
+        proof = draw(st.sampled_from([0, 0, 1, bs * factor, 2 * bs * factor])) \
+            if kind is GroupKind.FULL_ATTENTION else 0
         groups.append(GroupSpec(kind, bs, sliding_window=sw, state_alignment=align,
-                                name=f"g{i}"))
+                                proof_tokens=proof, name=f"g{i}"))
     return OffloadConfig(groups=tuple(groups), hash_block_size=hash_bs,
                          block_size_factor=factor, host_capacity_bytes=100_000,
                          max_deferred_steps=100, eviction_policy="lru")
@@ -112,9 +115,11 @@ def test_lookup_and_load_match_the_oracle(config: OffloadConfig, data: st.DataOb
     readable: list[set[int]] = []
     pending: list[set[int]] = []
     for g in groups:
-        n = len(req.block_hashes) // g.hashes_per_block
-        keys.append([make_offload_key(req.block_hashes[(k + 1) * g.hashes_per_block - 1],
-                                      g.index) for k in range(n)])
+        hpb, obs = g.hashes_per_block, g.offloaded_block_size
+        lag = -(-g.spec.proof_tokens // obs)  # block k is keyed by the hash of block k + lag
+        n = max(0, len(req.block_hashes) // hpb - lag)
+        keys.append([make_offload_key(req.block_hashes[(k + 1 + lag) * hpb - 1], g.index)
+                     for k in range(n)])
         marks = data.draw(st.lists(st.sampled_from("hhhhhhhhmp"), min_size=n, max_size=n),
                           label=f"blocks of group {g.index}")
         readable.append({k for k, m in enumerate(marks) if m == "h"})

@@ -311,3 +311,10 @@ def test_oracle_hits_at_least_as_much_as_lru_at_small_capacities() -> None:
         assert oracle.host_hit_rate >= lru.host_hit_rate, share
         compared += lru.host_hit_rate > 0
     assert compared >= 2, "LRU must have hits to lose at two of the capacities"
+
+
+def test_the_oracle_refuses_a_draft_group() -> None:
+    lagged = GroupSpec(GroupKind.FULL_ATTENTION, 4, proof_tokens=3, name="draft")
+    with pytest.raises(ConfigError, match="draft model") as info:
+        WorkloadFuture.build([_request("a", [1] * 8)], _config(FULL, lagged))
+    assert info.value.field == "proof_tokens"

@@ -55,17 +55,18 @@ class PrefixLookup:
         self._key_suffix = [make_offload_key(BlockHash(b""), g.index) for g in self._groups]
 
     def refresh_keys(self, st: RequestState) -> None:
-        """Append a key for every offloaded block completed since the last call."""
+        """Append a key for every offloaded block completed since the last call (one whose
+        key hash exists: ``ResolvedGroup.key_hash_index``)."""
         hashes = st.request.block_hashes
         num_hashes = len(hashes)
         for g, gs, suffix in zip(self._groups, st.groups, self._key_suffix, strict=True):
-            hpb = g.hashes_per_block
             keys = gs.keys
-            if len(keys) < num_hashes // hpb:
+            if len(keys) < g.num_keys(num_hashes):
                 # hash + suffix is make_offload_key(hash, g.index), minus a call per key.
-                first = (len(keys) + 1) * hpb - 1
                 keys.extend(cast("list[OffloadKey]",
-                                 [hashes[i] + suffix for i in range(first, num_hashes, hpb)]))
+                                 [hashes[i] + suffix for i in range(
+                                     g.key_hash_index(len(keys)), num_hashes,
+                                     g.hashes_per_block)]))
 
     def find(self, st: RequestState, num_computed: int) -> HitReach:
         """How far the request's hit reaches beyond ``num_computed`` tokens (``HitReach``),

@@ -3,7 +3,8 @@
 ``StorePlanner.plan`` is called for each scheduled request of a step. It keeps rule 7 of
 ``docs/architecture.md``: store progress (``GroupState.next_stored``) advances only when
 the blocks were stored, found present or skipped; a failed ``prepare_store`` (no room)
-leaves it in place to retry next step. Every complete full-attention block is stored; window
+leaves it in place to retry next step. Every complete full-attention block is stored (a
+draft group's once the tokens its key covers are computed too: ``key_lag_blocks``); window
 and Mamba blocks only where some aligned hit can use them (``positions.useful_blocks``)
 and the store policy admits them. The caller (the planner) turns the result into a job and
 fences it.
@@ -61,7 +62,7 @@ class StorePlanner:
     def plan(self, st: RequestState, offloadable: int) -> PlannedStore | None:
         """A store of the request's blocks complete at ``offloadable`` tokens, or None
         (nothing new, nothing admitted, everything present, or no room: retried)."""
-        limits = [min(offloadable // g.offloaded_block_size, len(gs.keys),
+        limits = [min(offloadable // g.offloaded_block_size - g.key_lag_blocks, len(gs.keys),
                       len(gs.block_ids) // g.factor)
                   for g, gs in zip(self._groups, st.groups, strict=True)]
         if all(limit <= gs.next_stored for limit, gs in zip(limits, st.groups, strict=True)):

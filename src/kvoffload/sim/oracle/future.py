@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import cast
 
 from kvoffload.config import OffloadConfig
+from kvoffload.errors import ConfigError
 from kvoffload.keys import BlockHash, BlockHasher, OffloadKey, make_offload_key
 from kvoffload.workloads.request import TOKEN_TYPECODE, WorkloadRequest
 
@@ -92,6 +93,11 @@ class WorkloadFuture:
         self._index = {rid: i for i, rid in enumerate(ids)}
         if len(self._index) != len(ids):
             raise ValueError("workload request ids must be unique")
+        lagged = [g.spec.name or str(g.index) for g in config.resolved if g.key_lag_blocks]
+        if lagged:
+            raise ConfigError("proof_tokens", f"group(s) {lagged} hold a draft model's layers, "
+                              "which the oracle's future does not model",
+                              "Run the oracle on a layout without proof_tokens.")
         self.alignment = config.hit_alignment
         recompute_last = config.has_windowed_group
         self._groups = config.resolved
