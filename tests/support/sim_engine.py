@@ -11,6 +11,15 @@ engine, and every block loaded, is checked against what it must hold. The worker
 at the *latest* legal moment (when a rank reports, or when flushed), which exposes any
 block overwritten while a job still used it.
 
+Speculative decoding (``speculative_tokens`` k > 0): a decoding request is scheduled for
+its next token and k draft tokens; the step accepts some of the drafts (``accept``), and
+only the accepted tokens become the request's. A draft model's group
+(``GroupSpec.proof_tokens`` P) holds at a position KV that depends on the P tokens after
+it: its block's content is the prefix up to P tokens past the block's end, as far as the
+request has computed, and each forward pass rewrites the blocks that reach into its tokens.
+Such a block is *final* once P tokens past it are computed; a store must copy only final
+blocks, and a load must bring the final block of the loading request's own tokens.
+
 Used by the property tests and, with real bytes, by the worker end-to-end tests.
 """
 
@@ -160,9 +169,13 @@ class SimEngine:
     """The simulated engine. ``step`` runs one scheduler step and checks the rules."""
 
     def __init__(self, config: OffloadConfig, num_blocks: int, seed: int = 0,
-                 real: RealBackendFactory | None = None,
-                 policy: CachePolicy | None = None) -> None:
+                 real: RealBackendFactory | None = None, *,
+                 policy: CachePolicy | None = None, speculative_tokens: int = 0) -> None:
         self.config = config
+        self.speculative_tokens = speculative_tokens
+        """Draft tokens scheduled with every decoding request's next token (0: none)."""
+        self.accept: Callable[[int], int] = lambda k: k
+        """How many of ``k`` draft tokens a step accepts (set by the tests)."""
         self.max_deferral_s = config.min_deferral_s
         """Rule 8: a request may be deferred past ``max_deferred_steps`` times only this
         long (wall clock) since its first deferral; a run over a tier that waits on a
@@ -184,6 +197,9 @@ class SimEngine:
             self.device, self.workers = real(self, num_blocks)
         self.stored_ok: set[bytes] = set()
         self.loaded_blocks = 0
+        self.loaded_draft_blocks = 0
+        self.rejected_drafts = 0
+        """Draft tokens scheduled and not accepted."""
         self.hit_tokens = 0
         self.recomputed_loads = 0
         self.rng = random.Random(seed)
@@ -209,9 +225,19 @@ class SimEngine:
                 self._release(block)
         req.tables = []
 
+    def depth(self, group: int, pos: int) -> int:
+        """Tokens the content of ``group``'s block ``pos`` depends on once final: its
+        prefix, and for a draft model's group the proof tokens after it."""
+        spec = self.groups[group].spec
+        return (pos + 1) * spec.block_size + spec.proof_tokens
+
     def content(self, req: SimRequest, group: int, pos: int, upto: int) -> Content:
-        bs = self.groups[group].spec.block_size
-        return (group, pos, *req.tokens[:min((pos + 1) * bs, upto)])
+        return (group, pos, *req.tokens[:min(self.depth(group, pos), upto)])
+
+    def is_final(self, req: SimRequest, group: int, pos: int, content: Content) -> bool:
+        """Whether ``content`` is block ``pos``'s final content for ``req``'s tokens."""
+        depth = self.depth(group, pos)
+        return depth <= req.num_tokens and content == self.content(req, group, pos, depth)
 
     def _skipped_positions(self, group: int, computed: int) -> int:
         """Leading positions the engine no longer needs once ``computed`` tokens exist."""
@@ -254,23 +280,28 @@ class SimEngine:
         return (self.groups[group].kind is GroupKind.MAMBA
                 and not self.config.mamba_states_every_block)
 
-    def _write(self, req: SimRequest, start: int, end: int) -> None:
+    def _write(self, req: SimRequest, start: int, end: int, *, cached: bool = False) -> None:
         """The forward pass: write KV for tokens ``[start, end)``.
 
         A Mamba group (unless ``mamba_states_every_block``) gets one state, the one at
         ``end``, in the block holding ``end``: the blocks whose ends the step crossed never
-        see the state at their end.
+        see the state at their end. ``cached``: the blocks of the engine's own prefix hit,
+        which hold their final contents.
         """
         for gi, table in enumerate(req.tables):
-            bs = self.groups[gi].spec.block_size
-            first = start // bs
+            spec = self.groups[gi].spec
+            bs = spec.block_size
+            # A draft group's earlier blocks reach into these tokens: rewritten too.
+            first = max(0, start - spec.proof_tokens) // bs
             if self._state_at_step_end(gi):
                 first = max(first, -(-end // bs) - 1)
             for pos in range(first, -(-end // bs)):
                 block = table[pos]
                 if block == NULL_BLOCK_ID:
                     continue
-                self.device.write(gi, block, self.content(req, gi, pos, end))
+                # A cached block (the engine's own prefix hit) holds its final content.
+                upto = self.depth(gi, pos) if cached else end
+                self.device.write(gi, block, self.content(req, gi, pos, upto))
                 self.written_gen[block] = self.gen[block]
 
     def _holds(self, req: SimRequest, group: int, pos: int, computed: int, block: int) -> bool:
@@ -279,10 +310,10 @@ class SimEngine:
         A block may hold more tokens than the engine counts as computed (a loaded last
         block whose final token the engine recomputes), never fewer or other ones.
         """
-        bs = self.groups[group].spec.block_size
-        lowest = min((pos + 1) * bs, computed)
+        depth = self.depth(group, pos)
+        lowest = min(depth, computed)
         return any(self.device.holds(group, block, self.content(req, group, pos, upto))
-                   for upto in range(lowest, min((pos + 1) * bs, req.num_tokens) + 1))
+                   for upto in range(lowest, min(depth, req.num_tokens) + 1))
 
     def _verify_readable(self, req: SimRequest) -> None:
         """Rule 6: every block the engine reads holds exactly what it must."""
@@ -341,7 +372,11 @@ class SimEngine:
             step = max(bss)
             while any(step % b for b in bss):
                 step += max(bss)
-            local = self.rng.randrange(0, req.num_tokens) // step * step
+            # The engine's own prefix cache proves a draft block as kvoffload must: only
+            # with the tokens after it (vLLM drops such a hit's last block).
+            proof = max(g.spec.proof_tokens for g in self.groups)
+            if req.num_tokens > proof:
+                local = self.rng.randrange(0, req.num_tokens - proof) // step * step
         result = self.planner.get_num_new_matched_tokens(req, local)
         if result.num_tokens is None:
             now = time.monotonic()
@@ -408,9 +443,13 @@ class SimEngine:
                     continue
                 req.append_token(self.rng.randrange(50))
             n = min(chunk, req.num_tokens - c)
+            drafts = 0
+            if self.speculative_tokens and c + n == req.num_tokens \
+                    and req.num_tokens > req.num_prompt_tokens:
+                drafts = self.speculative_tokens  # decoding: the drafts come along
             before = [len(t) for t in req.tables]
             self._free_skipped(req)
-            if not self._grow_tables(req, c + n):
+            if not self._grow_tables(req, c + n + drafts):
                 rid = self.preempt(req)
                 if rid:
                     preempted.append(rid)
@@ -420,23 +459,31 @@ class SimEngine:
             else:
                 new_ids = tuple(tuple(t[b:]) for t, b in zip(req.tables, before, strict=True))
             freed = tuple(self._skipped_positions(gi, c) for gi in range(len(self.groups)))
-            sched = ScheduledRequest(req, new_ids, c, n, resumed=req.resumed and
+            sched = ScheduledRequest(req, new_ids, c, n + drafts, resumed=req.resumed and
                                      req.send_full_table, num_freed_blocks=freed)
             req.send_full_table = False
             req.resumed = False
-            scheduled.append((req, sched, n))
+            scheduled.append((req, sched, n + drafts))
         plan = self.planner.build_step_plan(StepInput(tuple(s for _, s, _ in scheduled),
                                                       tuple(preempted)))
         self._check_plan(plan)
         self.workers.begin(plan)
         for req, local in self._hit_writes:
             if req.tables:
-                self._write(req, 0, local)
+                self._write(req, 0, local, cached=True)
         self._hit_writes.clear()
-        for req, _, n in scheduled:
+        for req, _, scheduled_tokens in scheduled:
             self._verify_readable(req)
+            n, known = scheduled_tokens, req.num_tokens - req.num_computed
+            if scheduled_tokens > known:  # speculative: accepted drafts become its tokens
+                accepted = min(self.accept(scheduled_tokens - known), scheduled_tokens - known)
+                self.rejected_drafts += scheduled_tokens - known - accepted
+                for _ in range(accepted):
+                    req.append_token(self.rng.randrange(50))
+                n = known + accepted
             self._write(req, req.num_computed, req.num_computed + n)
             req.num_computed += n
+        self._check_stores_final(plan)
         self.workers.end()
         self.deliver(deliver_fraction, fail_rate)
         self.planner.check_integrity()
@@ -469,12 +516,45 @@ class SimEngine:
             positions = range(min(len(table), c // bs))
             if self._state_at_step_end(gi):
                 positions = positions[-1:]  # a load brings the one state at the hit
+            draft = self.groups[gi].spec.proof_tokens > 0
             for pos in positions:
                 block = table[pos]
-                if block != NULL_BLOCK_ID and not self._holds(req, gi, pos, c, block):
+                if block == NULL_BLOCK_ID:
+                    continue
+                if draft:
+                    # Rule 5: only the final block of this request's own tokens will do.
+                    device = self.device
+                    if not (isinstance(device, SymbolicDevice) and self.is_final(
+                            req, gi, pos, device.data.get(block, GARBAGE))):
+                        raise RuleViolation(
+                            f"rule 5: loaded draft block {block} of {req.request_id} group "
+                            f"{gi} position {pos} is not the final one of its tokens")
+                elif not self._holds(req, gi, pos, c, block):
                     raise RuleViolation(f"rule 6: loaded block {block} of {req.request_id} "
                                         f"group {gi} position {pos} is wrong")
                 self.loaded_blocks += 1
+                self.loaded_draft_blocks += draft
+
+    def _check_stores_final(self, plan: StepPlan) -> None:
+        """A draft model's block is stored only once final (its proof tokens computed):
+        checked when the store is submitted, after the forward pass (a copy may run then)."""
+        device = self.device
+        if not isinstance(device, SymbolicDevice):
+            return
+        for job in plan.stores:
+            req = self.requests[job.request_id]
+            for t in job.groups:
+                if not self.groups[t.group].spec.proof_tokens:
+                    continue
+                for i, block in enumerate(t.block_ids):
+                    pos = t.first_block_index + i
+                    data = device.data.get(block, GARBAGE)
+                    if not self.is_final(req, t.group, pos, data) \
+                            or self.depth(t.group, pos) > req.num_computed:
+                        raise RuleViolation(
+                            f"rule 7: store {job.job_id} of {req.request_id} copies draft "
+                            f"block {block} (group {t.group} position {pos}) before the "
+                            f"tokens it depends on are computed")
 
     def _check_plan(self, plan: StepPlan) -> None:
         for job in (*plan.stores, *plan.loads):
