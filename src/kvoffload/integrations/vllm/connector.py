@@ -90,7 +90,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             rank = int(vllm_config.parallel_config.rank) % num_workers
             self.worker_side = WorkerSide(self.offload_config, self.layout.layer_names,
                                           self.layout.num_blocks, rank=rank,
-                                          tiers=self.tier_config)
+                                          tiers=self.tier_config,
+                                          staging_bytes=self.options.staging_bytes)
         logger.info("kvoffload: %s role, groups %s, %d host slots of %d bytes, tiers %s",
                     role.name, [g.name for g in self.layout.groups],
                     self.offload_config.num_host_slots, self.offload_config.slot_bytes,

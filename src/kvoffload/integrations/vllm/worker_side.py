@@ -63,7 +63,8 @@ class WorkerSide:
     def __init__(self, config: OffloadConfig, layer_names: Sequence[Sequence[str]],
                  num_blocks: int, *, rank: int = 0,
                  backend: TransferBackend | None = None,
-                 tiers: TierConfig | None = None) -> None:
+                 tiers: TierConfig | None = None,
+                 staging_bytes: int | None = None) -> None:
         """Args:
             config: the offload configuration every rank and the scheduler share.
             layer_names: per group, the vLLM layers whose caches belong to it.
@@ -71,11 +72,14 @@ class WorkerSide:
             rank: this worker's tensor-parallel rank.
             backend: transfer backend; chosen from the caches' device by default.
             tiers: lower tiers (disk, remote) this rank reads and writes; None: host only.
+            staging_bytes: the CUDA backend's device staging budget per direction; None:
+                its default (``TransferWorker``).
         """
         self.config = config
         self.layer_names = [tuple(names) for names in layer_names]
         self.num_blocks = num_blocks
-        self.worker = TransferWorker(config, rank=rank, backend=backend, tiers=tiers)
+        self.worker = TransferWorker(config, rank=rank, backend=backend, tiers=tiers,
+                                     staging_bytes=staging_bytes)
         self.after_load: LoadHook | None = None
         self.same_step_flushes = 0
         """Stores the plan flushed in the step that created them (submitted after the
