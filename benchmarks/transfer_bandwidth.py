@@ -38,9 +38,15 @@ what the memory system gives scattered pages of this size on the machine, so the
 ratio is read against it. "submit": the Python time of ``execute`` per store job, with the
 store direction held so that no copy competes for the cores (best of the repetitions).
 
+CUDA only: ``--staging-bytes`` sets the worker's device staging budget (default 64 MiB);
+``--compare-staging SIZE`` adds a second worker over the same cache with that budget, timed
+in the same rotation, and reports "split": its throughput over the first worker's (the
+median of paired runs), the cost of splitting jobs into chunks of that size.
+
     python benchmarks/transfer_bandwidth.py                 # CPU backend (native queue)
     python benchmarks/transfer_bandwidth.py --memmove       # CPU backend, memmove path
     python benchmarks/transfer_bandwidth.py --device cuda   # CUDA backend, pinned arena
+    python benchmarks/transfer_bandwidth.py --device cuda --compare-staging 1MiB
     python benchmarks/transfer_bandwidth.py --json
 """
 
@@ -63,6 +69,7 @@ import torch
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.jobs import Direction, GroupTransfer, JobId, StepPlan, TransferJob
+from kvoffload.sizes import parse_size
 from kvoffload.worker import (
     CpuBackend,
     GroupTensors,
@@ -147,6 +154,12 @@ class Row:
     """Python time of ``TransferWorker.execute`` per store job, its direction held so that
     nothing copies meanwhile (best of the repetitions); None where the backend cannot
     hold (CUDA)."""
+    split_store_ratio: float | None = None
+    """``--compare-staging``: median over repetitions of (throughput of the worker with the
+    compared staging budget / the first worker's, timed next to it); None without it."""
+    split_load_ratio: float | None = None
+    staging_chunks: int | None = None
+    """``--compare-staging``: chunks one job of this size is split into there."""
 
     def as_json(self) -> dict[str, object]:
         return asdict(self)
@@ -195,11 +208,17 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device,
     # so stores read and loads write scattered blocks.
     cache = [torch.randint(0, 256, (2 * engine_blocks + 1, page), dtype=torch.uint8,
                            device=device) for _ in range(segments)]
-    backend = cpu_backend(copy_threads=args.threads or None,
-                          native_copy=False if args.memmove else None) \
-        if device.type == "cpu" else None
-    worker = TransferWorker(config, backend=backend)
-    worker.register_kv_caches([GroupTensors(0, [(f"s{i}", t) for i, t in enumerate(cache)])])
+    def new_worker(staging_bytes: int | None) -> TransferWorker:
+        backend = cpu_backend(copy_threads=args.threads or None,
+                              native_copy=False if args.memmove else None) \
+            if device.type == "cpu" else None
+        out = TransferWorker(config, backend=backend, staging_bytes=staging_bytes)
+        out.register_kv_caches([GroupTensors(0, [(f"s{i}", t) for i, t in enumerate(cache)])])
+        return out
+
+    worker = new_worker(args.staging_bytes)
+    # --compare-staging: the same cache behind a second worker with that staging budget.
+    split = new_worker(args.compare_staging) if args.compare_staging else None
     gen = torch.Generator().manual_seed(block_bytes)
     ids = (torch.randperm(2 * engine_blocks, generator=gen) + 1).tolist()
     src_ids, dst_ids = ids[:engine_blocks], ids[engine_blocks:]
@@ -217,13 +236,15 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device,
         return StepPlan(stores=tuple(out)) if direction is Direction.STORE \
             else StepPlan(loads=tuple(out))
 
-    def through_worker(step: StepPlan) -> Callable[[], None]:
+    def through_worker(step: StepPlan, runner: TransferWorker | None = None,
+                       ) -> Callable[[], None]:
         batch = (*step.stores, *step.loads)
+        w = runner or worker
 
         def run() -> None:
-            worker.execute(step)
-            worker.wait(j.job_id for j in batch)
-            report = worker.poll()
+            w.execute(step)
+            w.wait(j.job_id for j in batch)
+            report = w.poll()
             assert not report.failed and len(report.finished) == len(batch), report
 
         return run
@@ -254,6 +275,16 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device,
     through_worker(plan(Direction.STORE, src_ids))()
     through_worker(plan(Direction.LOAD, dst_ids))()
     check_loaded()
+    chunks: int | None = None
+    if split is not None:  # it moves the same bytes too
+        for t in cache:
+            t[torch.tensor(dst_ids, device=device)] = 0
+        through_worker(plan(Direction.STORE, src_ids), split)()
+        through_worker(plan(Direction.LOAD, dst_ids), split)()
+        check_loaded()
+        copier = getattr(split.backend, "_copier", None)
+        if copier is not None:
+            chunks = -(-per_job // copier.slots_per_chunk(0))
     raw_store = _one_job(worker, plan(Direction.STORE, src_ids))
     raw_load = _one_job(worker, plan(Direction.LOAD, dst_ids))
     if raw_store is not None and raw_load is not None:  # it copies the same bytes, too
@@ -265,6 +296,8 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device,
     contiguous_store()
     contiguous_load()
     store_t, load_t, base_store_t, base_load_t = [], [], [], []
+    split_store_t: list[float] = []
+    split_load_t: list[float] = []
     raw_store_t: list[float] = []
     raw_load_t: list[float] = []
 
@@ -294,16 +327,22 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device,
         time_submit()
         stores = through_worker(plan(Direction.STORE, src_ids))
         loads = through_worker(plan(Direction.LOAD, dst_ids))
+        split_stores = through_worker(plan(Direction.STORE, src_ids), split) \
+            if split is not None else None
+        split_loads = through_worker(plan(Direction.LOAD, dst_ids), split) \
+            if split is not None else None
         # Each direction's runs in an order that rotates from one repetition to the next.
         for candidates in ([(base_store_t, contiguous_store), (store_t, stores),
-                            (raw_store_t, raw_store)],
+                            (raw_store_t, raw_store), (split_store_t, split_stores)],
                            [(base_load_t, contiguous_load), (load_t, loads),
-                            (raw_load_t, raw_load)]):
+                            (raw_load_t, raw_load), (split_load_t, split_loads)]):
             runs = [(times, fn) for times, fn in candidates if fn is not None]
             shift = rep % len(runs)
             for times, fn in runs[shift:] + runs[:shift]:
                 times.append(timed(fn))
     worker.shutdown()
+    if split is not None:
+        split.shutdown()
     for raw in (raw_store, raw_load):
         if raw is not None:
             raw.close()
@@ -337,7 +376,10 @@ def run_size(block_bytes: int, args: argparse.Namespace, device: torch.device,
                raw_load_gbps=gbps(raw_load_t) if raw_load_t else None,
                raw_store_ratio=ratio(raw_store_t, base_store_t) if raw_store_t else None,
                raw_load_ratio=ratio(raw_load_t, base_load_t) if raw_load_t else None,
-               submit_us=1e6 * min(submit_t) if submit_t else None)
+               submit_us=1e6 * min(submit_t) if submit_t else None,
+               split_store_ratio=ratio(split_store_t, store_t) if split_store_t else None,
+               split_load_ratio=ratio(split_load_t, load_t) if split_load_t else None,
+               staging_chunks=chunks)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -366,10 +408,24 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: twice the last-level cache, at most 1024; 0: off)")
     parser.add_argument("--gap-ms", type=float, default=0.0,
                         help="idle time before every timed run (worker and reference alike)")
+    parser.add_argument("--staging-bytes", default=None,
+                        help="CUDA: the worker's device staging budget per direction, a "
+                             "size such as 64MiB (default: the backend's, 64 MiB)")
+    parser.add_argument("--compare-staging", default=None,
+                        help="CUDA: also time a worker with this staging budget and report "
+                             "its throughput over the first worker's ('split')")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here", file=sys.stderr)
         return 2
+    for name in ("staging_bytes", "compare_staging"):
+        value = getattr(args, name)
+        if value is not None:
+            if args.device != "cuda":
+                print(f"--{name.replace('_', '-')}: the CUDA backend's; use --device cuda",
+                      file=sys.stderr)
+                return 2
+            setattr(args, name, parse_size(value, f"--{name.replace('_', '-')}", minimum=1))
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -387,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
                           "gap_ms": args.gap_ms, "scrub_mib": scrub_mib,
                           "copy_threads": copy_threads if args.device == "cpu" else None,
                           "copy_path": copy_path if args.device == "cpu" else None,
+                          "staging_bytes": args.staging_bytes,
+                          "compare_staging": args.compare_staging,
                           "huge_page_mib": _huge_page_mib(),
                           "rows": [r.as_json() for r in rows]}, indent=1))
         return 0
@@ -414,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
     head = (f"{'block':>8} {'page':>9} {'store':>7} {'contig':>7} {'ratio':>17}{raw_head}   "
             f"{'load':>7} {'contig':>7} {'ratio':>17}{raw_head}"
             + (f" {'submit':>7}" if submit else ""))
+    if args.compare_staging:
+        print(f"split = throughput with a staging budget of {args.compare_staging} bytes / "
+              f"with {args.staging_bytes or 'the default'} (paired median; chunks per job "
+              "in brackets)")
+        head += f" {'split st':>10} {'split ld':>8}"
     print(head)
 
     def cell(ratio: float, q: tuple[float, float]) -> str:
@@ -434,7 +497,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.load_gbps:>7.2f} {r.load_ref_gbps:>7.2f} "
               f"{cell(r.load_ratio, r.load_ratio_q):>17}"
               f"{raw(r.raw_load_gbps, r.raw_load_ratio)}"
-              + (f" {r.submit_us:>7.1f}" if r.submit_us is not None else ""))
+              + (f" {r.submit_us:>7.1f}" if r.submit_us is not None else "")
+              + (f" {f'{r.split_store_ratio:.2f} [{r.staging_chunks}]':>10}"
+                 f" {r.split_load_ratio:>8.2f}"
+                 if r.split_store_ratio is not None and r.split_load_ratio is not None
+                 else ""))
     return 0
 
 

@@ -84,8 +84,8 @@ _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10, 2**62), st.floats
                                                            "/tmp/kv", "lru", "host"]),
                     st.lists(st.sampled_from(["host", "disk", "remote", "tape"]), max_size=4))
 _KEYS = st.sampled_from(["host_memory_bytes", "eviction_policy", "block_size_factor",
-                         "tiers", "max_deferred_steps", "min_deferral_s", *TIER_OPTIONS,
-                         "bogus"])
+                         "tiers", "max_deferred_steps", "min_deferral_s", "staging_bytes",
+                         *TIER_OPTIONS, "bogus"])
 
 
 @settings(max_examples=400, deadline=None)

@@ -7,7 +7,7 @@ themselves run at once on CPU tensors through the real ``StagedCopier``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -96,8 +96,9 @@ class CopyThenRaise(StagedCopier):
         super().__init__(inner.layout, inner.pool)
         self.broken = broken
 
-    def copy(self, job: TransferJob) -> list[torch.Tensor]:
-        keep = super().copy(job)
+    def copy(self, job: TransferJob, *,
+             after_engine_reads: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        keep = super().copy(job, after_engine_reads=after_engine_reads)
         if job.job_id == self.broken:
             raise RuntimeError("out of device memory")
         return keep
@@ -152,3 +153,26 @@ def test_a_job_failing_before_it_enqueues_anything_reports_at_once(fake_device: 
     assert backend.poll() == ([], [first.job_id])  # in order: the first job failed
     _drain(backend, Direction.STORE)
     assert backend.poll() == ([second.job_id], [])
+
+
+def test_the_store_reads_point_is_reached_once_per_store_before_its_end(
+        fake_device: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_store_reads_enqueued`` (where a later change records the event the compute
+    stream waits on) runs inside the store's launch, on the store stream, before the job's
+    end event; a load never reaches it."""
+    cache = kv_separate(16, torch.Generator().manual_seed(4), layers=1)
+    backend = CudaBackend()
+    _bound(cache, backend)
+    seen: list[tuple[JobId, bool, bool]] = []
+
+    def reads_enqueued(entry: object, stream: object) -> None:
+        assert entry is backend._in_flight[s.job_id]
+        end = backend._in_flight[s.job_id].end
+        seen.append((s.job_id, stream is backend._streams[Direction.STORE],
+                     end is not None and not end.recorded))  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(backend, "_store_reads_enqueued", reads_enqueued)
+    s = store(0, [1, 2, 3], [0, 1, 2])
+    backend.submit(s)
+    backend.submit(load(0, [4], [0]))
+    assert seen == [(s.job_id, True, True)]

@@ -47,6 +47,7 @@ from kvoffload.jobs import (
     TransferJob,
     WorkerReport,
 )
+from kvoffload.sizes import parse_size
 from kvoffload.tiers.config import TierConfig
 from kvoffload.worker.backend import FaultHook, TransferBackend
 from kvoffload.worker.cpu_common import CHUNK_BYTES, PARALLEL_BYTES
@@ -60,13 +61,20 @@ from kvoffload.worker.tier_io import TierIO, TierIOReport
 logger = logging.getLogger(__name__)
 
 
-def default_backend(device: torch.device) -> TransferBackend:
+def default_backend(device: torch.device, *,
+                    staging_bytes: int | None = None) -> TransferBackend:
     """The backend for caches on ``device``: CUDA streams for a GPU, threads for the CPU
-    (``cpu_backend``)."""
+    (``cpu_backend``).
+
+    ``staging_bytes``: the CUDA backend's device staging budget per direction (None: its
+    default, ``kvoffload.worker.cuda.DEFAULT_STAGING_BYTES``); the CPU backends copy
+    directly and ignore it.
+    """
     if device.type == "cuda":
         from kvoffload.worker.cuda import CudaBackend
 
-        return CudaBackend()
+        return CudaBackend() if staging_bytes is None \
+            else CudaBackend(staging_bytes=staging_bytes)
     return cpu_backend()
 
 
@@ -103,7 +111,8 @@ class TransferWorker:
 
     def __init__(self, config: OffloadConfig, rank: int = 0,
                  backend: TransferBackend | None = None, *,
-                 pin_memory: bool | None = None, tiers: TierConfig | None = None) -> None:
+                 pin_memory: bool | None = None, tiers: TierConfig | None = None,
+                 staging_bytes: int | str | None = None) -> None:
         """Args:
             config: the offload configuration (groups, factor, host capacity).
             rank: this worker's tensor-parallel rank, echoed in its reports.
@@ -112,9 +121,19 @@ class TransferWorker:
             pin_memory: pin the host arena; by default when CUDA is available.
             tiers: the lower tiers (disk, remote) this rank reads and writes for the
                 plans' tier jobs (``kvoffload.worker.tier_io``); None: host memory only.
+            staging_bytes: the device staging budget per direction of the default CUDA
+                backend, a size (``kvoffload.sizes``); None: its default (64 MiB). The CPU
+                backends ignore it. With an explicit ``backend``, configure that instead.
+
+        Raises ``ConfigError`` for a ``staging_bytes`` that is not a positive size.
         """
         if not 0 <= rank < config.num_workers:
             raise ValueError(f"rank {rank} outside [0, num_workers={config.num_workers})")
+        if staging_bytes is not None and backend is not None:
+            raise ValueError("staging_bytes configures the default CUDA backend; with an "
+                             "explicit backend pass CudaBackend(staging_bytes=...) instead")
+        self._staging_bytes = None if staging_bytes is None \
+            else parse_size(staging_bytes, "staging_bytes", minimum=1)
         self.config = config
         self.rank = rank
         self._backend = backend
@@ -147,7 +166,8 @@ class TransferWorker:
             raise RuntimeError("register_kv_caches was already called on this worker")
         layout = CacheLayout.build(self.config, groups)
         pool = HostPool(layout, self.config.num_host_slots, pin=self._pin)
-        backend = self._backend or default_backend(layout.device)
+        backend = self._backend or default_backend(layout.device,
+                                                   staging_bytes=self._staging_bytes)
         backend.bind(layout, pool)
         self._layout, self._pool, self._backend = layout, pool, backend
         self._num_blocks = {group: g.num_blocks for group, g in layout.groups.items()}

@@ -90,7 +90,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             rank = int(vllm_config.parallel_config.rank) % num_workers
             self.worker_side = WorkerSide(
                 self.offload_config, self.layout.layer_names, self.layout.num_blocks,
-                rank=rank, tiers=self.tier_config,
+                rank=rank, tiers=self.tier_config, staging_bytes=self.options.staging_bytes,
                 fence_store_reads=runner_writes_before_flush(vllm_config))
         logger.info("kvoffload: %s role, groups %s, %d host slots of %d bytes, tiers %s",
                     role.name, [g.name for g in self.layout.groups],

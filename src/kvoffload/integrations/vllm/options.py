@@ -27,6 +27,11 @@ Keys (all optional except ``host_memory_bytes``):
                             recomputes the request (default 30; ``null``: wait for
                             ever). The late copy still lands: its blocks stay reserved
                             until it does, and nobody reads it.
+``staging_bytes``           Device memory the CUDA backend stages copies in, per
+                            direction (default 64 MiB, ``DEFAULT_STAGING_BYTES`` of
+                            ``kvoffload.worker.cuda``): a size. Jobs are split into
+                            chunks that fit; it must hold at least one offloaded block
+                            (checked when the caches are registered). Ignored on CPU.
 ``disk_path``, ...          The lower tiers' settings: every option of
                             ``kvoffload.tiers.config.OPTION_HELP`` except ``tier_order``
                             (the ``tiers`` list gives the order). ``"disk"`` in ``tiers``
@@ -75,13 +80,16 @@ class ConnectorOptions:
     load_deadline_s: float | None = DEFAULT_LOAD_DEADLINE_S
     tier_config: TierConfig = field(default_factory=TierConfig)
     """The lower tiers (none by default); ``model_id`` empty until the connector fills it."""
+    staging_bytes: int | None = None
+    """The CUDA backend's staging budget per direction; None: the backend's default."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
         """Parse and validate ``kv_connector_extra_config``; raise ``ConfigError``."""
         extra = dict(extra or {})
         known = {"host_memory_bytes", "eviction_policy", "block_size_factor", "tiers",
-                 "max_deferred_steps", "min_deferral_s", "load_deadline_s", *TIER_OPTIONS}
+                 "max_deferred_steps", "min_deferral_s", "load_deadline_s", "staging_bytes",
+                 *TIER_OPTIONS}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"{PREFIX}.{unknown[0]}", "is not a kvoffload option",
@@ -109,12 +117,15 @@ class ConnectorOptions:
         min_deferral = checked_min_deferral_s(extra.get("min_deferral_s", 0.5),
                                               f"{PREFIX}.min_deferral_s")
         deadline = _load_deadline(extra.get("load_deadline_s", DEFAULT_LOAD_DEADLINE_S))
+        staging = extra.get("staging_bytes")
+        staging_bytes = None if staging is None \
+            else parse_size(staging, f"{PREFIX}.staging_bytes", minimum=1)
         tiers = _tiers(extra.get("tiers", ["host"]))
         tier_config = _tier_config(tiers, {k: v for k, v in extra.items() if k in TIER_OPTIONS})
         return cls(host_memory_bytes=memory, eviction_policy=policy,
                    block_size_factor=factor, tiers=tiers, max_deferred_steps=deferred,
                    min_deferral_s=min_deferral, load_deadline_s=deadline,
-                   tier_config=tier_config)
+                   tier_config=tier_config, staging_bytes=staging_bytes)
 
 
 def _load_deadline(value: object) -> float | None:

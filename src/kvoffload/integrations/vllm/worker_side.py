@@ -76,6 +76,7 @@ class WorkerSide:
                  num_blocks: int, *, rank: int = 0,
                  backend: TransferBackend | None = None,
                  tiers: TierConfig | None = None,
+                 staging_bytes: int | None = None,
                  fence_store_reads: bool = True) -> None:
         """Args:
             config: the offload configuration every rank and the scheduler share.
@@ -84,6 +85,8 @@ class WorkerSide:
             rank: this worker's tensor-parallel rank.
             backend: transfer backend; chosen from the caches' device by default.
             tiers: lower tiers (disk, remote) this rank reads and writes; None: host only.
+            staging_bytes: the CUDA backend's device staging budget per direction; None:
+                its default (``TransferWorker``).
             fence_store_reads: vLLM may write engine blocks before the next
                 ``handle_preemptions`` (``compat.runner_writes_before_flush``): each
                 step's stores are fenced when submitted (module docstring). False only
@@ -92,7 +95,8 @@ class WorkerSide:
         self.config = config
         self.layer_names = [tuple(names) for names in layer_names]
         self.num_blocks = num_blocks
-        self.worker = TransferWorker(config, rank=rank, backend=backend, tiers=tiers)
+        self.worker = TransferWorker(config, rank=rank, backend=backend, tiers=tiers,
+                                     staging_bytes=staging_bytes)
         self.fence_store_reads = fence_store_reads
         self.after_load: LoadHook | None = None
         self.same_step_flushes = 0
