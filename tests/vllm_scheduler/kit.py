@@ -39,6 +39,24 @@ vLLM's batch queue of two (``EngineCore.step_with_batch_queue``): step N+1 is sc
 runner then knows tokens vLLM has not been told yet (it sampled them), as vLLM's model
 runner does, and feeds them to the next step.
 
+Speculative decoding (``speculative=(method, k)``: EAGLE, EAGLE-3 or MTP with ``k``
+speculative tokens, over config-only target and draft model directories) runs as vLLM's
+engine core runs it: the scripted runner proposes ``k`` draft tokens after every step that
+samples (the first few of them the scripted model's own choices, how many decided by the
+tokens so far, then a wrong one), and the synchronous loop hands them to
+``Scheduler.update_draft_token_ids`` after the step's output (``EngineCore.post_step``);
+under async scheduling vLLM schedules placeholders and the runner keeps the drafts, as
+vLLM's model runner does, along with how many tokens each request has really computed
+(vLLM's count runs ahead until the rejections reach it). A step verifies the drafts
+scheduled with it, accepts those the scripted model agrees with and samples one more
+(``sampled_token_ids`` = accepted + bonus), so the tokens a request gets are the scripted
+model's greedy ones whatever is accepted. The draft layouts (``"draft"``,
+``"hybrid+draft"``, ``"merged-draft"``) add the drafter's layers in a group vLLM marks
+``is_eagle_group`` (and ``is_draft``, where vLLM has it), or merged into the target's
+full-attention group; ``attention_runner`` writes them as a drafter does, volatile tail
+included, and checks every draft position a step reads and every stored draft block
+against the final values of the request's own tokens.
+
 The Mamba layouts (``"mamba1"``, ``"mamba2"``) add a Mamba group in vLLM's ``align``
 cache mode beside the sliding-window and full-attention groups; ``mamba_runner`` does
 with its state blocks what vLLM's model runner does (which column holds the running
@@ -61,7 +79,7 @@ from typing import Any
 import torch
 
 from vllm_scheduler import attention_runner as attention
-from vllm_scheduler.attention_runner import BLOCK, HEAD, WINDOW
+from vllm_scheduler.attention_runner import BLOCK, HEAD, WINDOW, Drafts
 from vllm_scheduler.lazy_copies import LazyStores
 from vllm_scheduler.mamba_runner import MambaGroup, MambaRunner, mamba_spec, mamba_tensors
 from vllm_scheduler.stored_bytes import StoreCheck
@@ -71,7 +89,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 CONNECTOR_MODULE = "kvoffload.integrations.vllm"
-LAYOUTS = ("full", "hybrid", "mamba1", "mamba2")
+LAYOUTS = ("full", "hybrid", "mamba1", "mamba2", "draft", "hybrid+draft", "merged-draft")
+DRAFT_LAYER = "draft.layers.0.attn"
+"""The speculative drafter's one layer in the draft layouts."""
 
 
 def model_dir(root: Path) -> Path:
@@ -84,12 +104,44 @@ def model_dir(root: Path) -> Path:
     return root
 
 
+def speculative_models(root: Path, method: str) -> tuple[Path, Path | None]:
+    """(target model directory, draft model directory or None) for ``method`` beside the
+    config-only Llama at ``root``: EAGLE and EAGLE-3 heads for it (config-only), or, for
+    MTP, a config-only MiMo target whose own MTP layer drafts (vLLM reads the draft from
+    the target's config)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    small = {"vocab_size": 32000, "hidden_size": 64, "intermediate_size": 128,
+             "num_attention_heads": 2, "num_key_value_heads": 1,
+             "max_position_embeddings": 8192}
+    if method == "mtp":
+        target = root.parent / f"{root.name}-mimo"
+        if not (target / "config.json").exists():
+            Qwen2Config(**small, num_hidden_layers=4, architectures=["MiMoForCausalLM"],
+                        num_nextn_predict_layers=1).save_pretrained(target)
+        return target, None
+    archs = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}
+    if method not in archs:
+        raise ValueError(f"unknown speculative method {method!r}; use eagle, eagle3 or mtp")
+    draft = root.parent / f"{root.name}-{method}"
+    if not (draft / "config.json").exists():
+        LlamaConfig(**small, num_hidden_layers=1,
+                    architectures=[archs[method]]).save_pretrained(draft)
+    return root, draft
+
+
 @dataclass(frozen=True)
 class Layout:
     """KV-cache groups by name: ``"full"`` (2 full-attention layers), ``"hybrid"``
-    (2 sliding-window layers of ``WINDOW`` tokens and 2 full-attention layers), or
+    (2 sliding-window layers of ``WINDOW`` tokens and 2 full-attention layers),
     ``"mamba1"``/``"mamba2"`` (a group of 2 Mamba layers in vLLM's ``align`` mode, without
-    or with in-chunk checkpoints, before the hybrid's groups)."""
+    or with in-chunk checkpoints, before the hybrid's groups), or a speculative drafter's
+    layer (``DRAFT_LAYER``, full attention) beside them: ``"draft"`` and
+    ``"hybrid+draft"`` in a group of its own after the full or hybrid groups,
+    ``"merged-draft"`` in the full-attention group, as vLLM 0.33 and 0.34 merge a draft
+    layer whose spec matches the target's. vLLM marks every group holding the drafter's
+    layer ``is_eagle_group``, and the layer's spec ``is_draft`` where it has the field
+    (0.33 on; only a group of its own keeps its spec)."""
 
     name: str
 
@@ -100,6 +152,10 @@ class Layout:
     @property
     def has_mamba(self) -> bool:
         return self.name.startswith("mamba")
+
+    @property
+    def has_draft(self) -> bool:
+        return self.name.endswith("draft")
 
     def kv_cache_config(self, num_blocks: int) -> Any:
         from vllm.v1.kv_cache_interface import (
@@ -115,11 +171,20 @@ class Layout:
         if self.has_mamba:
             groups.append(KVCacheGroupSpec(["layers.4.mixer", "layers.5.mixer"],
                                            mamba_spec(BLOCK, self.name)))
-        if self.name != "full":
+        if self.name in ("hybrid", "mamba1", "mamba2", "hybrid+draft"):
             groups.append(KVCacheGroupSpec(["layers.1.attn", "layers.3.attn"],
                                            SlidingWindowSpec(**attn, sliding_window=WINDOW)))
-        groups.append(KVCacheGroupSpec(["layers.0.attn", "layers.2.attn"],
-                                       FullAttentionSpec(**attn)))
+        if self.name == "merged-draft":
+            groups.append(KVCacheGroupSpec(["layers.0.attn", "layers.2.attn", DRAFT_LAYER],
+                                           FullAttentionSpec(**attn), is_eagle_group=True))
+        else:
+            groups.append(KVCacheGroupSpec(["layers.0.attn", "layers.2.attn"],
+                                           FullAttentionSpec(**attn)))
+        if self.name in ("draft", "hybrid+draft"):
+            marks = ({"is_draft": True} if "is_draft" in
+                     {f.name for f in dataclasses.fields(FullAttentionSpec)} else {})
+            groups.append(KVCacheGroupSpec([DRAFT_LAYER], FullAttentionSpec(**attn, **marks),
+                                           is_eagle_group=True))
         return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                              kv_cache_groups=groups, hash_block_size=BLOCK,
                              cache_hit_alignment_tokens=BLOCK)
@@ -163,6 +228,22 @@ class Engine:
     """Job ids a step's plan flushed (the workers waited for them before the forward)."""
     abandoned: set[Any] = field(default_factory=set)
     """Load job ids the scheduler side gave up at their deadline."""
+    drafts: Drafts | None = None
+    """The speculative drafter's layers, with speculative decoding and a draft layout."""
+    num_speculative_tokens: int = 0
+    """``k`` of speculative decoding (0: none)."""
+    proposed: dict[str, list[int]] = field(default_factory=dict)
+    """Per request, the draft tokens the runner proposed after its last step."""
+    computed: dict[str, int] = field(default_factory=dict)
+    """Per request, the tokens the runner has really computed (speculative decoding:
+    vLLM's count runs ahead under async scheduling until the rejections reach it)."""
+    first_computed: dict[str, int] = field(default_factory=dict)
+    """Per request, the tokens it had computed when first scheduled (vLLM's own prefix
+    cache and the connector's load together)."""
+    drafted: int = 0
+    """Draft tokens verified so far."""
+    accepted: int = 0
+    """Draft tokens accepted so far."""
 
     @property
     def connector(self) -> Any:
@@ -196,7 +277,14 @@ class Engine:
         self.steps += 1
         if not self.async_scheduling:
             so = self.scheduler.schedule()
-            self._deliver(so, self._run(so))
+            output = self._run(so)
+            self._deliver(so, output)
+            if self.num_speculative_tokens and output.req_ids:  # EngineCore.post_step
+                from vllm.v1.outputs import DraftTokenIds
+
+                self.scheduler.update_draft_token_ids(DraftTokenIds(
+                    list(output.req_ids),
+                    [list(self.proposed.get(r, ())) for r in output.req_ids]))
             return
         if self.scheduler.has_requests():
             so = self.scheduler.schedule()
@@ -266,14 +354,23 @@ class Engine:
         sampled = []
         step_tokens: dict[str, list[int]] = {}
         for new in so.scheduled_new_reqs:  # new or back from preemption: vLLM's tokens only
-            self.undelivered.pop(new.req_id, None)
+            self._forget(new.req_id)
+            self.first_computed.setdefault(new.req_id, new.num_computed_tokens)
         for rid in getattr(so.scheduled_cached_reqs, "resumed_req_ids", ()):  # 0.32, 0.33
-            self.undelivered.pop(rid, None)
+            self._forget(rid)
+        for rid in so.finished_req_ids:
+            self._forget(rid)
         for rid in req_ids:
             request = self.scheduler.requests[rid]
-            start, count = computed[rid], so.num_scheduled_tokens[rid]
+            count = so.num_scheduled_tokens[rid]
             pending = self.undelivered.setdefault(rid, [])
             tokens = list(request.all_token_ids) + [t for _, t in pending]
+            if self.num_speculative_tokens:
+                step_tokens[rid], out = self._speculative_step(
+                    so, rid, tokens, computed[rid], count)
+                sampled.append(out)
+                continue
+            start = computed[rid]
             assert start + count <= len(tokens), (rid, start, count, len(tokens))
             step_tokens[rid] = tokens
             tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
@@ -305,6 +402,57 @@ class Engine:
         return ModelRunnerOutput(req_ids=req_ids, **req_id_to_index(req_ids),
                                  sampled_token_ids=sampled, kv_connector_output=kv_out)
 
+    def _forget(self, rid: str) -> None:
+        """Drop what the runner knows of ``rid`` beyond vLLM's (new, resumed, finished)."""
+        self.undelivered.pop(rid, None)
+        self.proposed.pop(rid, None)
+        self.computed.pop(rid, None)
+
+    def _speculative_step(self, so: Any, rid: str, tokens: list[int], scheduled_start: int,
+                          count: int) -> tuple[list[int], list[int]]:
+        """One request's step under speculative decoding (module docstring): check what it
+        reads, write its tokens and the scheduled drafts, verify them, write the
+        drafter's layers; (the request's tokens after the step, the sampled tokens)."""
+        k = self.num_speculative_tokens
+        start = self.computed.get(rid, scheduled_start)
+        if not self.async_scheduling:
+            assert start == scheduled_start, (rid, start, scheduled_start)
+        scheduled = so.scheduled_spec_decode_tokens.get(rid, [])
+        drafts = self.proposed.get(rid, [])[:len(scheduled)]
+        assert len(drafts) == len(scheduled), (rid, drafts, scheduled)
+        if not self.async_scheduling:
+            assert drafts == list(scheduled), (rid, drafts, scheduled)
+        real = count - len(drafts)
+        assert real >= 1 and start + real <= len(tokens), (rid, start, count, len(tokens))
+        step = tokens[:start + real] + drafts
+        tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
+        self._check(rid, tokens, tables, start)
+        self._write(step, tables, start, start + count)
+        self.proposed[rid] = []
+        if start + real < len(tokens):  # a prefill chunk: nothing sampled
+            assert not drafts, (rid, drafts)
+            verified, out = tokens, []
+        else:
+            accepted: list[int] = []
+            for draft in drafts:
+                if draft != next_token(tokens + accepted):
+                    break
+                accepted.append(draft)
+            out = [*accepted, next_token(tokens + accepted)]
+            verified = tokens + out
+            self.drafted += len(drafts)
+            self.accepted += len(accepted)
+            self.proposed[rid] = propose(verified, k)
+            if self.async_scheduling:
+                self.undelivered.setdefault(rid, []).extend((id(so), t) for t in out)
+        done = start + real + len(out) - 1 if out else start + count
+        self.computed[rid] = done
+        if self.drafts is not None:
+            attention.write_drafts(self.caches, self.groups, self.drafts, tables,
+                                   step_tokens=step, verified=verified, start=start,
+                                   end=start + count, computed=done)
+        return verified, out
+
     def _update_batch(self, so: Any, computed: dict[str, int]) -> None:
         """What vLLM's model runner writes when it updates the batch, before the forward
         pass: zero new blocks, apply copy-on-write copies, copy Mamba states into their
@@ -329,16 +477,32 @@ class Engine:
         request of ``tokens``: one tensor per page segment (``stored_bytes``)."""
         layers, _ = self.groups[group]
         if layers:
-            return attention.expected_pages(layers, position, tokens)
+            return attention.expected_pages(layers, position, tokens, self.drafts)
         assert self.mamba is not None
         return self.mamba.expected_pages(group, position, tokens)
 
     def _check(self, rid: str, tokens: list[int], tables: Any, start: int) -> None:
         self.checked_positions += attention.check(self.caches, self.groups, rid, tokens,
-                                                  tables, start=start)
+                                                  tables, start=start, drafts=self.drafts)
 
     def _write(self, tokens: list[int], tables: Any, start: int, end: int) -> None:
-        attention.write(self.caches, self.groups, tokens, tables, start=start, end=end)
+        attention.write(self.caches, self.groups, tokens, tables, start=start, end=end,
+                        drafts=self.drafts)
+
+
+def propose(tokens: list[int], k: int) -> list[int]:
+    """The scripted drafter's ``k`` tokens after ``tokens``: the scripted model's own
+    choices up to a point the tokens decide (0 to ``k`` of them), then a wrong one."""
+    good = (len(tokens) * 5 + tokens[-1]) % (k + 1)
+    seq = list(tokens)
+    out = []
+    for i in range(k):
+        token = next_token(seq)
+        if i == good:
+            token = token + 1 if token < 29_009 else 10
+        out.append(token)
+        seq.append(token)
+    return out
 
 
 def req_id_to_index(req_ids: list[str]) -> dict[str, Any]:
@@ -413,14 +577,16 @@ def _block_hasher() -> Any:
 def build(root: Path, layout: Layout, *, num_blocks: int = 256,
           extra: dict[str, Any] | None = None, max_num_batched_tokens: int = 256,
           max_num_seqs: int = 16, async_scheduling: bool = False,
-          runner: str | None = None, lazy_stores: bool = False) -> Engine:
+          runner: str | None = None, lazy_stores: bool = False,
+          speculative: tuple[str, int] | None = None) -> Engine:
     """An engine of ``layout`` with ``num_blocks`` engine blocks per group and connector
     options ``extra`` (``host_memory_bytes`` defaults to room for 512 blocks); vLLM's
     ``AsyncScheduler`` and a batch queue of two with ``async_scheduling``. ``runner``:
     whose order the scripted runner follows, ``"v1"`` or ``"v2"`` (default: the runner
     the connector detected); the connector's worker side is told, as vLLM's
     configuration tells it (``compat.runner_writes_before_flush``). ``lazy_stores``: a
-    copy engine that runs behind (``lazy_copies``)."""
+    copy engine that runs behind (``lazy_copies``). ``speculative``: ``(method, k)``,
+    speculative decoding with ``k`` tokens (``speculative_models``; module docstring)."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.engine.arg_utils import EngineArgs
@@ -436,10 +602,19 @@ def build(root: Path, layout: Layout, *, num_blocks: int = 256,
                                 kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both",
                                 kv_load_failure_policy="recompute",
                                 kv_connector_extra_config=options)
-    args = EngineArgs(model=str(root), skip_tokenizer_init=True, dtype="float32",
+    model, speculative_config = root, None
+    if speculative is not None and layout.has_mamba:
+        raise ValueError("the scripted runner has no speculative decoding with Mamba groups")
+    if speculative is not None:
+        method, k = speculative
+        model, draft = speculative_models(root, method)
+        speculative_config = {"method": method, "num_speculative_tokens": k,
+                              **({"model": str(draft)} if draft is not None else {})}
+    args = EngineArgs(model=str(model), skip_tokenizer_init=True, dtype="float32",
                       block_size=BLOCK, enable_prefix_caching=True, max_model_len=4096,
                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                      enforce_eager=True, kv_transfer_config=transfer)
+                      enforce_eager=True, kv_transfer_config=transfer,
+                      speculative_config=speculative_config)
     vllm_config = create_engine_config(args)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     if layout.has_mamba:  # what vLLM sets for a Mamba hybrid with prefix caching
@@ -478,8 +653,14 @@ def build(root: Path, layout: Layout, *, num_blocks: int = 256,
         lazy = LazyStores(transfer.backend)  # already bound to the caches
         transfer._backend = lazy
     mamba = MambaRunner(mamba_groups, caches, BLOCK) if mamba_groups else None
+    k = speculative[1] if speculative is not None else 0
+    drafts = None
+    if layout.has_draft:
+        drafts = Drafts(frozenset(name for layers, _ in groups for name in layers
+                                  if name.startswith("draft.")), k + 1)
     eng = Engine(scheduler, worker, caches, groups, mamba=mamba,
-                 async_scheduling=async_scheduling, runner=runner, lazy=lazy)
+                 async_scheduling=async_scheduling, runner=runner, lazy=lazy,
+                 drafts=drafts, num_speculative_tokens=k)
     eng.stores = StoreCheck(eng.expected_pages, lambda: eng.worker_side.worker.host_pool,
                             worker.offload_config.block_size_factor)
     return eng

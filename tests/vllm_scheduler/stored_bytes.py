@@ -8,11 +8,12 @@ or the store read the wrong block (a Mamba state from a column that does not hol
 boundary state), the slot holds other bytes. ``StoreCheck`` remembers each store job of a
 plan with the request's tokens of that step, and, when a worker report names the job
 finished, compares every page of every slot against the values the scripted forward pass
-writes (``attention_runner.kv_values`` for attention, ``mamba_runner.state_tensors`` for
-Mamba states): rule 4 ("no engine block is overwritten while a store still reads it")
-and rule 6 ("loaded bytes equal stored bytes", its store half) of
-``docs/architecture.md``, checked directly instead of only through the loads that happen
-to follow.
+writes (``attention_runner.kv_values`` for attention, the final ``draft_values`` for a
+speculative drafter's layers, ``mamba_runner.state_tensors`` for Mamba states): rule 4
+("no engine block is overwritten while a store still reads it") and rule 6 ("loaded bytes
+equal stored bytes", its store half) of ``docs/architecture.md``, checked directly instead
+of only through the loads that happen to follow, and, for a drafter's layers, rule 5's
+draft clause: a store of a draft block that is still volatile fails.
 """
 
 from __future__ import annotations
@@ -65,5 +66,6 @@ class StoreCheck:
                         raise AssertionError(
                             f"store {job_id} of request {rid}: group {transfer.group} "
                             f"position {position} (engine block {block}, slot {slot}) "
-                            f"segment {segment} does not hold what the forward pass wrote")
+                            f"segment {segment} does not hold what the forward pass wrote "
+                            f"(a drafter's layer: its final values)")
                     self.checked_pages += 1
