@@ -24,10 +24,11 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return kit.model_dir(tmp_path_factory.mktemp("llama-config"))
 
 
-def check(vllm_config: Any, kv_cache_config: Any) -> None:
+def check(vllm_config: Any, kv_cache_config: Any) -> int:
+    """``check_engine_features``: the draft groups' proof tokens, or ``ConfigError``."""
     from kvoffload.integrations.vllm.compat import check_engine_features
 
-    check_engine_features(vllm_config, kv_cache_config)
+    return check_engine_features(vllm_config, kv_cache_config)
 
 
 def engine_config(**spec: Any) -> SimpleNamespace:
@@ -47,6 +48,8 @@ def test_a_plain_engine_passes() -> None:
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "draft_model"])
 def test_speculative_decoding_with_draft_kv_is_refused(method: str) -> None:
+    """Without a group vLLM marks as the drafter's (and, for a separate draft model, in
+    any case), kvoffload cannot tell which blocks the drafter rewrites."""
     config = engine_config(method=method, uses_draft_kv_cache=lambda: True)
     with pytest.raises(ConfigError, match=f"method '{method}' gives the draft model "
                                           "KV-cache layers.*Use speculative decoding "
@@ -54,15 +57,31 @@ def test_speculative_decoding_with_draft_kv_is_refused(method: str) -> None:
         check(config, full_config())
 
 
+def marks_drafts() -> bool:
+    from kvoffload.integrations.vllm.compat import marks_draft_layers
+
+    return marks_draft_layers()
+
+
 def test_a_group_vllm_marks_as_holding_draft_layers_is_refused() -> None:
+    """vLLM 0.32 sets ``is_eagle_group`` by guesses and marks no draft layer: refused,
+    naming the group's layers. vLLM 0.33 on marks them: the group is a draft group, with
+    ``num_speculative_tokens + 1`` proof tokens (``test_speculative``)."""
     kv = full_config()
     kv.kv_cache_groups[0] = dataclasses.replace(kv.kv_cache_groups[0], is_eagle_group=True)
+    config = engine_config(method="eagle", num_speculative_tokens=2)
+    if marks_drafts():
+        assert check(config, kv) == 3
+        return
     with pytest.raises(ConfigError, match=r"draft layers: layers\.0\.attn, layers\.2\.attn"):
-        check(engine_config(method="eagle"), kv)
+        check(config, kv)
 
 
 def test_per_layer_draft_marks_of_vllm_033_are_read() -> None:
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, UniformTypeKVCacheSpecs
+
+    from kvoffload.integrations.vllm.compat import draft_layers
+    from kvoffload.integrations.vllm.translate import translate
 
     kv = full_config()
     spec = kv.kv_cache_groups[0].kv_cache_spec
@@ -72,8 +91,128 @@ def test_per_layer_draft_marks_of_vllm_033_are_read() -> None:
     uniform = UniformTypeKVCacheSpecs(block_size=spec.block_size,
                                       kv_cache_specs={"target": spec, "draft": draft})
     kv.kv_cache_groups[0] = KVCacheGroupSpec(["target", "draft"], uniform)
-    with pytest.raises(ConfigError, match=r"draft layers: draft\b"):
-        check(engine_config(method="eagle", uses_draft_kv_cache=lambda: True), kv)
+    assert draft_layers(kv) == ["draft"]
+    config = engine_config(method="eagle", uses_draft_kv_cache=lambda: True,
+                           num_speculative_tokens=4)
+    proof = check(config, kv)
+    assert proof == 5
+    # The whole group is the drafter's: its target layer is keyed late as well.
+    assert [g.proof_tokens for g in translate(kv, proof_tokens=proof).groups] == [5]
+
+
+def draft_kv(*, separate: bool = True, **spec: Any) -> tuple[SimpleNamespace, Any]:
+    """An EAGLE engine (``spec`` overrides) and a KV-cache config whose last group vLLM
+    marks as the drafter's."""
+    kv = kit.Layout("draft" if separate else "merged-draft").kv_cache_config(64)
+    fields = {"method": "eagle", "num_speculative_tokens": 3,
+              "uses_draft_kv_cache": lambda: True, "use_eagle_block_drop": lambda: True,
+              **spec}
+    return engine_config(**fields), kv
+
+
+@pytest.mark.parametrize(("method", "why"), [
+    ("draft_model", "a separate draft model"), ("dflash", "DFlash builds its draft KV"),
+    ("dspark", "DSpark builds its draft KV"),
+    ("extract_hidden_states", "hidden states in a KV-cache layer")])
+def test_drafters_without_a_rule_are_refused_with_why(method: str, why: str) -> None:
+    config, kv = draft_kv(method=method)
+    with pytest.raises(ConfigError, match=f"method '{method}' gives the draft model "
+                                          rf"KV-cache layers \(draft layers: "
+                                          rf"draft\.layers\.0\.attn\).*{why}"):
+        check(config, kv)
+
+
+def test_a_custom_speculative_method_is_refused() -> None:
+    config, kv = draft_kv(custom_method="my_drafter")
+    with pytest.raises(ConfigError, match=r"custom method 'my_drafter' .*no rule"):
+        check(config, kv)
+
+
+def test_draft_kv_on_a_vllm_without_draft_marks_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What vLLM 0.32 gets (``test_speculative`` builds its real engine there)."""
+    from kvoffload.integrations.vllm import compat
+
+    monkeypatch.setattr(compat, "marks_draft_layers", lambda: False)
+    config, kv = draft_kv()
+    with pytest.raises(ConfigError, match=r"does not mark which layers are the drafter's.*"
+                                          r"needs vLLM >= 0\.33"):
+        check(config, kv)
+
+
+def test_disabled_eagle_block_drop_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvoffload.integrations.vllm import compat
+
+    monkeypatch.setattr(compat, "marks_draft_layers", lambda: True)
+    config, kv = draft_kv(use_eagle_block_drop=lambda: False)
+    with pytest.raises(ConfigError, match=r"disable_eagle_block_drop: is set.*Leave "
+                                          "disable_eagle_block_drop unset"):
+        check(config, kv)
+
+
+def test_draft_marks_without_a_drafter_are_refused() -> None:
+    _, kv = draft_kv()
+    with pytest.raises(ConfigError, match="speculative_config: is not set, yet vLLM marks"):
+        check(engine_config(), kv)
+    with pytest.raises(ConfigError, match="method 'ngram' gives the draft model"):
+        check(engine_config(method="ngram", uses_draft_kv_cache=lambda: False), kv)
+
+
+@pytest.mark.parametrize("separate", [True, False])
+def test_the_draft_group_gets_the_proof_and_the_rest_none(
+        monkeypatch: pytest.MonkeyPatch, separate: bool) -> None:
+    from kvoffload.integrations.vllm import compat
+    from kvoffload.integrations.vllm.translate import translate
+
+    monkeypatch.setattr(compat, "marks_draft_layers", lambda: True)
+    config, kv = draft_kv(separate=separate, num_speculative_tokens=15)
+    proof = check(config, kv)
+    assert proof == 16
+    groups = translate(kv, proof_tokens=proof).groups
+    assert [g.proof_tokens for g in groups] == ([0, 16] if separate else [16])
+
+
+def test_a_proof_longer_than_a_block_is_refused() -> None:
+    from kvoffload.integrations.vllm.translate import UnsupportedSpecError, translate
+
+    _, kv = draft_kv()
+    with pytest.raises(UnsupportedSpecError, match=r"KV-cache group 1 .*depends on the 17 "
+                                                   r"tokens after it.*Use at most 15 "
+                                                   "speculative tokens"):
+        translate(kv, proof_tokens=17)
+    with pytest.raises(UnsupportedSpecError, match="gives no draft KV to prove"):
+        translate(kv)
+
+
+def test_a_draft_group_that_is_not_full_attention_is_refused() -> None:
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from kvoffload.integrations.vllm.translate import UnsupportedSpecError, translate
+
+    _, kv = draft_kv()
+    full = kv.kv_cache_groups[1].kv_cache_spec
+    window = SlidingWindowSpec(block_size=full.block_size, num_kv_heads=full.num_kv_heads,
+                               head_size=full.head_size, dtype=full.dtype, sliding_window=64)
+    kv.kv_cache_groups[1] = dataclasses.replace(kv.kv_cache_groups[1], kv_cache_spec=window)
+    with pytest.raises(UnsupportedSpecError, match=r"KV-cache group 1 .*drafter's layers and "
+                                                   "is a sliding_window group"):
+        translate(kv, proof_tokens=4)
+
+
+def test_the_drafter_names_the_tiers_namespace() -> None:
+    """Another drafter of the same shapes writes other draft KV: lower tiers keep the
+    engines apart (``with_model_id``)."""
+    from kvoffload.integrations.vllm.connector import with_model_id
+    from kvoffload.tiers.config import DiskTierConfig, TierConfig
+
+    tiers = TierConfig(disk=DiskTierConfig(path="/tmp/unused", capacity_bytes=1 << 30))
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(model="m", revision=None, dtype="bfloat16"),
+        speculative_config=SimpleNamespace(
+            method="eagle3", model="d",
+            draft_model_config=SimpleNamespace(model="d", revision="r1")))
+    assert with_model_id(tiers, config).model_id == "m@main:bfloat16"
+    assert with_model_id(tiers, config, 4).model_id == "m@main:bfloat16+eagle3:d@r1/4"
 
 
 def test_sleep_mode_is_refused_with_the_fix() -> None:

@@ -6,11 +6,18 @@ vLLM 0.33", "What changed in vLLM 0.34") lists every change a connector sees and
 kvoffload does about each; the ones refused at start-up are checked here, each with what
 to change:
 
-* **Draft-model KV of speculative decoding** (EAGLE, MTP, a draft model): vLLM 0.33 marks
-  draft layers (``KVCacheSpec.is_draft``) but merges them into the target's groups when
-  their specs match, and the last block of a draft layer changes while it decodes. Stored
-  as the target's, such blocks would load draft KV that no longer matches. Speculative
-  methods without draft KV (n-gram, suffix) are fine.
+* **Draft-model KV of speculative decoding** (``speculative_proof_tokens``): the layers of
+  an EAGLE, EAGLE-3 or MTP drafter hold at a position KV computed from the token after it,
+  rewritten until the speculated tokens after it are verified. vLLM 0.33 and 0.34 mark
+  them (``KVCacheSpec.is_draft``; with the trailing-block drop on, every group holding one
+  is ``is_eagle_group``, also when they are merged into a target group); kvoffload keys,
+  stores and hits such a group's blocks ``num_speculative_tokens + 1`` tokens late
+  (``GroupSpec.proof_tokens``). Refused, each with what to change: draft KV on vLLM 0.32
+  (no ``is_draft``: it cannot say which layers are the drafter's), drafters kvoffload has
+  no rule for (a separate draft model, DFlash, DSpark, hidden-state extraction, a custom
+  method), ``disable_eagle_block_drop`` (vLLM then marks no group), a draft group vLLM
+  does not mark, and a proof longer than one block (in ``translate``). Speculative
+  methods without draft KV (n-gram, suffix) need nothing.
 * **Sleep mode** (``enable_sleep_mode``): vLLM 0.33 and 0.34 ask ``supports_sleep_mode``
   and call ``unregister_kv_caches`` / ``restore_kv_caches`` around it; the worker role keeps
   views of vLLM's cache tensors for the transfers it has in flight, so kvoffload answers
@@ -32,6 +39,7 @@ it, and so in which order vLLM writes blocks and flushes (``runner_writes_before
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from kvoffload.errors import ConfigError
@@ -39,10 +47,27 @@ from kvoffload.errors import ConfigError
 _NO_DRAFT_KV_METHODS = frozenset({"ngram", "ngram_gpu", "suffix"})
 """Speculative methods that propose tokens without a draft model's KV cache."""
 
+DRAFT_KV_METHODS = frozenset({"eagle", "eagle3", "mtp"})
+"""Speculative methods whose draft KV kvoffload offloads: the drafter's KV at a position
+is computed from the target's hidden state there and the token after it, and is final
+once the speculated tokens after it are verified (vLLM's ``needs_eagle_block_drop``)."""
 
-def check_engine_features(vllm_config: Any, kv_cache_config: Any) -> None:
-    """Raise ``ConfigError`` for an engine feature the connector cannot honour."""
-    _check_speculative(vllm_config, kv_cache_config)
+_UNSUPPORTED_DRAFTERS = {
+    "draft_model": "a separate draft model, whose groups vLLM does not mark for the "
+                   "trailing-block drop, so its layers cannot be told from the target's",
+    "dflash": "DFlash builds its draft KV from the target's hidden states alone and "
+              "vLLM marks none of its groups",
+    "dspark": "DSpark builds its draft KV from the target's hidden states alone and "
+              "vLLM marks none of its groups",
+    "extract_hidden_states": "it keeps the target's hidden states in a KV-cache layer, "
+                             "which is not a prefix cache",
+}
+
+
+def check_engine_features(vllm_config: Any, kv_cache_config: Any) -> int:
+    """Raise ``ConfigError`` for an engine feature the connector cannot honour; return the
+    proof tokens of the draft groups (``speculative_proof_tokens``; 0 without draft KV)."""
+    proof_tokens = speculative_proof_tokens(vllm_config, kv_cache_config)
     model = getattr(vllm_config, "model_config", None)
     if getattr(model, "enable_sleep_mode", False):
         raise ConfigError("enable_sleep_mode", "is on, and kvoffload's connector does not "
@@ -54,6 +79,7 @@ def check_engine_features(vllm_config: Any, kv_cache_config: Any) -> None:
         raise ConfigError("num_hash_lookahead_tokens", f"is {lookahead}: vLLM publishes "
                           "lookahead block hashes, which kvoffload does not key blocks by",
                           "Set speculative_config.disable_lookahead_block_hashes to true.")
+    return proof_tokens
 
 
 def runner_writes_before_flush(vllm_config: Any) -> bool:
@@ -66,32 +92,108 @@ def runner_writes_before_flush(vllm_config: Any) -> bool:
     return bool(getattr(vllm_config, "use_v2_model_runner", True))
 
 
+def marks_draft_layers() -> bool:
+    """Whether the installed vLLM marks a draft model's layers (``KVCacheSpec.is_draft``,
+    from 0.33). vLLM 0.32 sets ``is_eagle_group`` only by guesses (the model's last layer,
+    a non-causal spec), which may miss a draft layer merged into a target group."""
+    try:
+        from vllm.v1.kv_cache_interface import KVCacheSpec
+    except ImportError:  # pragma: no cover - the connector needs vLLM anyway
+        return False
+    return "is_draft" in {f.name for f in dataclasses.fields(KVCacheSpec)}
+
+
+def is_draft_group(group: Any) -> bool:
+    """Whether a KV-cache group holds a draft model's layers: vLLM marks it
+    ``is_eagle_group``, or its spec (or one of its per-layer specs) is ``is_draft``. A
+    group with one draft layer is a draft group as a whole (vLLM 0.33 and 0.34 merge
+    draft layers into a target group when their specs match)."""
+    if getattr(group, "is_eagle_group", False):
+        return True
+    spec = group.kv_cache_spec
+    if getattr(spec, "is_draft", False):
+        return True
+    per_layer = getattr(spec, "kv_cache_specs", None)
+    return isinstance(per_layer, dict) and any(getattr(s, "is_draft", False)
+                                               for s in per_layer.values())
+
+
 def draft_layers(kv_cache_config: Any) -> list[str]:
-    """Layers vLLM marks as a draft model's (``is_draft``, from vLLM 0.33), in group order."""
+    """Layers of the groups that hold a draft model's layers (``is_draft_group``), in
+    group order; of a group with per-layer specs, the layers marked ``is_draft``."""
     found: list[str] = []
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         per_layer = getattr(spec, "kv_cache_specs", None)
-        if isinstance(per_layer, dict):
+        if isinstance(per_layer, dict) and any(getattr(s, "is_draft", False)
+                                               for s in per_layer.values()):
             found.extend(name for name, s in per_layer.items() if getattr(s, "is_draft", False))
-        elif getattr(spec, "is_draft", False) or getattr(group, "is_eagle_group", False):
+        elif is_draft_group(group):
             found.extend(group.layer_names)
     return found
 
 
-def _check_speculative(vllm_config: Any, kv_cache_config: Any) -> None:
+def speculative_proof_tokens(vllm_config: Any, kv_cache_config: Any) -> int:
+    """The proof tokens of the engine's draft groups: ``num_speculative_tokens + 1`` for an
+    EAGLE, EAGLE-3 or MTP drafter, whose draft groups ``translate`` then keys, stores and
+    hits that many tokens late; 0 without draft KV (no speculation, n-gram, suffix).
+
+    Raises:
+        ConfigError: draft KV kvoffload cannot keep apart from the target's or prove
+            final (the message says which and why, and what to change).
+    """
     spec = getattr(vllm_config, "speculative_config", None)
     drafts = draft_layers(kv_cache_config)
-    if spec is None and not drafts:
-        return
+    shown = ", ".join(drafts[:4]) + (", ..." if len(drafts) > 4 else "")
+    layers = f" (draft layers: {shown})" if drafts else ""
     method = getattr(spec, "method", None)
+    if spec is None:
+        if drafts:
+            raise ConfigError("speculative_config", f"is not set, yet vLLM marks draft-model "
+                              f"KV-cache layers{layers}",
+                              "Report this configuration; kvoffload cannot tell which "
+                              "blocks a drafter rewrites.")
+        return 0
     uses_draft_kv = getattr(spec, "uses_draft_kv_cache", None)
-    if drafts or (callable(uses_draft_kv) and uses_draft_kv()) \
-            or (not callable(uses_draft_kv) and method not in _NO_DRAFT_KV_METHODS):
-        shown = ", ".join(drafts[:4]) + (", ..." if len(drafts) > 4 else "")
-        layers = f" (draft layers: {shown})" if drafts else ""
-        raise ConfigError("speculative_config", f"method {method!r} gives the draft model "
-                          f"KV-cache layers{layers}, which kvoffload cannot keep apart from "
-                          "the target model's",
-                          "Use speculative decoding without a draft model "
-                          "(method 'ngram' or 'suffix'), or turn it off.")
+    has_draft_kv = (uses_draft_kv() if callable(uses_draft_kv)
+                    else method not in _NO_DRAFT_KV_METHODS)
+    if not has_draft_kv and not drafts:
+        return 0
+    fix = ("Use speculative decoding without a draft model (method 'ngram' or 'suffix'), "
+           "an EAGLE, EAGLE-3 or MTP drafter, or none.")
+    custom = getattr(spec, "custom_method", None)
+    if custom:
+        raise ConfigError("speculative_config.method",
+                          f"is the custom method {custom!r} (based on {method!r}): kvoffload "
+                          f"has no rule for when its draft KV-cache layers{layers} are final",
+                          fix)
+    if method not in DRAFT_KV_METHODS:
+        why = _UNSUPPORTED_DRAFTERS.get(str(method), "kvoffload has no rule for when its "
+                                        "draft KV is final")
+        raise ConfigError("speculative_config.method",
+                          f"method {method!r} gives the draft model KV-cache layers{layers}, "
+                          f"which kvoffload cannot keep apart from the target model's: {why}",
+                          fix)
+    if not marks_draft_layers():
+        raise ConfigError("speculative_config.method",
+                          f"method {method!r} gives the draft model KV-cache layers{layers}, "
+                          "and this vLLM does not mark which layers are the drafter's "
+                          "(KVCacheSpec.is_draft, from vLLM 0.33): kvoffload would store "
+                          "draft KV that is still rewritten as if it were final",
+                          "Use speculative decoding without a draft model (method 'ngram' "
+                          "or 'suffix') here: offloading draft KV needs vLLM >= 0.33.")
+    drop = getattr(spec, "use_eagle_block_drop", None)
+    if callable(drop) and not drop():
+        raise ConfigError("speculative_config.disable_eagle_block_drop",
+                          "is set: vLLM then marks no KV-cache group as the drafter's "
+                          "(is_eagle_group), so kvoffload cannot tell which blocks are "
+                          "rewritten after they are computed",
+                          "Leave disable_eagle_block_drop unset (kvoffload keys the draft "
+                          "groups late instead of dropping blocks).")
+    if not drafts:
+        raise ConfigError("speculative_config.method",
+                          f"method {method!r} gives the draft model KV-cache layers, but "
+                          "vLLM marks no KV-cache group as holding them (is_eagle_group, "
+                          "is_draft): kvoffload cannot tell which blocks the drafter "
+                          "rewrites", fix)
+    return int(spec.num_speculative_tokens) + 1

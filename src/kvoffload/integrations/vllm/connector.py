@@ -14,7 +14,9 @@ with the WORKER role. The scheduler role drives kvoffload's ``Planner`` over a h
 (``WorkerSide``), with the CPU backend on vLLM's CPU platform and the CUDA backend on a
 GPU. The connector declares ``SupportsHMA``: every KV-cache group (full attention,
 sliding window, Mamba) is offloaded by its own rule, so hybrid models keep vLLM's hybrid
-memory allocator.
+memory allocator. Under speculative decoding with an EAGLE, EAGLE-3 or MTP drafter (vLLM
+0.33 and 0.34), the groups holding the drafter's layers are offloaded too, keyed one block
+late (``compat.speculative_proof_tokens``, ``translate.draft_group_spec``).
 
 Lower tiers (``"tiers": ["host", "disk", "remote"]`` with ``disk_path``/``disk_capacity``
 and ``remote_url``; see ``options``) sit behind host memory: the scheduler's planner talks
@@ -69,10 +71,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.options = ConnectorOptions.from_extra_config(extra)
         num_workers = check_parallelism(vllm_config.parallel_config)
-        check_engine_features(vllm_config, kv_cache_config)
-        self.layout = translate(kv_cache_config)
+        proof_tokens = check_engine_features(vllm_config, kv_cache_config)
+        self.layout = translate(kv_cache_config, proof_tokens=proof_tokens)
         self.offload_config = self.layout.offload_config(self.options, num_workers)
-        self.tier_config = with_model_id(self.options.tier_config, vllm_config)
+        self.tier_config = with_model_id(self.options.tier_config, vllm_config, proof_tokens)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -257,12 +259,21 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 __all__ = ["KVOffloadConnector"]
 
 
-def with_model_id(tiers: TierConfig, vllm_config: Any) -> TierConfig:
+def with_model_id(tiers: TierConfig, vllm_config: Any, proof_tokens: int = 0) -> TierConfig:
     """``tiers`` with ``model_id`` filled from vLLM's model config when the options left
     it empty: ``<model>@<revision>:<dtype>`` (what changes the KV bytes besides the
-    layout, which the namespace covers on its own)."""
+    layout, which the namespace covers on its own), followed, where draft groups are
+    offloaded (``proof_tokens`` > 0), by ``+<method>:<draft model>@<revision>/<proof>``:
+    another drafter of the same shapes writes other draft KV, and another proof keys the
+    draft blocks differently."""
     if tiers.model_id or not tiers.enabled:
         return tiers
     model = vllm_config.model_config
     model_id = f"{model.model}@{model.revision or 'main'}:{model.dtype}"
+    spec = getattr(vllm_config, "speculative_config", None)
+    if proof_tokens > 0 and spec is not None:
+        draft = getattr(spec, "draft_model_config", None)
+        name = getattr(draft, "model", None) or getattr(spec, "model", None) or model.model
+        revision = getattr(draft, "revision", None) or "main"
+        model_id += f"+{spec.method}:{name}@{revision}/{proof_tokens}"
     return dataclasses.replace(tiers, model_id=model_id)

@@ -26,16 +26,24 @@ HiSparse*, anything else
 
 Page sizes are the *unpadded* bytes of one block of one layer: vLLM pads attention and
 Mamba pages to a common size inside one allocation, and only the real bytes are moved.
+
+A group that holds a speculative drafter's layers (``compat.is_draft_group``: vLLM marks it
+``is_eagle_group``, or a layer of it ``is_draft``) is translated as above and then given the
+proof tokens ``compat.speculative_proof_tokens`` found (``draft_group_spec``): its offloaded
+blocks are keyed, stored and hit one block late. It must be full attention, and the proof
+must fit in one of its blocks; anything else is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.errors import ConfigError, LayoutError
+from kvoffload.integrations.vllm.compat import is_draft_group
 from kvoffload.integrations.vllm.options import ConnectorOptions
 
 try:  # vLLM is optional for kvoffload; this module needs it.
@@ -217,13 +225,49 @@ def translate_group(index: int, layer_names: Sequence[str], spec: KVCacheSpec) -
         raise UnsupportedSpecError(f"{where}: {exc}") from exc
 
 
+def draft_group_spec(spec: GroupSpec, proof_tokens: int, where: str) -> GroupSpec:
+    """A draft group's ``GroupSpec``: ``spec`` with ``proof_tokens`` (the module docstring).
+
+    Raises:
+        UnsupportedSpecError: the group is not full attention (kvoffload keys only
+            full-attention blocks late), the proof is missing (the engine has no draft KV
+            by ``compat.speculative_proof_tokens``, yet vLLM marks the group) or longer than
+            one block of the group.
+    """
+    if spec.kind is not GroupKind.FULL_ATTENTION:
+        raise UnsupportedSpecError(
+            f"{where}: it holds a speculative drafter's layers and is a {spec.kind.value} "
+            "group: kvoffload keys a drafter's blocks late only in full-attention groups "
+            "(a window or a Mamba state would have to be proven over tokens it no longer "
+            "holds). Use speculative decoding without a draft model (method 'ngram' or "
+            "'suffix'), or disable the connector for this model.")
+    if proof_tokens <= 0:
+        raise UnsupportedSpecError(
+            f"{where}: vLLM marks it as holding a speculative drafter's layers, but the "
+            "engine's speculative configuration gives no draft KV to prove. Report this "
+            "configuration.")
+    if proof_tokens > spec.block_size:
+        raise UnsupportedSpecError(
+            f"{where}: it holds a speculative drafter's layers, whose KV at a position "
+            f"depends on the {proof_tokens} tokens after it (num_speculative_tokens + 1), "
+            f"more than one block of {spec.block_size} tokens: every hit would lose "
+            f"{-(-proof_tokens // spec.block_size)} blocks of it. Use at most "
+            f"{spec.block_size - 1} speculative tokens, or a larger block size.")
+    try:
+        return dataclasses.replace(spec, proof_tokens=proof_tokens)
+    except ConfigError as exc:
+        raise UnsupportedSpecError(f"{where}: {exc}") from exc
+
+
 def translate(kv_cache_config: KVCacheConfig, *, hash_block_size: int | None = None,
-              ) -> EngineLayout:
+              proof_tokens: int = 0) -> EngineLayout:
     """kvoffload's ``EngineLayout`` of a vLLM ``KVCacheConfig``.
 
     Every group must translate (kvoffload moves all groups or none: a hit must be valid for
     every group at once). ``hash_block_size`` defaults to the one vLLM's engine core
-    resolved into ``kv_cache_config.hash_block_size``.
+    resolved into ``kv_cache_config.hash_block_size``. ``proof_tokens`` is what
+    ``compat.speculative_proof_tokens`` found: every draft group gets it
+    (``draft_group_spec``); with 0, a draft group is refused.
 
     Raises:
         UnsupportedSpecError: a group kvoffload cannot offload (the message says which).
@@ -241,7 +285,11 @@ def translate(kv_cache_config: KVCacheConfig, *, hash_block_size: int | None = N
         if not getattr(group, "enable_kv_transfer", True):
             raise UnsupportedSpecError(f"{where}: vLLM marks it as not transferable. "
                                        "Disable the connector for this model.")
-        specs.append(translate_group(index, group.layer_names, group.kv_cache_spec))
+        spec = translate_group(index, group.layer_names, group.kv_cache_spec)
+        if is_draft_group(group):
+            spec = draft_group_spec(spec, proof_tokens, f"{where} (layers "
+                                    f"{list(group.layer_names)[:4]})")
+        specs.append(spec)
         names.append(tuple(group.layer_names))
     hbs = hash_block_size or kv_cache_config.hash_block_size or specs[0].block_size
     for index, spec in enumerate(specs):
