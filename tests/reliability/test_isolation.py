@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload.blockfile.framing import HEADER_BYTES, check, encode_header
-from kvoffload.config import OffloadConfig
+from kvoffload.config import GroupKind, OffloadConfig
 from kvoffload.sim.replay import Arrival, replay
 from kvoffload.tiers.config import TierConfig
 from kvoffload.tiers.naming import namespace
@@ -50,7 +50,9 @@ def test_different_cache_salts_never_share_a_block() -> None:
     {"groups": "block_size"},
     {"block_size_factor": 2},
     {"num_workers": 1},
-], ids=["model", "key scheme", "page bytes", "block size", "factor", "tensor parallel"])
+    {"groups": "proof_tokens"},
+], ids=["model", "key scheme", "page bytes", "block size", "factor", "tensor parallel",
+        "draft proof tokens"])
 def test_anything_that_changes_a_block_changes_the_namespace(change: dict) -> None:
     config = hybrid_config(host_slots=24)
     tiers = TierConfig(model_id="test-model")
@@ -62,9 +64,30 @@ def test_anything_that_changes_a_block_changes_the_namespace(change: dict) -> No
         config = _replace_groups(config, page_bytes=config.groups[0].page_bytes * 2)
     elif value == "block_size":
         config = _replace_groups(config, block_size=8)
+    elif value == "proof_tokens":  # the full-attention group holds a drafter's layers
+        groups = tuple(dataclasses.replace(g, proof_tokens=3)
+                       if g.kind is GroupKind.FULL_ATTENTION else g for g in config.groups)
+        config = dataclasses.replace(config, groups=groups)
     else:
         config = dataclasses.replace(config, **{key: value})
     assert namespace(config, tiers) != base
+
+
+def test_a_layout_without_proof_tokens_keeps_the_namespace_of_earlier_releases() -> None:
+    """Disk and Redis blocks written before draft groups existed still hit: the
+    fingerprint names ``proof_tokens`` only where a group sets it."""
+    import hashlib
+    import json
+
+    config, tiers = hybrid_config(host_slots=24), TierConfig(model_id="test-model")
+    earlier = {"format": 1, "model": "test-model", "key_scheme": tiers.key_scheme,
+               "hash_block_size": config.hash_block_size,
+               "block_size_factor": config.block_size_factor,
+               "num_workers": config.num_workers,
+               "groups": [[g.kind.value, g.block_size, g.sliding_window, g.num_layers,
+                           g.page_bytes, g.state_alignment] for g in config.groups]}
+    blob = json.dumps(earlier, sort_keys=True, separators=(",", ":")).encode()
+    assert namespace(config, tiers) == hashlib.sha256(blob).hexdigest()[:32]
 
 
 def _replace_groups(config: OffloadConfig, **fields: int) -> OffloadConfig:

@@ -26,8 +26,11 @@ TMP_SUFFIX = ".tmp"
 
 def namespace(config: OffloadConfig, tiers: TierConfig) -> str:
     """A 32-hex-digit fingerprint of model, layout and key scheme (see module docstring)."""
+    # A draft group's proof tokens decide which block a key names (``key_lag_blocks``);
+    # named only where set, so that every other layout keeps the namespace it had.
     groups = [[g.kind.value, g.block_size, g.sliding_window, g.num_layers, g.page_bytes,
-               g.state_alignment] for g in config.groups]
+               g.state_alignment, *([g.proof_tokens] if g.proof_tokens else [])]
+              for g in config.groups]
     description = {
         "format": 1,
         "model": tiers.model_id,
