@@ -28,7 +28,7 @@ def check(vllm_config: Any, kv_cache_config: Any) -> int:
     """``check_engine_features``: the draft groups' proof tokens, or ``ConfigError``."""
     from kvoffload.integrations.vllm.compat import check_engine_features
 
-    return check_engine_features(vllm_config, kv_cache_config)
+    return check_engine_features(vllm_config, kv_cache_config).proof_tokens
 
 
 def engine_config(**spec: Any) -> SimpleNamespace:
@@ -47,14 +47,23 @@ def test_a_plain_engine_passes() -> None:
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "draft_model"])
-def test_speculative_decoding_with_draft_kv_is_refused(method: str) -> None:
-    """Without a group vLLM marks as the drafter's (and, for a separate draft model, in
-    any case), kvoffload cannot tell which blocks the drafter rewrites."""
-    config = engine_config(method=method, uses_draft_kv_cache=lambda: True)
-    with pytest.raises(ConfigError, match=f"method '{method}' gives the draft model "
-                                          "KV-cache layers.*Use speculative decoding "
-                                          "without a draft model"):
-        check(config, full_config())
+def test_draft_kv_no_group_is_marked_for_keys_every_group_late(method: str) -> None:
+    """Where vLLM marks no group as the drafter's, any group may hold its layers: every
+    group is keyed late (the target pays one block of every hit), which the translation
+    accepts where every group is full attention and refuses otherwise, saying why."""
+    from kvoffload.integrations.vllm.compat import check_engine_features
+    from kvoffload.integrations.vllm.translate import UnsupportedSpecError, translate
+
+    config = engine_config(method=method, uses_draft_kv_cache=lambda: True,
+                           num_speculative_tokens=2)
+    draft = check_engine_features(config, full_config())
+    assert (draft.proof_tokens, draft.every_group) == (3, True)
+    groups = translate(full_config(), proof_tokens=3, every_group_draft=True).groups
+    assert [g.proof_tokens for g in groups] == [3]
+    hybrid = kit.Layout("hybrid").kv_cache_config(64)
+    with pytest.raises(UnsupportedSpecError, match="may hold\\) a speculative drafter's "
+                                                   "layers and is a sliding_window group"):
+        translate(hybrid, proof_tokens=3, every_group_draft=True)
 
 
 def marks_drafts() -> bool:
@@ -63,18 +72,17 @@ def marks_drafts() -> bool:
     return marks_draft_layers()
 
 
-def test_a_group_vllm_marks_as_holding_draft_layers_is_refused() -> None:
-    """vLLM 0.32 sets ``is_eagle_group`` by guesses and marks no draft layer: refused,
-    naming the group's layers. vLLM 0.33 on marks them: the group is a draft group, with
-    ``num_speculative_tokens + 1`` proof tokens (``test_speculative``)."""
+def test_a_group_vllm_marks_as_holding_draft_layers_is_a_draft_group() -> None:
+    """vLLM 0.33 on marks a drafter's layers: the group it marks is a draft group, with
+    ``num_speculative_tokens + 1`` proof tokens (``test_speculative``). vLLM 0.32 sets
+    ``is_eagle_group`` by guesses and marks no draft layer: every group is keyed late."""
+    from kvoffload.integrations.vllm.compat import check_engine_features
+
     kv = full_config()
     kv.kv_cache_groups[0] = dataclasses.replace(kv.kv_cache_groups[0], is_eagle_group=True)
     config = engine_config(method="eagle", num_speculative_tokens=2)
-    if marks_drafts():
-        assert check(config, kv) == 3
-        return
-    with pytest.raises(ConfigError, match=r"draft layers: layers\.0\.attn, layers\.2\.attn"):
-        check(config, kv)
+    draft = check_engine_features(config, kv)
+    assert (draft.proof_tokens, draft.every_group) == (3, not marks_drafts())
 
 
 def test_per_layer_draft_marks_of_vllm_033_are_read() -> None:
@@ -111,7 +119,7 @@ def draft_kv(*, separate: bool = True, **spec: Any) -> tuple[SimpleNamespace, An
 
 
 @pytest.mark.parametrize(("method", "why"), [
-    ("draft_model", "a separate draft model"), ("dflash", "DFlash builds its draft KV"),
+    ("dflash", "DFlash builds its draft KV"),
     ("dspark", "DSpark builds its draft KV"),
     ("extract_hidden_states", "hidden states in a KV-cache layer")])
 def test_drafters_without_a_rule_are_refused_with_why(method: str, why: str) -> None:
@@ -128,26 +136,24 @@ def test_a_custom_speculative_method_is_refused() -> None:
         check(config, kv)
 
 
-def test_draft_kv_on_a_vllm_without_draft_marks_is_refused(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """What vLLM 0.32 gets (``test_speculative`` builds its real engine there)."""
+@pytest.mark.parametrize("why", ["no is_draft (vLLM 0.32)", "disable_eagle_block_drop",
+                                 "a separate draft model"])
+def test_draft_kv_vllm_marks_no_group_for_keys_every_group_late(
+        monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    """What vLLM 0.32 gets (no per-layer marks), what ``disable_eagle_block_drop`` gives
+    (no ``is_eagle_group``), and a separate draft model: the marked group alone would not
+    be enough, so every group is treated as the drafter's."""
     from kvoffload.integrations.vllm import compat
 
-    monkeypatch.setattr(compat, "marks_draft_layers", lambda: False)
-    config, kv = draft_kv()
-    with pytest.raises(ConfigError, match=r"does not mark which layers are the drafter's.*"
-                                          r"needs vLLM >= 0\.33"):
-        check(config, kv)
-
-
-def test_disabled_eagle_block_drop_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvoffload.integrations.vllm import compat
-
-    monkeypatch.setattr(compat, "marks_draft_layers", lambda: True)
-    config, kv = draft_kv(use_eagle_block_drop=lambda: False)
-    with pytest.raises(ConfigError, match=r"disable_eagle_block_drop: is set.*Leave "
-                                          "disable_eagle_block_drop unset"):
-        check(config, kv)
+    monkeypatch.setattr(compat, "marks_draft_layers", lambda: why != "no is_draft (vLLM 0.32)")
+    spec: dict[str, Any] = {
+        "disable_eagle_block_drop": {"use_eagle_block_drop": lambda: False},
+        "a separate draft model": {"method": "draft_model"}}.get(why, {})
+    config, kv = draft_kv(**spec)
+    if why == "a separate draft model":  # its groups carry no is_eagle_group
+        kv = full_config()
+    draft = compat.check_engine_features(config, kv)
+    assert (draft.proof_tokens, draft.every_group) == (4, True)
 
 
 def test_draft_marks_without_a_drafter_are_refused() -> None:

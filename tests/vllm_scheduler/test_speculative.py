@@ -4,7 +4,7 @@
 The drafter's layers hold at a position KV computed from the token after it, and the last
 ``k + 1`` positions a request computed are still provisional (``attention_runner``'s
 draft values): kvoffload keys, stores and hits a draft group one block late
-(``GroupSpec.proof_tokens = k + 1``, set by ``compat.speculative_proof_tokens`` and
+(``GroupSpec.proof_tokens = k + 1``, set by ``compat.speculative_draft_kv`` and
 ``translate.draft_group_spec``). Every position a step reads is checked against what a
 recompute of the request's own tokens writes, every store against the final draft values
 (a store of a volatile block fails), and the outputs against the scripted model's greedy
@@ -31,7 +31,6 @@ from pathlib import Path
 import pytest
 
 from integration.markers import VLLM
-from kvoffload.errors import ConfigError
 
 pytestmark = VLLM
 
@@ -56,8 +55,9 @@ def marks_drafts() -> bool:
 @pytest.fixture
 def needs_draft_marks(marks_drafts: bool) -> None:
     if not marks_drafts:
-        pytest.skip("vLLM 0.32 does not mark draft layers: draft KV is refused there "
-                    "(test_vllm_032_refuses_draft_kv)")
+        pytest.skip("vLLM 0.32 marks no drafter's layer: every group is keyed late there "
+                    "(test_draft_groups_are_offloaded_one_block_late; the runs need the "
+                    "marks to tell the draft group's values from the target's)")
 
 
 def greedy(prompt: list[int], n: int) -> list[int]:
@@ -110,10 +110,19 @@ def test_draft_groups_are_offloaded_one_block_late(root: Path, marks_drafts: boo
                                                    layout: str, method: str, k: int) -> None:
     """vLLM 0.33 and 0.34: the groups holding the drafter's layers (a group of its own,
     or the target's full-attention group the draft layer was merged into) get
-    ``num_speculative_tokens + 1`` proof tokens, the others none; vLLM 0.32 refuses."""
+    ``num_speculative_tokens + 1`` proof tokens, the others none. vLLM 0.32 marks no
+    drafter's layer: every group gets them, and a sliding-window group is refused."""
     if not marks_drafts:
-        with pytest.raises(ConfigError, match=r"needs vLLM >= 0\.33"):
-            kit.build(root, kit.Layout(layout), speculative=(method, k))
+        from kvoffload.integrations.vllm.translate import UnsupportedSpecError
+
+        if "hybrid" in layout:
+            with pytest.raises(UnsupportedSpecError, match=r"may hold\) a speculative drafter's "
+                                                r"layers and is a sliding_window group"):
+                kit.build(root, kit.Layout(layout), speculative=(method, k))
+            return
+        with kit.engine(root, kit.Layout(layout), speculative=(method, k)) as eng:
+            for connector in (eng.connector, eng.worker):
+                assert all(g.proof_tokens == k + 1 for g in connector.layout.groups)
         return
     with kit.engine(root, kit.Layout(layout), speculative=(method, k)) as eng:
         marked = [i for i, g in enumerate(eng.scheduler.kv_cache_config.kv_cache_groups)
@@ -125,14 +134,6 @@ def test_draft_groups_are_offloaded_one_block_late(root: Path, marks_drafts: boo
             assert all(groups[i].proof_tokens == k + 1 for i in marked)
             assert [g.index for g in connector.offload_config.resolved
                     if g.key_lag_blocks == 1] == marked
-
-
-def test_vllm_032_refuses_draft_kv(root: Path, marks_drafts: bool) -> None:
-    if marks_drafts:
-        pytest.skip("this vLLM (0.33 on) marks draft layers")
-    with pytest.raises(ConfigError, match=r"does not mark which layers are the drafter's "
-                                          r"\(KVCacheSpec\.is_draft, from vLLM 0\.33\)"):
-        kit.build(root, kit.Layout("draft"), speculative=("eagle", 2))
 
 
 # -- runs ------------------------------------------------------------------------------

@@ -6,17 +6,18 @@ vLLM 0.33", "What changed in vLLM 0.34") lists every change a connector sees and
 kvoffload does about each; the ones refused at start-up are checked here, each with what
 to change:
 
-* **Draft-model KV of speculative decoding** (``speculative_proof_tokens``): the layers of
+* **Draft-model KV of speculative decoding** (``speculative_draft_kv``): the layers of
   an EAGLE, EAGLE-3 or MTP drafter hold at a position KV computed from the token after it,
-  rewritten until the speculated tokens after it are verified. vLLM 0.33 and 0.34 mark
-  them (``KVCacheSpec.is_draft``; with the trailing-block drop on, every group holding one
-  is ``is_eagle_group``, also when they are merged into a target group); kvoffload keys,
-  stores and hits such a group's blocks ``num_speculative_tokens + 1`` tokens late
-  (``GroupSpec.proof_tokens``). Refused, each with what to change: draft KV on vLLM 0.32
-  (no ``is_draft``: it cannot say which layers are the drafter's), drafters kvoffload has
-  no rule for (a separate draft model, DFlash, DSpark, hidden-state extraction, a custom
-  method), ``disable_eagle_block_drop`` (vLLM then marks no group), a draft group vLLM
-  does not mark, and a proof longer than one block (in ``translate``). Speculative
+  rewritten until the speculated tokens after it are verified; a separate draft model's
+  KV is rewritten in the same way. vLLM 0.33 and 0.34 mark an EAGLE or MTP drafter's
+  layers (``KVCacheSpec.is_draft``; with the trailing-block drop on, every group holding
+  one is ``is_eagle_group``, also when they are merged into a target group); kvoffload
+  keys, stores and hits such a group's blocks ``num_speculative_tokens + 1`` tokens late
+  (``GroupSpec.proof_tokens``). Where vLLM marks none (0.32, a separate draft model,
+  ``disable_eagle_block_drop``) every group is keyed late (``DraftKV.every_group``), which
+  ``translate`` accepts only where every group is full attention. Refused, each with what
+  to change: drafters kvoffload has no rule for (DFlash, DSpark, hidden-state extraction,
+  a custom method) and a proof longer than one block (in ``translate``). Speculative
   methods without draft KV (n-gram, suffix) need nothing.
 * **Sleep mode** (``enable_sleep_mode``): vLLM 0.33 and 0.34 ask ``supports_sleep_mode``
   and call ``unregister_kv_caches`` / ``restore_kv_caches`` around it; the worker role keeps
@@ -40,6 +41,7 @@ it, and so in which order vLLM writes blocks and flushes (``runner_writes_before
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.errors import ConfigError
@@ -47,14 +49,33 @@ from kvoffload.errors import ConfigError
 _NO_DRAFT_KV_METHODS = frozenset({"ngram", "ngram_gpu", "suffix"})
 """Speculative methods that propose tokens without a draft model's KV cache."""
 
-DRAFT_KV_METHODS = frozenset({"eagle", "eagle3", "mtp"})
-"""Speculative methods whose draft KV kvoffload offloads: the drafter's KV at a position
-is computed from the target's hidden state there and the token after it, and is final
-once the speculated tokens after it are verified (vLLM's ``needs_eagle_block_drop``)."""
+DRAFT_KV_METHODS = frozenset({"eagle", "eagle3", "mtp", "draft_model"})
+"""Speculative methods whose draft KV kvoffload offloads. An EAGLE, EAGLE-3 or MTP
+drafter's KV at a position is computed from the target's hidden state there and the token
+after it; a separate draft model's from the tokens up to it. Either is final once the
+speculated tokens after it are verified (``num_speculative_tokens + 1`` tokens)."""
+
+
+@dataclass(frozen=True)
+class DraftKV:
+    """What speculative decoding means for the engine's KV-cache groups.
+
+    Attributes:
+        proof_tokens: tokens after a position its draft KV depends on or may still be
+            rewritten by (``num_speculative_tokens + 1``); 0 without draft KV.
+        every_group: vLLM marks no group as the drafter's (vLLM 0.32, a separate draft
+            model, ``disable_eagle_block_drop``): every group is treated as one, which
+            is safe where all are full attention and costs the target one block of
+            every hit.
+    """
+
+    proof_tokens: int = 0
+    every_group: bool = False
+
+
+NO_DRAFT_KV = DraftKV()
 
 _UNSUPPORTED_DRAFTERS = {
-    "draft_model": "a separate draft model, whose groups vLLM does not mark for the "
-                   "trailing-block drop, so its layers cannot be told from the target's",
     "dflash": "DFlash builds its draft KV from the target's hidden states alone and "
               "vLLM marks none of its groups",
     "dspark": "DSpark builds its draft KV from the target's hidden states alone and "
@@ -64,10 +85,10 @@ _UNSUPPORTED_DRAFTERS = {
 }
 
 
-def check_engine_features(vllm_config: Any, kv_cache_config: Any) -> int:
-    """Raise ``ConfigError`` for an engine feature the connector cannot honour; return the
-    proof tokens of the draft groups (``speculative_proof_tokens``; 0 without draft KV)."""
-    proof_tokens = speculative_proof_tokens(vllm_config, kv_cache_config)
+def check_engine_features(vllm_config: Any, kv_cache_config: Any) -> DraftKV:
+    """Raise ``ConfigError`` for an engine feature the connector cannot honour; return what
+    speculative decoding means for the groups (``speculative_draft_kv``)."""
+    draft = speculative_draft_kv(vllm_config, kv_cache_config)
     model = getattr(vllm_config, "model_config", None)
     if getattr(model, "enable_sleep_mode", False):
         raise ConfigError("enable_sleep_mode", "is on, and kvoffload's connector does not "
@@ -79,7 +100,7 @@ def check_engine_features(vllm_config: Any, kv_cache_config: Any) -> int:
         raise ConfigError("num_hash_lookahead_tokens", f"is {lookahead}: vLLM publishes "
                           "lookahead block hashes, which kvoffload does not key blocks by",
                           "Set speculative_config.disable_lookahead_block_hashes to true.")
-    return proof_tokens
+    return draft
 
 
 def runner_writes_before_flush(vllm_config: Any) -> bool:
@@ -133,14 +154,17 @@ def draft_layers(kv_cache_config: Any) -> list[str]:
     return found
 
 
-def speculative_proof_tokens(vllm_config: Any, kv_cache_config: Any) -> int:
-    """The proof tokens of the engine's draft groups: ``num_speculative_tokens + 1`` for an
-    EAGLE, EAGLE-3 or MTP drafter, whose draft groups ``translate`` then keys, stores and
-    hits that many tokens late; 0 without draft KV (no speculation, n-gram, suffix).
+def speculative_draft_kv(vllm_config: Any, kv_cache_config: Any) -> DraftKV:
+    """What the engine's speculative decoding means for its KV-cache groups (``DraftKV``):
+    with an EAGLE, EAGLE-3 or MTP drafter or a separate draft model, proof tokens
+    ``num_speculative_tokens + 1`` for the groups vLLM marks as the drafter's, which
+    ``translate`` then keys, stores and hits that many tokens late; or, where vLLM marks
+    none, for every group. ``NO_DRAFT_KV`` without draft KV (no speculation, n-gram,
+    suffix).
 
     Raises:
-        ConfigError: draft KV kvoffload cannot keep apart from the target's or prove
-            final (the message says which and why, and what to change).
+        ConfigError: draft KV kvoffload cannot prove final (the message says which and
+            why, and what to change).
     """
     spec = getattr(vllm_config, "speculative_config", None)
     drafts = draft_layers(kv_cache_config)
@@ -153,14 +177,14 @@ def speculative_proof_tokens(vllm_config: Any, kv_cache_config: Any) -> int:
                               f"KV-cache layers{layers}",
                               "Report this configuration; kvoffload cannot tell which "
                               "blocks a drafter rewrites.")
-        return 0
+        return NO_DRAFT_KV
     uses_draft_kv = getattr(spec, "uses_draft_kv_cache", None)
     has_draft_kv = (uses_draft_kv() if callable(uses_draft_kv)
                     else method not in _NO_DRAFT_KV_METHODS)
     if not has_draft_kv and not drafts:
-        return 0
+        return NO_DRAFT_KV
     fix = ("Use speculative decoding without a draft model (method 'ngram' or 'suffix'), "
-           "an EAGLE, EAGLE-3 or MTP drafter, or none.")
+           "an EAGLE, EAGLE-3 or MTP drafter, a separate draft model, or none.")
     custom = getattr(spec, "custom_method", None)
     if custom:
         raise ConfigError("speculative_config.method",
@@ -172,28 +196,11 @@ def speculative_proof_tokens(vllm_config: Any, kv_cache_config: Any) -> int:
                                         "draft KV is final")
         raise ConfigError("speculative_config.method",
                           f"method {method!r} gives the draft model KV-cache layers{layers}, "
-                          f"which kvoffload cannot keep apart from the target model's: {why}",
-                          fix)
-    if not marks_draft_layers():
-        raise ConfigError("speculative_config.method",
-                          f"method {method!r} gives the draft model KV-cache layers{layers}, "
-                          "and this vLLM does not mark which layers are the drafter's "
-                          "(KVCacheSpec.is_draft, from vLLM 0.33): kvoffload would store "
-                          "draft KV that is still rewritten as if it were final",
-                          "Use speculative decoding without a draft model (method 'ngram' "
-                          "or 'suffix') here: offloading draft KV needs vLLM >= 0.33.")
+                          f"which kvoffload cannot prove final: {why}", fix)
+    proof = int(spec.num_speculative_tokens) + 1
     drop = getattr(spec, "use_eagle_block_drop", None)
-    if callable(drop) and not drop():
-        raise ConfigError("speculative_config.disable_eagle_block_drop",
-                          "is set: vLLM then marks no KV-cache group as the drafter's "
-                          "(is_eagle_group), so kvoffload cannot tell which blocks are "
-                          "rewritten after they are computed",
-                          "Leave disable_eagle_block_drop unset (kvoffload keys the draft "
-                          "groups late instead of dropping blocks).")
-    if not drafts:
-        raise ConfigError("speculative_config.method",
-                          f"method {method!r} gives the draft model KV-cache layers, but "
-                          "vLLM marks no KV-cache group as holding them (is_eagle_group, "
-                          "is_draft): kvoffload cannot tell which blocks the drafter "
-                          "rewrites", fix)
-    return int(spec.num_speculative_tokens) + 1
+    marked = bool(drafts) and marks_draft_layers() and not (callable(drop) and not drop())
+    # Unmarked (vLLM 0.32 has no is_draft; a separate draft model's groups, or those
+    # under disable_eagle_block_drop, carry no is_eagle_group): the drafter's layers may
+    # sit in any group, so every group is keyed late.
+    return DraftKV(proof, every_group=not marked)

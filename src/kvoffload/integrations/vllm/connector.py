@@ -16,7 +16,7 @@ GPU. The connector declares ``SupportsHMA``: every KV-cache group (full attentio
 sliding window, Mamba) is offloaded by its own rule, so hybrid models keep vLLM's hybrid
 memory allocator. Under speculative decoding with an EAGLE, EAGLE-3 or MTP drafter (vLLM
 0.33 and 0.34), the groups holding the drafter's layers are offloaded too, keyed one block
-late (``compat.speculative_proof_tokens``, ``translate.draft_group_spec``).
+late (``compat.speculative_draft_kv``, ``translate.draft_group_spec``).
 
 Lower tiers (``"tiers": ["host", "disk", "remote"]`` with ``disk_path``/``disk_capacity``
 and ``remote_url``; see ``options``) sit behind host memory: the scheduler's planner talks
@@ -71,10 +71,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.options = ConnectorOptions.from_extra_config(extra)
         num_workers = check_parallelism(vllm_config.parallel_config)
-        proof_tokens = check_engine_features(vllm_config, kv_cache_config)
-        self.layout = translate(kv_cache_config, proof_tokens=proof_tokens)
+        draft = check_engine_features(vllm_config, kv_cache_config)
+        self.layout = translate(kv_cache_config, proof_tokens=draft.proof_tokens,
+                                every_group_draft=draft.every_group)
         self.offload_config = self.layout.offload_config(self.options, num_workers)
-        self.tier_config = with_model_id(self.options.tier_config, vllm_config, proof_tokens)
+        self.tier_config = with_model_id(self.options.tier_config, vllm_config,
+                                         draft.proof_tokens)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -29,7 +29,7 @@ Mamba pages to a common size inside one allocation, and only the real bytes are 
 
 A group that holds a speculative drafter's layers (``compat.is_draft_group``: vLLM marks it
 ``is_eagle_group``, or a layer of it ``is_draft``) is translated as above and then given the
-proof tokens ``compat.speculative_proof_tokens`` found (``draft_group_spec``): its offloaded
+proof tokens ``compat.speculative_draft_kv`` found (``draft_group_spec``): its offloaded
 blocks are keyed, stored and hit one block late. It must be full attention, and the proof
 must fit in one of its blocks; anything else is refused.
 """
@@ -231,13 +231,14 @@ def draft_group_spec(spec: GroupSpec, proof_tokens: int, where: str) -> GroupSpe
     Raises:
         UnsupportedSpecError: the group is not full attention (kvoffload keys only
             full-attention blocks late), the proof is missing (the engine has no draft KV
-            by ``compat.speculative_proof_tokens``, yet vLLM marks the group) or longer than
+            by ``compat.speculative_draft_kv``, yet vLLM marks the group) or longer than
             one block of the group.
     """
     if spec.kind is not GroupKind.FULL_ATTENTION:
         raise UnsupportedSpecError(
-            f"{where}: it holds a speculative drafter's layers and is a {spec.kind.value} "
-            "group: kvoffload keys a drafter's blocks late only in full-attention groups "
+            f"{where}: it holds (or, where vLLM marks no group as the drafter's, may hold) "
+            f"a speculative drafter's layers and is a {spec.kind.value} group: kvoffload "
+            "keys a drafter's blocks late only in full-attention groups "
             "(a window or a Mamba state would have to be proven over tokens it no longer "
             "holds). Use speculative decoding without a draft model (method 'ngram' or "
             "'suffix'), or disable the connector for this model.")
@@ -260,14 +261,15 @@ def draft_group_spec(spec: GroupSpec, proof_tokens: int, where: str) -> GroupSpe
 
 
 def translate(kv_cache_config: KVCacheConfig, *, hash_block_size: int | None = None,
-              proof_tokens: int = 0) -> EngineLayout:
+              proof_tokens: int = 0, every_group_draft: bool = False) -> EngineLayout:
     """kvoffload's ``EngineLayout`` of a vLLM ``KVCacheConfig``.
 
     Every group must translate (kvoffload moves all groups or none: a hit must be valid for
     every group at once). ``hash_block_size`` defaults to the one vLLM's engine core
     resolved into ``kv_cache_config.hash_block_size``. ``proof_tokens`` is what
-    ``compat.speculative_proof_tokens`` found: every draft group gets it
-    (``draft_group_spec``); with 0, a draft group is refused.
+    ``compat.speculative_draft_kv`` found: every draft group gets it
+    (``draft_group_spec``), and with ``every_group_draft`` (vLLM marks no draft group)
+    every group; with 0, a draft group is refused.
 
     Raises:
         UnsupportedSpecError: a group kvoffload cannot offload (the message says which).
@@ -286,7 +288,7 @@ def translate(kv_cache_config: KVCacheConfig, *, hash_block_size: int | None = N
             raise UnsupportedSpecError(f"{where}: vLLM marks it as not transferable. "
                                        "Disable the connector for this model.")
         spec = translate_group(index, group.layer_names, group.kv_cache_spec)
-        if is_draft_group(group):
+        if every_group_draft or is_draft_group(group):
             spec = draft_group_spec(spec, proof_tokens, f"{where} (layers "
                                     f"{list(group.layer_names)[:4]})")
         specs.append(spec)
