@@ -41,8 +41,7 @@ def eng(tiny_model: Callable[[str], Path]) -> Iterator[Any]:
 
     # vLLM's CPU GDN kernels run bf16 only. Prefill chunks of 256 tokens are shorter
     # than a block: vLLM then carries the state across chunks to the next block boundary.
-    with engine(tiny_model("qwen3_next"), dtype="bfloat16", max_model_len=2048,
-                torch_threads=1) as e:
+    with engine(tiny_model("qwen3_next"), dtype="bfloat16", max_model_len=2048) as e:
         yield e
 
 

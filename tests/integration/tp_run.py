@@ -1,17 +1,22 @@
-"""One tensor-parallel vLLM engine (two ranks, each bound to its own core) for
-``test_vllm_tensor_parallel.py``; run as ``python -m integration.tp_run MODEL_DIR
-[MAX_NUM_BATCHED_TOKENS]``.
+"""Tensor-parallel vLLM engines (two ranks, each bound to its own core) for
+``test_vllm_tensor_parallel.py``; run as ``python -m integration.tp_run
+MODEL_DIR[:MAX_NUM_BATCHED_TOKENS] ...``.
 
-Three rounds of the same prompts: the first computes and stores them, the second (after
-vLLM's own prefix cache is dropped) must get them from kvoffload, the third does the same
-with rank 1's loaded bytes overwritten (a negative control). Each rank counts the bytes
-it loads (a ``WorkerSide.after_load`` hook installed through vLLM's ``collective_rpc``).
-Prints one ``RESULT`` JSON line: outputs and cached tokens per round, the bytes each rank
-loaded, and the connector's Prometheus counters as vLLM aggregated them.
+One engine per argument, one after the other in this process (each with its own engine
+core and worker processes, shut down before the next starts: only the imports of this
+process are shared). Three rounds of the same prompts: the first computes and stores
+them, the second (after vLLM's own prefix cache is dropped) must get them from kvoffload,
+the third does the same with rank 1's loaded bytes overwritten (a negative control). Each
+rank counts the bytes it loads (a ``WorkerSide.after_load`` hook installed through vLLM's
+``collective_rpc``). Prints one ``RESULT`` JSON line per engine: its argument, outputs and
+cached tokens per round, the bytes each rank loaded, and the connector's Prometheus
+counters as vLLM aggregated them (vLLM registers them afresh for each engine).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import sys
 import time
@@ -58,8 +63,8 @@ def corrupt_rank_one(worker: Any) -> None:
     side.corrupt = side.worker.rank == 1
 
 
-def main(model: str, max_num_batched_tokens: int | None = None) -> None:
-    from vllm import LLM, SamplingParams
+def run(model: str, max_num_batched_tokens: int | None = None) -> dict[str, Any]:
+    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512,
@@ -71,6 +76,18 @@ def main(model: str, max_num_batched_tokens: int | None = None) -> None:
                   kv_connector_module_path="kvoffload.integrations.vllm", kv_role="kv_both",
                   kv_load_failure_policy="recompute",
                   kv_connector_extra_config={"host_memory_bytes": "32MiB"}))
+    try:
+        return rounds_of(llm)
+    finally:
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def rounds_of(llm: Any) -> dict[str, Any]:
+    from vllm import SamplingParams
+
     ranks = llm.collective_rpc(count_loads)
     prompts = [{"prompt_token_ids": [(7 * i + 13 * n) % 990 + 5 for i in range(n)]}
                for n in (70, 150, 260)]
@@ -89,9 +106,15 @@ def main(model: str, max_num_batched_tokens: int | None = None) -> None:
             metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
                        if m.name.startswith("vllm:kvoffload_")}
         assert llm.reset_prefix_cache()
-    print("RESULT " + json.dumps({"ranks": ranks, "rounds": rounds, "loaded": loaded,
-                                  "metrics": metrics}))
+    return {"ranks": ranks, "rounds": rounds, "loaded": loaded, "metrics": metrics}
+
+
+def main(args: list[str]) -> None:
+    for arg in args:
+        model, sep, tokens = arg.rpartition(":")
+        result = run(model, int(tokens)) if sep else run(arg)
+        print("RESULT " + json.dumps({"run": arg, **result}), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)
+    main(sys.argv[1:])

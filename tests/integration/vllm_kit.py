@@ -141,15 +141,17 @@ def start_engine(model: Path, *, host_memory: str = "64MiB", block_size: int = 3
                  max_num_batched_tokens: int = 256, kv_cache_bytes: int = 16 << 20,
                  max_num_seqs: int = 8, extra: dict[str, Any] | None = None,
                  dtype: str = "float32", max_model_len: int = 512,
-                 torch_threads: int | None = None, **llm_kwargs: Any) -> Engine:
+                 torch_threads: int | None = 1, **llm_kwargs: Any) -> Engine:
     """An in-process ``LLM`` on ``model`` with kvoffload's connector (CPU, eager; float32
     unless ``dtype`` says otherwise).
 
-    ``torch_threads`` sets torch's intra-op threads once the engine runs. vLLM 0.32's CPU
-    worker means to drop them to 1 for serving, but the no-op it puts in place of
-    ``torch.set_num_threads`` swallows its own call; ops that fall back to torch's
-    multi-threaded CPU kernels (the gated delta-net's bf16 prefill conv1d on a CPU without
-    AVX-512 BF16) then spin on a busy machine, up to a second per call.
+    ``torch_threads`` sets torch's intra-op threads once the engine runs (``None``: leave
+    them as vLLM does). vLLM 0.32's CPU worker means to drop them to 1 for serving, but the
+    no-op it puts in place of ``torch.set_num_threads`` swallows its own call. Torch's
+    multi-threaded CPU kernels then spin-wait between the engine's small ops, which on a
+    busy machine makes every model several times slower and the gated delta-net's bf16
+    prefill conv1d (on a CPU without AVX-512 BF16) up to a second per call. The default,
+    1, is what vLLM means to serve with.
     """
     from vllm import LLM
     from vllm.config import KVTransferConfig
