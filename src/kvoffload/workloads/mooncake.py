@@ -38,9 +38,6 @@ from __future__ import annotations
 import codecs
 import json
 import math
-import os
-import re
-import stat
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -49,6 +46,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvoffload.errors import TraceError
+from kvoffload.files import UnreadableFileError, json_too_deep, open_regular_file
 from kvoffload.workloads.request import TOKEN_TYPECODE, WorkloadRequest, derive_tokens
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -75,7 +73,6 @@ MAX_NESTING = 16
 ``hash_ids`` list)."""
 
 _BLOCK_CACHE_SIZE = 4096
-_JSON_SPECIAL = re.compile(r'[\[\]{}"\\]')
 
 
 class _BlockTokens:
@@ -189,29 +186,15 @@ def open_trace_file(path: str | Path) -> IO[bytes]:
     """Open ``path`` for binary reading, refusing anything but a regular file with a
     ``TraceError`` (line 0, field ``<file>``).
 
-    The descriptor is opened non-blocking, so opening a FIFO returns at once (instead of
-    waiting for a writer) and its type is refused from ``fstat`` before anything is read.
+    The descriptor is opened non-blocking (``kvoffload.files.open_regular_file``), so a
+    FIFO is refused from its type at once instead of waiting for a writer.
     """
-    path = str(path)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        raise TraceError(path, 0, "<file>", f"cannot be opened ({exc.strerror or exc}); "
-                         "give the path of a readable trace file") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = ("a directory" if stat.S_ISDIR(mode) else
-                    "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file")
-            raise TraceError(path, 0, "<file>",
-                             f"is {kind}; give the path of a JSON-lines trace file")
-        if hasattr(os, "set_blocking"):
-            os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+        return open_regular_file(path)
+    except UnreadableFileError as exc:
+        fix = ("give the path of a readable trace file" if exc.reason.startswith("cannot")
+               else "give the path of a JSON-lines trace file")
+        raise TraceError(str(path), 0, "<file>", f"{exc.reason}; {fix}") from None
 
 
 def _lines(path: str, f: IO[bytes]) -> Iterator[tuple[int, str]]:
@@ -280,34 +263,6 @@ def count_trace_lines(path: str | Path, chunk_bytes: int = 1 << 20) -> int:
                 return count + open_line
 
 
-def _too_deep(text: str, limit: int) -> bool:
-    """Whether brackets outside strings nest deeper than ``limit`` (linear, no recursion)."""
-    if text.count("[") + text.count("{") <= limit:
-        return False
-    depth = 0
-    in_string = False
-    escaped_at = -1
-    for match in _JSON_SPECIAL.finditer(text):
-        pos = match.start()
-        if pos == escaped_at:
-            continue
-        char = match.group()
-        if in_string:
-            if char == "\\":
-                escaped_at = pos + 1
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
-            depth += 1
-            if depth > limit:
-                return True
-        elif char in "]}":
-            depth -= 1
-    return False
-
-
 def _parse(path: str, lineno: int, line: str) -> dict[str, Any]:
     return parse_json_object(path, lineno, line, max_nesting=MAX_NESTING,
                              nesting_hint="; a request is a flat object with one list")
@@ -318,7 +273,7 @@ def parse_json_object(path: str, lineno: int, line: str, *, max_nesting: int,
     """Line ``lineno`` of ``path`` as a JSON object; ``TraceError`` (field ``<json>``) for
     brackets nested deeper than ``max_nesting`` (checked before parsing), invalid JSON or
     another JSON type."""
-    if _too_deep(line, max_nesting):
+    if json_too_deep(line, max_nesting):
         raise TraceError(path, lineno, "<json>",
                          f"brackets nest deeper than {max_nesting}{nesting_hint}")
     try:
