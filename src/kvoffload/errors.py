@@ -7,6 +7,18 @@ for broken invariants that indicate a bug (``InvariantError``).
 
 from __future__ import annotations
 
+SHOWN_CHARS = 80
+"""Longest rendering of an offending value in an error message (``shown``)."""
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters with a note of
+    the full length, so a 10 MB field or a 100 KiB flag is named without being echoed."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text):,} characters)"
+
 
 class KVOffloadError(Exception):
     """Base class of every error kvoffload raises on purpose."""

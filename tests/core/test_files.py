@@ -91,3 +91,11 @@ def test_json_too_deep_agrees_with_the_parsed_depth(value: object, limit: int) -
 def test_json_too_deep_scans_deep_text_without_recursion() -> None:
     assert json_too_deep("[" * 1_000_000, 64)
     assert not json_too_deep("[" * 64 + "]" * 64, 64)
+
+
+def test_an_offending_value_is_shown_cut_to_a_readable_length() -> None:
+    from kvoffload.errors import shown
+    assert shown("abc") == "'abc'"
+    long = shown("x" * 10_000_000)
+    assert long.startswith("'xxx") and long.endswith("... (10,000,002 characters)")
+    assert len(long) < 120
