@@ -26,6 +26,7 @@ from kvoffload.workloads.mooncake import (
     MAX_LINE_BYTES,
     MAX_NESTING,
     MAX_OUTPUT_TOKENS,
+    MAX_TIMESTAMP_MS,
     read_mooncake_trace,
 )
 
@@ -62,6 +63,9 @@ LINES: dict[str, tuple[bytes, str]] = {
     "timestamp NaN": (b'{"timestamp": NaN, "input_length": 600, "output_length": 2, '
                       b'"hash_ids": [1, 2]}', "timestamp"),
     "timestamp infinite": (_line(timestamp=float("inf")), "timestamp"),
+    "timestamp 1e308": (_line(timestamp=1e308), "timestamp"),
+    "timestamp 1e300 (a 300-digit duration)": (_line(timestamp=1e300), "timestamp"),
+    "timestamp after the year 9999": (_line(timestamp=MAX_TIMESTAMP_MS + 1), "timestamp"),
     "timestamp a list": (_line(timestamp=[1]), "timestamp"),
     "input_length a string": (_line(input_length="600"), "input_length"),
     "input_length negative": (_line(input_length=-600), "input_length"),
@@ -141,13 +145,14 @@ def test_bounds_admit_their_largest_values(tmp_path: Path) -> None:
     deep = json.loads("[" * (MAX_NESTING - 1) + "]" * (MAX_NESTING - 1))
     ids = [MAX_HASH_ID] * (MAX_INPUT_TOKENS // 512)
     line = _line(input_length=MAX_INPUT_TOKENS, output_length=MAX_OUTPUT_TOKENS,
-                 hash_ids=ids, note="[[[[{{{{" * 40, extra=deep)
+                 hash_ids=ids, note="[[[[{{{{" * 40, extra=deep, timestamp=MAX_TIMESTAMP_MS)
     assert len(line) < MAX_LINE_BYTES  # the line bound is consistent with the token bound
     path = tmp_path / "t.jsonl"
     path.write_bytes(line + b"\n")
     (req,) = read_mooncake_trace(path)
     assert req.num_prompt_tokens == MAX_INPUT_TOKENS
     assert req.output_length == MAX_OUTPUT_TOKENS
+    assert req.arrival_s == MAX_TIMESTAMP_MS / 1000
 
 
 def _fifo(tmp_path: Path) -> Path:

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import IO, Any, Literal
 
-from kvoffload.errors import ConfigError, TraceError
+from kvoffload.errors import ConfigError, TraceError, shown
 from kvoffload.keys import BlockHash, BlockHasher, hash_block
 from kvoffload.workloads.model_tokenizer import ModelTokenizer
 from kvoffload.workloads.mooncake import (
     MAX_INPUT_TOKENS,
     MAX_OUTPUT_TOKENS,
-    _show,
+    MAX_TIMESTAMP_MS,
     parse_json_object,
     read_lines,
 )
@@ -46,6 +46,11 @@ without bound)."""
 
 MAX_TOKEN_ID = (1 << 31) - 1
 """Largest accepted token id in a token-id log (without ``--model``)."""
+
+MAX_TIMESTAMP_S = MAX_TIMESTAMP_MS // 1000
+"""Latest accepted timestamp, in seconds: the end of the year 9999 as Unix time (the
+latest an ISO 8601 time can give). Timestamps are times from 0 (the log's start or the
+Unix epoch) up to this; anything else (negative, ``1e300``) is no plausible arrival."""
 
 MAX_SESSION_ID_CHARS = 1024
 """Longest accepted ``session_id`` string."""
@@ -100,21 +105,29 @@ def _parse_time(path: str, lineno: int, value: object, unit: TimeUnit) -> tuple[
             moment = datetime.fromisoformat(text)
         except ValueError:
             raise TraceError(path, lineno, "timestamp",
-                             f"{_show(value)} is not an ISO 8601 time (e.g. "
+                             f"{shown(value)} is not an ISO 8601 time (e.g. "
                              "2025-01-31T12:00:00Z) nor a number of seconds") from None
         if moment.tzinfo is None:
             moment = moment.replace(tzinfo=timezone.utc)  # a naive time is read as UTC
-        return "iso", moment.timestamp()
+        seconds = moment.timestamp()
+        if not 0 <= seconds <= MAX_TIMESTAMP_S:
+            raise TraceError(path, lineno, "timestamp",
+                             f"{shown(value)} is outside 1970-01-01T00:00:00Z to the end "
+                             "of year 9999; give the request's arrival time")
+        return "iso", seconds
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         try:
             seconds = float(value) / (1000.0 if unit == "ms" else 1.0)
         except OverflowError:
             seconds = math.inf
-        if not math.isfinite(seconds):
-            raise TraceError(path, lineno, "timestamp", f"must be finite, got {_show(value)}")
+        if not (math.isfinite(seconds) and 0 <= seconds <= MAX_TIMESTAMP_S):
+            most = f"{MAX_TIMESTAMP_S:,} s" if unit == "s" else f"{MAX_TIMESTAMP_MS:,} ms"
+            raise TraceError(path, lineno, "timestamp",
+                             f"must be a number in [0, {most}] (up to the end of year 9999 "
+                             f"as Unix time), got {shown(value)}")
         return "number", seconds
     raise TraceError(path, lineno, "timestamp",
-                     f"expected seconds (a number) or an ISO 8601 string, got {_show(value)}")
+                     f"expected seconds (a number) or an ISO 8601 string, got {shown(value)}")
 
 
 def _output_length(path: str, lineno: int, record: dict[str, Any], default: int) -> int:
@@ -123,10 +136,10 @@ def _output_length(path: str, lineno: int, record: dict[str, Any], default: int)
         if value is None:
             continue
         if not _is_int(value):
-            raise TraceError(path, lineno, field, f"expected an integer, got {_show(value)}")
+            raise TraceError(path, lineno, field, f"expected an integer, got {shown(value)}")
         if not 1 <= value <= MAX_OUTPUT_TOKENS:
             raise TraceError(path, lineno, field,
-                             f"must be in [1, {MAX_OUTPUT_TOKENS:,}], got {_show(value)}")
+                             f"must be in [1, {MAX_OUTPUT_TOKENS:,}], got {shown(value)}")
         return int(value)
     return default
 
@@ -143,7 +156,7 @@ def _session(path: str, lineno: int, record: dict[str, Any]) -> str | int | None
     if _is_int(value):
         return int(value)
     raise TraceError(path, lineno, "session_id",
-                     f"expected a string or an integer, got {_show(value)}")
+                     f"expected a string or an integer, got {shown(value)}")
 
 
 def _content(path: str, lineno: int, field: str, message: dict[str, Any]) -> str | None:
@@ -159,16 +172,16 @@ def _content(path: str, lineno: int, field: str, message: dict[str, Any]) -> str
             where = f"{field}[{j}]"
             if not isinstance(part, dict):
                 raise TraceError(path, lineno, where,
-                                 f"expected a content part object, got {_show(part)}")
+                                 f"expected a content part object, got {shown(part)}")
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise TraceError(path, lineno, where,
                                  f"only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                 f"can be tokenized, got type {_show(part.get('type'))}")
+                                 f"can be tokenized, got type {shown(part.get('type'))}")
             texts.append(part["text"])
         content = "\n".join(texts)
     if not isinstance(content, str):
         raise TraceError(path, lineno, field,
-                         f"expected a string or a list of text parts, got {_show(content)}")
+                         f"expected a string or a list of text parts, got {shown(content)}")
     if not content:
         raise TraceError(path, lineno, field, "is empty; a message needs text")
     return content
@@ -177,7 +190,7 @@ def _content(path: str, lineno: int, field: str, message: dict[str, Any]) -> str
 def _messages(path: str, lineno: int, record: dict[str, Any]) -> list[dict[str, Any]]:
     value = record["messages"]
     if not isinstance(value, list):
-        raise TraceError(path, lineno, "messages", f"expected a list, got {_show(value)}")
+        raise TraceError(path, lineno, "messages", f"expected a list, got {shown(value)}")
     if not value:
         raise TraceError(path, lineno, "messages", "is empty; a request needs a message")
     messages = []
@@ -185,12 +198,12 @@ def _messages(path: str, lineno: int, record: dict[str, Any]) -> list[dict[str, 
         if not isinstance(message, dict):
             raise TraceError(path, lineno, f"messages[{i}]",
                              f"expected an object with role and content, got "
-                             f"{_show(message)}")
+                             f"{shown(message)}")
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise TraceError(path, lineno, f"messages[{i}].role",
                              "missing" if role is None else
-                             f"expected a non-empty string, got {_show(role)}")
+                             f"expected a non-empty string, got {shown(role)}")
         content = _content(path, lineno, f"messages[{i}].content", message)
         messages.append({**message, "content": content})
     return messages
@@ -202,7 +215,7 @@ def _tools(path: str, lineno: int, record: dict[str, Any]) -> list[dict[str, Any
         return None
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise TraceError(path, lineno, "tools", f"expected a list of objects, got "
-                         f"{_show(value)}")
+                         f"{shown(value)}")
     return value or None
 
 
@@ -210,7 +223,7 @@ def _tokens(path: str, lineno: int, record: dict[str, Any], vocab: int | None) -
     value = record["tokens"]
     if not isinstance(value, list):
         raise TraceError(path, lineno, "tokens", f"expected a list of token ids, got "
-                         f"{_show(value)}")
+                         f"{shown(value)}")
     if not value:
         raise TraceError(path, lineno, "tokens", "is empty; a request needs a prompt")
     if len(value) > MAX_INPUT_TOKENS:
@@ -224,7 +237,7 @@ def _tokens(path: str, lineno: int, record: dict[str, Any], vocab: int | None) -
             what = "the model's vocabulary" if vocab is not None else "range"
             raise TraceError(path, lineno, "tokens",
                              f"item {i} must be an integer in [0, {bound:,}] ({what}), "
-                             f"got {_show(item)}")
+                             f"got {shown(item)}")
     return value
 
 

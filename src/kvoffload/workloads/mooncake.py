@@ -11,8 +11,8 @@ ids give equal tokens wherever they occur) and truncates the last block to
 ``input_length``.
 
 Every line is validated; the first problem raises ``TraceError(path, line, field,
-problem)``. Rules: a JSON object; ``timestamp`` a finite number >= 0 and not below the
-previous line's; ``input_length`` an integer in ``[1, MAX_INPUT_TOKENS]`` and
+problem)``. Rules: a JSON object; ``timestamp`` a number in ``[0, MAX_TIMESTAMP_MS]``
+and not below the previous line's; ``input_length`` an integer in ``[1, MAX_INPUT_TOKENS]`` and
 ``output_length`` an integer in ``[1, MAX_OUTPUT_TOKENS]``; ``hash_ids`` a non-empty list
 of integers in ``[0, MAX_HASH_ID]`` whose count is exactly ``ceil(input_length /
 block_tokens)``. Booleans are not integers. Blank lines are skipped. Unknown fields are
@@ -67,6 +67,12 @@ MAX_OUTPUT_TOKENS = 1 << 21
 MAX_HASH_ID = (1 << 63) - 1
 """Largest accepted hash id (a signed 64-bit integer; the shared trace's ids are below
 200,000)."""
+
+MAX_TIMESTAMP_MS = 253_402_300_799_000
+"""Largest accepted ``timestamp``: the end of the year 9999 as Unix milliseconds (about
+8,000 years of relative time; the latest ISO 8601 time a chat log can give). A trace's
+timestamps are arrival times from its start or Unix milliseconds; a larger value (``1e300``)
+is no plausible time, and durations stay readable (at most 12 digits of seconds)."""
 
 MAX_NESTING = 16
 """Deepest accepted bracket nesting in a line (a request is 2 deep: an object holding the
@@ -311,9 +317,10 @@ def _timestamp(path: str, lineno: int, record: dict[str, Any], last: float) -> f
         ts = float(value)
     except OverflowError:
         ts = math.inf
-    if not math.isfinite(ts) or ts < 0:
+    if not math.isfinite(ts) or not 0 <= ts <= MAX_TIMESTAMP_MS:
         raise TraceError(path, lineno, "timestamp",
-                         f"must be finite and >= 0, got {_show(value)}")
+                         f"must be a number of milliseconds in [0, {MAX_TIMESTAMP_MS:,}] "
+                         f"(the end of year 9999 as Unix milliseconds), got {_show(value)}")
     if ts < last:
         raise TraceError(path, lineno, "timestamp",
                          f"{value} is earlier than the previous request's {last}")
