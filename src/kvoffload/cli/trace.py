@@ -149,9 +149,15 @@ def _check_common(args: argparse.Namespace) -> None:
 
 
 def _check_output(args: argparse.Namespace) -> None:
+    from kvoffload.workloads.convert import check_output_path
+
     out: Path = args.output
     if str(out) == "":
         raise UsageError("--output: is empty; give the trace file to write")
+    try:
+        check_output_path(out)
+    except ConfigError as exc:
+        raise UsageError(f"--output: {exc.problem}. {exc.fix}") from None
     if out.is_dir():
         raise UsageError(f"--output: {out} is a directory; give a file name")
     if not out.parent.is_dir():
@@ -203,7 +209,9 @@ def run_convert(args: argparse.Namespace) -> int:
                                   overwrite=args.force,
                                   progress=start(f"converting {args.log.name}", total))
     except ConfigError as exc:
-        option = "--chat-template" if exc.field == "chat_template" else "--model"
+        option = ("--output" if exc.field == "output" else
+                  "--chat-template" if exc.field == "chat_template"
+                  and args.chat_template is not None else "--model")
         raise UsageError(f"{option}: {exc.problem}. {exc.fix}") from None
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2))

@@ -29,7 +29,8 @@ when they and everything before them agree. The chained hashes are then numbered
 ... in order of first appearance in the written trace; those numbers are the ``hash_ids``.
 
 Timestamps are seconds (numbers; ``time_unit="ms"`` for milliseconds) or ISO 8601
-strings; every line has one or none does. The trace is written in arrival order (a log
+strings, from 0 (1970 for ISO times) to the end of the year 9999 as Unix time
+(``MAX_TIMESTAMP_S``); every line has one or none does. The trace is written in arrival order (a log
 written at completion time is sorted; ties keep file order) with ``timestamp`` in
 milliseconds from the first arrival; without timestamps every request arrives at 0 in
 file order. ``session_id`` (a string or an integer) is written through; the reader ignores
@@ -39,9 +40,17 @@ Hostile input is bounded like the Mooncake reader's: a line longer than
 ``MAX_LOG_LINE_BYTES`` is refused after reading that many bytes and before decoding, a
 line that is not UTF-8 is refused, brackets nesting deeper than ``MAX_LOG_NESTING`` are
 refused before ``json.loads``, a prompt over ``MAX_INPUT_TOKENS`` tokens is refused. The
+model's files are read with bounds and its chat template rendered with bounds
+(``kvoffload.workloads.model_tokenizer`` and ``chat_template``). The
 first problem raises ``TraceError(path, line, field, problem)``. The whole log is read and
 checked before anything is written, the trace is written to a temporary file beside the
 output and renamed into place, so a failed conversion leaves no output file.
+
+Only a regular file is ever replaced: an output path that exists as anything else (a
+symbolic link, whatever it points to; a FIFO, device, socket or directory) is refused with
+a ``ConfigError`` (field ``output``) before the log is read and again just before the
+rename, so ``-o /dev/null --force`` never turns a device into a file and a link is never
+swapped for a file (give the link's target instead).
 """
 
 from __future__ import annotations
@@ -50,13 +59,14 @@ import contextlib
 import itertools
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvoffload.errors import TraceError
+from kvoffload.errors import ConfigError, TraceError, shown
 from kvoffload.workloads.log_reader import (
     MAX_LOG_LINE_BYTES,
     MAX_LOG_NESTING,
@@ -78,7 +88,7 @@ from kvoffload.workloads.mooncake import (
 __all__ = [
     "DEFAULT_OUTPUT_LENGTH", "MAX_LOG_LINE_BYTES", "MAX_LOG_NESTING", "MAX_PROMPT_CHARS",
     "MAX_SESSION_ID_CHARS", "MAX_TOKEN_ID", "ConvertSummary", "LogFormat", "ModelTokenizer",
-    "TimeUnit", "convert_log", "write_atomically",
+    "TimeUnit", "check_output_path", "convert_log", "write_atomically",
 ]
 
 DEFAULT_OUTPUT_LENGTH = 256
@@ -147,13 +157,16 @@ def convert_log(source: str | Path, output: str | Path, *,
         default_output_length: the output length of a line that gives none.
         time_unit: unit of numeric timestamps, ``"s"`` or ``"ms"``.
         limit: convert only the first ``limit`` requests.
-        overwrite: replace an existing ``output`` (otherwise ``FileExistsError``).
+        overwrite: replace an existing ``output`` (otherwise ``FileExistsError``); only
+            a regular file is ever replaced.
         progress: called with the number of requests read so far.
 
     Raises:
         TraceError: the first malformed line (file, line, field); line 0 and field
             ``<file>`` for the file as a whole.
-        ConfigError: field ``"model"``, a chat log without ``tokenizer``.
+        ConfigError: field ``"model"``, a chat log without ``tokenizer``; field
+            ``"output"``, an ``output`` that exists and is not a regular file
+            (``check_output_path``).
         ValueError: a bad argument (the caller's bug).
         FileExistsError: ``output`` exists and ``overwrite`` is false.
         OSError: the trace cannot be written (nothing is left behind).
@@ -166,6 +179,7 @@ def convert_log(source: str | Path, output: str | Path, *,
         raise ValueError(f"limit must be at least 1, got {limit}")
     if log_format not in ("auto", "chat", "tokens"):
         raise ValueError(f"unknown log format {log_format!r}")
+    check_output_path(output)
     name = str(source)
     reader = LogReader(name, tokenizer, block_size=block_size, log_format=log_format,
                         default_output_length=default_output_length, time_unit=time_unit)
@@ -224,6 +238,33 @@ def _milliseconds(seconds: float) -> int | float:
 # ---------------------------------------------------------------------- atomic writing
 
 
+def check_output_path(path: str | Path) -> None:
+    """``ConfigError`` (field ``output``) when ``path`` exists and is not a regular file:
+    a symbolic link (not followed: the link would be replaced, not its target), a
+    directory, FIFO, device or socket. A missing path or a regular file passes."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise ConfigError("output", f"{shown(str(path))} cannot be examined "
+                          f"({getattr(exc, 'strerror', None) or exc})",
+                          "Give the path of the trace file to write.") from None
+    if stat.S_ISREG(mode):
+        return
+    kind = ("a symbolic link" if stat.S_ISLNK(mode) else
+            "a directory" if stat.S_ISDIR(mode) else
+            "a FIFO" if stat.S_ISFIFO(mode) else
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    fix = ("Give the link's target or another file name; a link is never replaced."
+           if stat.S_ISLNK(mode) else
+           "Give a file name in a directory." if stat.S_ISDIR(mode) else
+           "Give the path of a regular file; only a regular file is ever replaced.")
+    raise ConfigError("output", f"{path} is {kind}, not a regular file", fix)
+
+
+
 def write_atomically(path: str | Path, lines: Sequence[str], *,
                      overwrite: bool = False) -> None:
     """Write ``lines`` (each followed by a line feed) to ``path`` through a temporary
@@ -232,9 +273,12 @@ def write_atomically(path: str | Path, lines: Sequence[str], *,
 
     Raises:
         FileExistsError: ``path`` exists (or appears meanwhile) and ``overwrite`` is false.
+        ConfigError: ``path`` exists and is not a regular file (``check_output_path``;
+            checked before writing and again just before the rename).
         OSError: the file cannot be written.
     """
     target = Path(path)
+    check_output_path(target)
     if not overwrite and os.path.lexists(target):
         raise FileExistsError(17, "File exists", str(target))
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
@@ -250,6 +294,7 @@ def write_atomically(path: str | Path, lines: Sequence[str], *,
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600
         if overwrite:
+            check_output_path(target)  # it may have changed while the trace was written
             os.replace(tmp, target)
         else:
             _link_no_clobber(tmp, target)

@@ -20,6 +20,7 @@ from typing import IO, Any, Literal
 
 from kvoffload.errors import ConfigError, TraceError, shown
 from kvoffload.keys import BlockHash, BlockHasher, hash_block
+from kvoffload.workloads.chat_template import MAX_RENDER_CHARS, TemplateBoundError
 from kvoffload.workloads.model_tokenizer import ModelTokenizer
 from kvoffload.workloads.mooncake import (
     MAX_INPUT_TOKENS,
@@ -40,9 +41,9 @@ MAX_LOG_NESTING = 32
 """Deepest accepted bracket nesting in a log line (a chat line is 4 deep with content
 parts; tool schemas add a few levels)."""
 
-MAX_PROMPT_CHARS = 16 << 20
+MAX_PROMPT_CHARS = MAX_RENDER_CHARS
 """Longest accepted rendered prompt, in characters (a chat template cannot inflate a line
-without bound)."""
+without bound; rendering stops as soon as it passes this)."""
 
 MAX_TOKEN_ID = (1 << 31) - 1
 """Largest accepted token id in a token-id log (without ``--model``)."""
@@ -306,6 +307,10 @@ class LogReader:
         tools = _tools(path, lineno, record)
         try:
             row.text = self.tokenizer.render(messages, tools)
+        except TemplateBoundError as exc:
+            raise TraceError(path, lineno, "messages",
+                             f"the chat template {self.tokenizer.template_source} {exc}; "
+                             "fix it or give another with --chat-template") from None
         except Exception as exc:  # the template is the model's code: anything it raises
             raise TraceError(path, lineno, "messages",
                              f"the chat template refused them: {_brief(exc)}") from None

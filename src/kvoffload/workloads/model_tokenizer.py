@@ -9,17 +9,25 @@ environment with ``trim_blocks`` and ``lstrip_blocks``, the special tokens as va
 keeps non-ASCII text); ``encode`` tokenizes without adding special tokens after a template,
 with them for the plain ``role: content`` rendering of a model without one. A missing,
 unreadable or malformed file is a ``ConfigError`` (field ``model`` or ``chat_template``).
+
+Every file is read through ``kvoffload.files``' bounded readers: it must be a regular file
+(a FIFO, device or directory is refused at once, without waiting on it) of at most
+``MAX_TOKENIZER_BYTES`` (``tokenizer.json``), ``MAX_MODEL_JSON_BYTES`` (the JSON files,
+whose brackets may nest at most ``MAX_MODEL_JSON_NESTING`` deep) or ``MAX_TEMPLATE_BYTES``
+(a Jinja file), read no further than that. Templates are compiled and rendered with the
+time and size bounds of ``kvoffload.workloads.chat_template``.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.errors import ConfigError
+from kvoffload.files import UnreadableFileError, json_too_deep, read_regular_text
+from kvoffload.workloads.chat_template import RENDER_SECONDS, compile_template, render
 
 if TYPE_CHECKING:
     import jinja2
@@ -28,6 +36,22 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
                   "cls_token", "mask_token")
 """The special tokens a chat template sees as variables (as ``transformers`` passes
 them)."""
+
+MAX_TOKENIZER_BYTES = 128 << 20
+"""Largest accepted ``tokenizer.json`` (128 MiB; Gemma 3's, with 262,144 tokens, is 33 MB)."""
+
+MAX_MODEL_JSON_BYTES = 16 << 20
+"""Largest accepted ``tokenizer_config.json`` or ``chat_template.json`` (16 MiB; they are
+kilobytes, a megabyte or two with many added tokens)."""
+
+MAX_MODEL_JSON_NESTING = 64
+"""Deepest accepted bracket nesting in those JSON files (they nest 3 or 4 deep)."""
+
+MAX_TEMPLATE_BYTES = 1 << 20
+"""Largest accepted Jinja template file (1 MiB; real chat templates are a few KB)."""
+
+_FILE_FIX = "Give the file the model ships, or remove it."
+_TEMPLATE_FIX = "Give a Jinja chat template (the file a Hugging Face model ships)."
 
 
 class ModelTokenizer:
@@ -38,13 +62,15 @@ class ModelTokenizer:
             ``tokenizer_config.json``, ``chat_template.jinja``, ``chat_template.json``),
             or the path of a ``tokenizer.json``.
         chat_template: a Jinja template file to use instead of the model's.
+        render_seconds: time one conversation's rendering may take.
 
     Raises:
         ConfigError: field ``"model"`` or ``"chat_template"``, when a file is missing,
             unreadable or malformed.
     """
 
-    def __init__(self, model: str | Path, chat_template: str | Path | None = None) -> None:
+    def __init__(self, model: str | Path, chat_template: str | Path | None = None, *,
+                 render_seconds: float = RENDER_SECONDS) -> None:
         try:
             from tokenizers import Tokenizer
         except ImportError:  # pragma: no cover - the cli extra pulls it in
@@ -53,15 +79,14 @@ class ModelTokenizer:
         path = Path(model)
         directory = path if path.is_dir() else path.parent
         tokenizer_file = path / "tokenizer.json" if path.is_dir() else path
-        if not tokenizer_file.is_file():
-            problem = (f"{path} does not exist" if not path.exists() else
-                       f"{path} holds no tokenizer.json" if path.is_dir() else
-                       f"{path} is not a regular file")
-            raise ConfigError("model", problem,
-                              "Give a local model directory that holds tokenizer.json "
-                              "(nothing is downloaded).")
+        fix = "Give a local model directory that holds tokenizer.json (nothing is downloaded)."
+        if not path.exists():
+            raise ConfigError("model", f"{path} does not exist", fix)
+        if path.is_dir() and not tokenizer_file.exists():
+            raise ConfigError("model", f"{path} holds no tokenizer.json", fix)
+        text = _read(tokenizer_file, "model", MAX_TOKENIZER_BYTES, fix)
         try:
-            self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
+            self._tokenizer = Tokenizer.from_str(text)
         except Exception as exc:  # the tokenizers library raises plain Exceptions
             raise ConfigError("model", f"{tokenizer_file} cannot be loaded ({exc})",
                               "Give the tokenizer.json a Hugging Face model ships.") from None
@@ -87,7 +112,8 @@ class ModelTokenizer:
                                                                chat_template)
         self._compiled: dict[str, jinja2.Template] = {}
         for name, text in self.templates.items():
-            self._compiled[name] = _compile(text, self.template_source)
+            self._compiled[name] = compile_template(text, self.template_source,
+                                                    render_seconds=render_seconds)
 
     @property
     def has_template(self) -> bool:
@@ -95,14 +121,16 @@ class ModelTokenizer:
 
     def render(self, messages: list[dict[str, Any]],
                tools: list[dict[str, Any]] | None = None) -> str:
-        """The prompt text of ``messages`` (raises whatever the template raises)."""
+        """The prompt text of ``messages``: ``TemplateBoundError`` when rendering passes a
+        bound (``kvoffload.workloads.chat_template``), whatever the template raises
+        otherwise."""
         if not self._compiled:
             return "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + \
                 "assistant:"
         name = "tool_use" if tools and "tool_use" in self._compiled else "default"
         template = self._compiled.get(name) or next(iter(self._compiled.values()))
-        return template.render(messages=messages, tools=tools, documents=None,
-                               add_generation_prompt=True, **self.special_tokens)
+        return render(template, messages=messages, tools=tools, documents=None,
+                      add_generation_prompt=True, **self.special_tokens)
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text: without special tokens after a chat template (as
@@ -121,18 +149,28 @@ def _token_text(value: object) -> str | None:
     return None
 
 
+def _read(path: Path, field: str, max_bytes: int, fix: str) -> str:
+    """The text of ``path`` through the bounded reader; ``ConfigError`` naming it."""
+    try:
+        return read_regular_text(path, max_bytes=max_bytes)
+    except UnreadableFileError as exc:
+        raise ConfigError(field, str(exc), fix) from None
+
+
 def _json_file(path: Path, field: str) -> dict[str, Any]:
-    """A JSON object file; ``{}`` when it does not exist."""
+    """A JSON object file; ``{}`` when it does not exist (a dangling link included)."""
     if not path.exists():
         return {}
+    text = _read(path, field, MAX_MODEL_JSON_BYTES, _FILE_FIX)
+    if json_too_deep(text, MAX_MODEL_JSON_NESTING):
+        raise ConfigError(field, f"{path}: brackets nest deeper than "
+                          f"{MAX_MODEL_JSON_NESTING}", _FILE_FIX)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(field, f"{path} cannot be read ({exc})",
-                          "Give the file the model ships, or remove it.") from None
+        data = json.loads(text)
+    except (RecursionError, ValueError) as exc:
+        raise ConfigError(field, f"{path} cannot be read ({exc})", _FILE_FIX) from None
     if not isinstance(data, dict):
-        raise ConfigError(field, f"{path} is not a JSON object",
-                          "Give the file the model ships, or remove it.")
+        raise ConfigError(field, f"{path} is not a JSON object", _FILE_FIX)
     return data
 
 
@@ -140,22 +178,16 @@ def _find_templates(directory: Path, config: dict[str, Any],
                     override: str | Path | None) -> tuple[dict[str, str], str | None]:
     """The chat templates by name (``default``, ``tool_use``, ...) and where they came
     from; ``({}, None)`` for a model without one."""
-    fix = "Give a Jinja chat template (the file a Hugging Face model ships)."
+    fix = _TEMPLATE_FIX
     if override is not None:
-        try:
-            return {"default": Path(override).read_text(encoding="utf-8")}, str(override)
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError("chat_template", f"{override} cannot be read ({exc})",
-                              fix) from None
+        return ({"default": _read(Path(override), "chat_template", MAX_TEMPLATE_BYTES, fix)},
+                str(override))
     jinja_file = directory / "chat_template.jinja"
-    if jinja_file.is_file():
-        try:
-            return {"default": jinja_file.read_text(encoding="utf-8")}, str(jinja_file)
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError("chat_template", f"{jinja_file} cannot be read ({exc})",
-                              fix) from None
+    if jinja_file.exists():
+        return ({"default": _read(jinja_file, "chat_template", MAX_TEMPLATE_BYTES, fix)},
+                str(jinja_file))
     json_file = directory / "chat_template.json"
-    if json_file.is_file():
+    if json_file.exists():
         source, value = str(json_file), _json_file(json_file, "chat_template").get(
             "chat_template")
     else:
@@ -170,44 +202,3 @@ def _find_templates(directory: Path, config: dict[str, Any],
         return {t["name"]: t["template"] for t in value}, source
     raise ConfigError("chat_template", f"{source}: 'chat_template' is neither a string nor "
                       "a list of {name, template} objects", fix)
-
-
-def _compile(text: str, source: str | None) -> jinja2.Template:
-    """Compile a chat template in the environment ``transformers`` renders it in."""
-    try:
-        import jinja2
-        import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:  # pragma: no cover - the cli extra pulls it in
-        raise ConfigError("chat_template", "the 'jinja2' package is not installed",
-                          "Install kvoffload[cli] (or pip install jinja2).") from None
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: object, ensure_ascii: bool = False, indent: int | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(format: str) -> str:
-        return datetime.now().strftime(format)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    try:
-        return env.from_string(_without_generation_tags(text))
-    except jinja2.TemplateSyntaxError as exc:
-        raise ConfigError("chat_template", f"{source}: line {exc.lineno}: {exc.message}",
-                          "Fix the template or give another with --chat-template.") from None
-
-
-def _without_generation_tags(text: str) -> str:
-    """``{% generation %}`` blocks (an extension of ``transformers`` that marks assistant
-    text) render their body unchanged: drop the tags."""
-    import re
-
-    return re.sub(r"\{%-?\s*(?:end)?generation\s*-?%\}", "", text)
