@@ -32,7 +32,11 @@ class UnreadableFileError(ValueError):
         super().__init__(f"{path} {reason}")
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, for a message: ``"a directory"``,
+    ``"a FIFO"``, ``"a symbolic link"`` (from ``lstat``), ``"a device"``, ..."""
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
     if stat.S_ISDIR(mode):
         return "a directory"
     if stat.S_ISFIFO(mode):
@@ -62,7 +66,7 @@ def open_regular_file(path: str | Path) -> IO[bytes]:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise UnreadableFileError(name, f"is {_kind(mode)}, not a regular file")
+            raise UnreadableFileError(name, f"is {file_kind(mode)}, not a regular file")
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")

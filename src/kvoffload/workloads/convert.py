@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.errors import ConfigError, TraceError, shown
+from kvoffload.files import file_kind
 from kvoffload.workloads.log_reader import (
     MAX_LOG_LINE_BYTES,
     MAX_LOG_NESTING,
@@ -252,17 +253,11 @@ def check_output_path(path: str | Path) -> None:
                           "Give the path of the trace file to write.") from None
     if stat.S_ISREG(mode):
         return
-    kind = ("a symbolic link" if stat.S_ISLNK(mode) else
-            "a directory" if stat.S_ISDIR(mode) else
-            "a FIFO" if stat.S_ISFIFO(mode) else
-            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
-            "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
     fix = ("Give the link's target or another file name; a link is never replaced."
            if stat.S_ISLNK(mode) else
            "Give a file name in a directory." if stat.S_ISDIR(mode) else
            "Give the path of a regular file; only a regular file is ever replaced.")
-    raise ConfigError("output", f"{path} is {kind}, not a regular file", fix)
-
+    raise ConfigError("output", f"{path} is {file_kind(mode)}, not a regular file", fix)
 
 
 def write_atomically(path: str | Path, lines: Sequence[str], *,
