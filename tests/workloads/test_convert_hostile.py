@@ -312,7 +312,10 @@ def test_a_costly_template_is_stopped_by_a_bound(case: str, tmp_path: Path,
     text, words = TEMPLATES[case]
     template = tmp_path / "tmpl.jinja"
     template.write_text(text)
-    tokenizer = ModelTokenizer(model, template, render_seconds=0.5)
+    # The time budget is short only where it is the bound under test: under a busy
+    # machine's load it must not fire first for the cases another bound stops.
+    budget = 0.5 if words == "to render" else 8.0
+    tokenizer = ModelTokenizer(model, template, render_seconds=budget)
     log = write_log(tmp_path / "chat.jsonl", [{"messages": [TURN] * 50, "timestamp": 1}])
     tracemalloc.start()
     started = time.monotonic()
@@ -322,7 +325,7 @@ def test_a_costly_template_is_stopped_by_a_bound(case: str, tmp_path: Path,
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 20
     assert peak < 4 * MAX_RENDER_CHARS + (32 << 20)  # the output cap, not gigabytes
     error = info.value
     assert (error.line, error.field) == (1, "messages")
