@@ -293,3 +293,11 @@ def test_fuzz_any_json_value(tmp_path: Path, value: Any) -> None:
 def test_fuzz_known_fields_set_to_any_json(tmp_path: Path, base: dict[str, Any],
                                            changes: dict[str, Any]) -> None:
     _layout_or_config_error(_write(tmp_path, {**base, **changes}))
+
+
+@pytest.mark.parametrize("ref", ["model\0dir", "m" * 100_000, "/" + "m" * 100_000 + "/x"],
+                         ids=["nul-byte", "100k-char-name", "100k-char-path"])
+def test_a_model_path_the_system_cannot_name_is_a_short_config_error(ref: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        resolve_model(ref)
+    assert "\n" not in str(err.value) and len(str(err.value)) < 1000, str(err.value)[:300]
