@@ -45,7 +45,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from kvoffload.errors import ConfigError
+from kvoffload.errors import SHOWN_CHARS, ConfigError, shown
+from kvoffload.models.hf_bounds import (
+    check_config_fields,
+    check_model_size,
+    read_config_json,
+)
 from kvoffload.models.hf_families import (
     DENSE_MIXER,
     FAMILIES,
@@ -82,29 +87,31 @@ def load_model_config(path: str | Path) -> ModelFields:
     """The config of a local Hugging Face model directory, or of a config.json file.
 
     Read with ``transformers``' config class when it is installed and knows the
-    ``model_type`` (offline: nothing is downloaded); otherwise as data. ``ConfigError``
-    (one line, naming the path and what to change) for anything that cannot be read.
+    ``model_type`` (offline: nothing is downloaded); otherwise as data. Before either sees
+    it, the file is read with bounded time and memory and its known fields are checked
+    (``kvoffload.models.hf_bounds``: types and the bounds on model shapes). ``ConfigError``
+    (one line, naming the path, the field and what to change) for anything that cannot be
+    read or is out of bounds.
     """
     given = Path(path).expanduser()
-    file = given / "config.json" if given.is_dir() else given
-    where = str(file)
-    if not file.is_file():
-        raise ConfigError(f"{given}", "is neither a model directory holding a config.json "
+    try:
+        file = given / "config.json" if given.is_dir() else given
+        exists = file.exists() or file.is_symlink()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        exists = False
+    where = _path_name(file if exists else given)
+    if not exists:
+        raise ConfigError(where, "is neither a model directory holding a config.json "
                           "nor a config.json file",
                           "Give the local directory of a Hugging Face model or its "
                           "config.json.")
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(where, f"cannot be read as JSON ({exc})",
-                          "Give a model's config.json.") from None
-    if not isinstance(data, dict):
-        raise ConfigError(where, "is not a JSON object", "Give a model's config.json.")
+    data = read_config_json(file, where)
     model_type = text_model_type(data)
     if model_type is None:
         raise ConfigError(f"{where}: model_type", "is missing",
                           "Give the config.json of a Hugging Face model (it names its "
                           "model_type).")
+    check_config_fields(data, where)
     family_of(model_type, data.get("architectures"), where)  # refuse unknown ones first
     cfg = _read_with_transformers(file, where)
     if cfg is None:
@@ -112,9 +119,19 @@ def load_model_config(path: str | Path) -> ModelFields:
     return ModelFields(cfg.get_text_config(), top=cfg, where=where, from_class=True)
 
 
+def _path_name(path: Path) -> str:
+    """``path`` for an error message: as given, or cut (``shown``) when very long."""
+    text = str(path)
+    return text if len(text) <= 2 * SHOWN_CHARS else shown(text)
+
+
 def _read_with_transformers(file: Path, where: str) -> Any:
     """``AutoConfig.from_pretrained(file)`` offline; None without transformers or when it
-    does not know the model_type (the JSON is then read as data)."""
+    does not know the model_type (the JSON is then read as data).
+
+    The fields kvoffload knows were checked before; anything else the config class
+    refuses (its own validation errors) is a ``ConfigError`` with its first line.
+    """
     try:
         from transformers import AutoConfig
     except ImportError:
@@ -124,18 +141,16 @@ def _read_with_transformers(file: Path, where: str) -> Any:
     except ValueError as exc:
         if "model type" in str(exc).lower() or "unrecognized" in str(exc).lower():
             return None
-        raise ConfigError(where, f"transformers cannot read it: {_first_line(exc)}",
-                          "Correct the config (see the model's published config.json).")\
-            from None
-    except (OSError, TypeError, KeyError) as exc:
-        raise ConfigError(where, f"transformers cannot read it: {_first_line(exc)}",
-                          "Correct the config (see the model's published config.json).")\
-            from None
+        raise _unreadable(where, exc) from None
+    except Exception as exc:  # the library's own: strict-dataclass, Type, Key, Index...
+        raise _unreadable(where, exc) from None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+def _unreadable(where: str, exc: BaseException) -> ConfigError:
+    said = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return ConfigError(where, "transformers cannot read it: "
+                       f"{shown(said or type(exc).__name__, 3 * SHOWN_CHARS)}",
+                       "Correct the config (see the model's published config.json).")
 
 
 # ----------------------------------------------------------------- the preset
@@ -175,10 +190,13 @@ def derive_preset(f: ModelFields, *, name: str, source: str, tensor_parallel: in
              + (f" ({params:,} over {tensor_parallel} ranks)" if tensor_parallel > 1 else "")]
     if notes:
         parts.append(notes)
-    return ModelPreset(name=label, source=source, num_layers=len(kinds),
-                       attention=attention, mamba=mamba, params_per_token=per_rank,
-                       assumptions="; ".join(parts) + ".", family=family.label,
-                       tensor_parallel=tensor_parallel)
+    preset = ModelPreset(name=label, source=source, num_layers=len(kinds),
+                         attention=attention, mamba=mamba, params_per_token=per_rank,
+                         assumptions="; ".join(parts) + ".", family=family.label,
+                         tensor_parallel=tensor_parallel)
+    check_model_size(f.where, bytes_per_token=preset.bytes_per_token,
+                     bytes_per_state=preset.bytes_per_state, params_per_token=per_rank)
+    return preset
 
 
 def _check_kinds(f: ModelFields, family: Family, kinds: Sequence[str]) -> None:
@@ -308,8 +326,14 @@ def model_name(path: str | Path) -> str:
 
 def is_model_path(ref: str) -> bool:
     """Whether ``ref`` names a model config on disk rather than a preset."""
-    return ref not in preset_entries() and (
-        "/" in ref or "\\" in ref or ref.endswith(".json") or Path(ref).expanduser().exists())
+    if ref in preset_entries():
+        return False
+    if "/" in ref or "\\" in ref or ref.endswith(".json"):
+        return True
+    try:
+        return Path(ref).expanduser().exists()
+    except (OSError, ValueError):  # a name too long, a NUL byte: not a preset either
+        return True
 
 
 @functools.lru_cache(maxsize=64)
@@ -324,6 +348,6 @@ def resolve_model(ref: str, tensor_parallel: int = 1) -> ModelPreset:
     if is_model_path(ref):
         return derive_preset(load_model_config(ref), name=model_name(ref), source=ref,
                              tensor_parallel=tensor_parallel)
-    raise ConfigError("model", f"unknown preset {ref!r}",
+    raise ConfigError("model", f"unknown preset {shown(ref)}",
                       f"Choose one of: {', '.join(sorted(entries))}; or give a model "
                       "directory or config.json (--model PATH).")

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.errors import ConfigError
+from kvoffload.errors import SHOWN_CHARS, ConfigError, shown
 from kvoffload.models.hf_fields import ModelFields
 
 LAYER_KINDS = ("full_attention", "sliding_attention", "linear_attention", "hybrid", "mlp",
@@ -189,10 +189,11 @@ def family_of(model_type: str, architectures: Any = None, where: str = "config")
     """The family of ``model_type``; a one-line ``ConfigError`` naming it otherwise."""
     family = FAMILIES.get(model_type)
     if family is None:
-        arch = (f" ({', '.join(map(str, architectures))})"
-                if isinstance(architectures, list) and architectures else "")
+        names = ", ".join(map(str, architectures)) if isinstance(architectures, list) else ""
+        arch = f" ({names if len(names) <= SHOWN_CHARS else shown(names)})" if names else ""
         raise ConfigError(f"{where}: model_type",
-                          f"architecture {model_type!r}{arch} is not one kvoffload derives a "
+                          f"architecture {shown(model_type)}{arch} is not one kvoffload "
+                          "derives a "
                           "layout for",
                           f"Known: {', '.join(sorted(FAMILIES))}; describe the model with a "
                           "known family's fields in presets.json, or add a Family to "

@@ -14,11 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvoffload.errors import ConfigError
-
-_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
-                "bf16": 2, "fp16": 2, "fp32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
-                "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
-"""Bytes of one element of each dtype name a config or ``dtype=`` may give."""
+from kvoffload.models.hf_bounds import DTYPE_BYTES, check_config_fields, check_int, int_bounds
 
 
 class ModelFields:
@@ -49,7 +45,10 @@ class ModelFields:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], where: str) -> ModelFields:
         """config.json fields read as data (a multimodal config's ``text_config`` is the
-        text model; its other fields, e.g. the dtype, fall back to the top level)."""
+        text model; its other fields, e.g. the dtype, fall back to the top level).
+        ``ConfigError`` for a known field of the wrong type or outside the bounds of
+        ``kvoffload.models.hf_bounds``."""
+        check_config_fields(data, where)
         text = data.get("text_config")
         if not isinstance(text, Mapping):
             return cls(dict(data), top=dict(data), where=where, from_class=False)
@@ -103,11 +102,10 @@ class ModelFields:
         return None
 
     def _check_int(self, key: str, value: Any, minimum: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(f"{self.where}: {key}",
-                              f"must be an integer >= {minimum}, got {value!r}",
-                              "Correct the config (see the model's published config.json).")
-        return value
+        """``value`` when an integer from ``minimum`` to the field's bound
+        (``hf_bounds.INT_BOUNDS``); ``ConfigError`` naming the field otherwise."""
+        least, greatest = int_bounds(key, minimum)
+        return check_int(self.where, key, value, least, greatest)
 
 
 _TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}
@@ -133,10 +131,10 @@ def dtype_bytes(name: Any, where: str, *, float32_runs_as: int | None = None) ->
     runs float32 checkpoints in 16 bits); None keeps float32.
     """
     text = str(name).removeprefix("torch.").lower()
-    size = _DTYPE_BYTES.get(text)
+    size = DTYPE_BYTES.get(text)
     if size is None:
         raise ConfigError(where, f"dtype {text!r} is not one kvoffload knows",
-                          f"Use one of {', '.join(sorted(_DTYPE_BYTES))}.")
+                          f"Use one of {', '.join(sorted(DTYPE_BYTES))}.")
     if size == 4 and float32_runs_as is not None:
         return float32_runs_as
     return size
