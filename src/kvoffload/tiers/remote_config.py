@@ -22,6 +22,7 @@ from kvoffload.tiers.remote_url import (
     check_remote_url,
     masked_url,
     url_credentials,
+    url_db,
     url_without_credentials,
 )
 
@@ -158,6 +159,11 @@ class RemoteTierConfig:
             raise ConfigError("remote_cluster", "is true with a unix:// socket URL",
                               "Give one cluster node as redis://host:port, or set "
                               "remote_cluster to false.")
+        if self.cluster and url_db(self.url) != 0:
+            raise ConfigError("remote_cluster", f"is true while remote_url names the database "
+                              f"{url_db(self.url)}; a cluster has only database 0",
+                              "Drop the database from the URL, or set remote_cluster to "
+                              "false.")
         self._check_credentials()
         if not 1 <= self.io_threads <= MAX_IO_THREADS:
             raise ConfigError("remote_io_threads", f"must be >= 1 and at most "

@@ -123,6 +123,16 @@ def url_credentials(url: str) -> tuple[str | None, str | None]:
     return (unquote(user) or None), (unquote(password) if colon and password else None)
 
 
+def url_db(url: str) -> int:
+    """The database a checked URL names (its ``/N`` path or ``?db=N``; 0 when neither)."""
+    parts = urlsplit(url)
+    for key, value in parse_qsl(parts.query):
+        if key == "db":
+            return int(value)
+    number = parts.path[1:] if not url.lower().startswith("unix://") else ""
+    return int(number) if number else 0
+
+
 def _refuse(field: str, url: str, problem: str, fix: str) -> ConfigError:
     return ConfigError(field, f"{shown(masked_url(url))} {problem}", fix)
 
