@@ -60,6 +60,7 @@ class _Watchdog:
         self._cond = threading.Condition(threading.Lock())
         self._calls: set[_Call] = set()
         self._thread: threading.Thread | None = None
+        self._wake = float("inf")  # when the thread wakes next (woken early only if needed)
 
     def add(self, call: _Call) -> None:
         with self._cond:
@@ -68,7 +69,8 @@ class _Watchdog:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="kvoffload-remote-deadline")
                 self._thread.start()
-            self._cond.notify_all()
+            if call.deadline < self._wake:
+                self._cond.notify_all()
 
     def remove(self, call: _Call) -> None:
         with self._cond:
@@ -99,7 +101,9 @@ class _Watchdog:
                             _abort(conn)
                     else:
                         waits.append(call.deadline - now)
-                self._cond.wait(min(waits) if waits else None)
+                wait = min(waits) if waits else None
+                self._wake = now + wait if wait is not None else float("inf")
+                self._cond.wait(wait)
 
 
 _WATCHDOG = _Watchdog()
