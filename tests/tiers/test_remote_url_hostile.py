@@ -246,3 +246,24 @@ def test_any_password_is_read_as_redis_py_reads_it_and_never_shown(
     assert parsed.get("host") == "cache" and parsed.get("db") == 0
     bare = redis_connection.parse_url(url_without_credentials(url))
     assert "password" not in bare and "username" not in bare
+
+
+_NO_MARK = st.text(alphabet=st.characters(blacklist_characters="Z"), max_size=16)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(["redis://", "rediss://", "unix://", "", "http://"]), _NO_MARK,
+       st.text(max_size=16), _NO_MARK, st.booleans())
+def test_masking_hides_a_password_in_any_string(scheme: str, user: str, text: str,
+                                                rest: str, in_query: bool) -> None:
+    """Checked or not, accepted or not: the password part of any string never shows
+    (``ZQXJ`` marks its start; the other parts cannot hold a ``Z``)."""
+    if in_query:
+        url = f"{scheme}{user}@host/0?password=ZQXJ{text}"
+    else:
+        url = f"{scheme}{user}:ZQXJ{text}@{rest}"
+    assert "ZQXJ" not in masked_url(url)
+    try:
+        check_remote_url(url)
+    except ConfigError as exc:
+        assert "ZQXJ" not in str(exc)
