@@ -22,18 +22,22 @@ from types import TracebackType
 class Behaviour:
     """How the server answers: ``reply`` to every command (None: never answer); with
     ``drip_s`` the replies are sent one byte every ``drip_s`` seconds; ``once`` sends the
-    reply for the first command only and then stays silent."""
+    reply for the first scripted command only and then stays silent."""
 
     reply: bytes | None
     drip_s: float = 0.0
     once: bool = False
+    login_ok: bool = True
+    """Answer the connection's set-up commands (``CLIENT``, ``HELLO``, ``AUTH``,
+    ``SELECT``) with ``+OK``, so the scripted reply meets the tier's own command."""
 
 
 HTTP_REPLY = (b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\n"
               b"Content-Length: 11\r\n\r\nBad Request")
 
 BEHAVIOURS: dict[str, Behaviour] = {
-    "http": Behaviour(HTTP_REPLY),
+    "http": Behaviour(HTTP_REPLY, login_ok=False),
+    "drip-at-login": Behaviour(b"+" + b"O" * 1000, drip_s=0.3, once=True, login_ok=False),
     "integer": Behaviour(b":1\r\n"),
     "ok": Behaviour(b"+OK\r\n"),
     "array": Behaviour(b"*2\r\n$1\r\na\r\n:7\r\n"),
@@ -44,26 +48,35 @@ BEHAVIOURS: dict[str, Behaviour] = {
 }
 
 
-def _commands(buf: bytearray) -> int:
-    """Remove the complete RESP commands at the start of ``buf``; return how many."""
-    count = 0
+LOGIN_COMMANDS = (b"CLIENT", b"HELLO", b"AUTH", b"SELECT")
+HELLO_REPLY = (b"%3\r\n$6\r\nserver\r\n$5\r\nredis\r\n$7\r\nversion\r\n$5\r\n7.2.0\r\n"
+               b"$5\r\nproto\r\n:3\r\n")
+"""A RESP3 ``HELLO 3`` answer (redis-py asks for RESP3 when it connects)."""
+
+
+def _commands(buf: bytearray) -> list[bytes]:
+    """Remove the complete RESP commands at the start of ``buf``; return their names."""
+    names = []
     while True:
         pos = 0
         end = buf.find(b"\r\n", pos)
         if end < 0 or not buf.startswith(b"*"):
-            return count
+            return names
         parts = int(buf[1:end])
         pos = end + 2
-        for _ in range(parts):
+        name = b""
+        for i in range(parts):
             end = buf.find(b"\r\n", pos)
             if end < 0:
-                return count
+                return names
             size = int(buf[pos + 1:end])
+            if i == 0:
+                name = bytes(buf[end + 2:end + 2 + size]).upper()
             pos = end + 2 + size + 2
             if pos > len(buf):
-                return count
+                return names
         del buf[:pos]
-        count += 1
+        names.append(name)
 
 
 class ScriptedServer:
@@ -101,7 +114,10 @@ class ScriptedServer:
                 if not data:
                     return
                 buf += data
-                for _ in range(_commands(buf)):
+                for name in _commands(buf):
+                    if self.behaviour.login_ok and name in LOGIN_COMMANDS:
+                        conn.sendall(HELLO_REPLY if name == b"HELLO" else b"+OK\r\n")
+                        continue
                     reply = self.behaviour.reply
                     if reply is None or (self.behaviour.once and answered):
                         continue
