@@ -191,6 +191,8 @@ def test_query_parameters_other_than_db_are_refused_naming_the_option(
     ("redis://[::1/0", "cannot be read"),
     ("redis://cache:6379/0#frag", "fragment"),
     ("redis://cache:6379/0\r\nINFO", "control character"),
+    ("redis://cache:6379/0?" + "x" * 1_000_000 + "=1", "not accepted"),
+    ("redis://" + "h" * 1_000_000 + ":x/0", "port"),
 ])
 def test_paths_ports_and_fragments_redis_py_would_misread_are_refused(
         url: str, needle: str) -> None:

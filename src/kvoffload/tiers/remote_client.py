@@ -68,11 +68,13 @@ def _connect_cluster(remote: RemoteTierConfig, max_connections: int) -> Any:
     from redis.connection import ConnectionPool
     from redis.retry import Retry
 
-    return RedisCluster.from_url(
-        url_without_credentials(remote.url), max_connections=max_connections,
-        connection_pool_class=deadline_pool_class(ConnectionPool),
-        socket_timeout=remote.timeout_s, socket_connect_timeout=remote.connect_timeout_s,
-        require_full_coverage=False, retry=Retry(NoBackoff(), 1), **connection_kwargs(remote))
+    kwargs = connection_kwargs(remote)
+    with deadline(call_bound_s(remote)):  # the client reads the slot map as it is built
+        return RedisCluster.from_url(
+            url_without_credentials(remote.url), max_connections=max_connections,
+            connection_pool_class=deadline_pool_class(ConnectionPool),
+            socket_timeout=remote.timeout_s, socket_connect_timeout=remote.connect_timeout_s,
+            require_full_coverage=False, retry=Retry(NoBackoff(), 1), **kwargs)
 
 
 
