@@ -47,6 +47,11 @@ BEHAVIOURS: dict[str, Behaviour] = {
     "silent": Behaviour(None),
 }
 
+STREAM_BYTES = 200_000_000
+STREAM = Behaviour(b"$%d\r\n" % STREAM_BYTES + b"x" * STREAM_BYTES, once=True)
+"""A bulk reply of 200 MB, announced and sent at loopback speed (not in ``BEHAVIOURS``:
+it costs the server 200 MB)."""
+
 
 LOGIN_COMMANDS = (b"CLIENT", b"HELLO", b"AUTH", b"SELECT")
 HELLO_REPLY = (b"%3\r\n$6\r\nserver\r\n$5\r\nredis\r\n$7\r\nversion\r\n$5\r\n7.2.0\r\n"

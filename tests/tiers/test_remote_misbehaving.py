@@ -29,7 +29,7 @@ from kvoffload.tiers.config import RemoteTierConfig
 from kvoffload.tiers.remote import RemoteIndex, check_credentials
 from kvoffload.worker.block_store import TierUnavailable
 from kvoffload.worker.remote_store import RemoteStore
-from support.scripted_redis import BEHAVIOURS, ScriptedServer, timed
+from support.scripted_redis import BEHAVIOURS, STREAM, ScriptedServer, timed
 
 FP = bytes(range(FINGERPRINT_BYTES))
 NS = "ns-misbehaving"
@@ -168,6 +168,29 @@ def test_a_huge_announced_bulk_length_allocates_nothing() -> None:
     import tracemalloc
 
     with ScriptedServer(BEHAVIOURS["huge-bulk"]) as srv:
+        config = remote(srv.url)
+        store = RemoteStore(config, NS, 0, FP)
+        items = blocks(2)
+        dests = [memoryview(bytearray(len(p))) for _, p in items]
+        tracemalloc.start()
+        try:
+            elapsed, result = timed(store.get_into, list(zip([k for k, _ in items], dests,
+                                                             strict=True)), limit_s=HANG_S)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+            store.close()
+    assert elapsed <= bound(config) and isinstance(result, TierUnavailable), result
+    assert peak < 8 << 20, f"peak {peak:,} bytes"
+
+
+def test_a_long_reply_streamed_at_full_speed_is_cut_at_the_block_size() -> None:
+    """A 200 MB bulk reply to a load of 4 KiB blocks, sent as fast as loopback allows: the
+    load stops reading at the announced length (more than a block can be) and memory
+    stays flat."""
+    import tracemalloc
+
+    with ScriptedServer(STREAM) as srv:
         config = remote(srv.url)
         store = RemoteStore(config, NS, 0, FP)
         items = blocks(2)

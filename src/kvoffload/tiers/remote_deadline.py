@@ -31,14 +31,20 @@ from typing import Any
 
 from kvoffload.errors import KVOffloadError, shown
 
+MAX_REPLY_BYTES = 1 << 20
+"""The longest single bulk reply or reply line a call accepts unless it says otherwise
+(the tier's replies are counts, ``OK`` and short slot-map entries; loads name their own
+bound: a block's size)."""
+
 
 class _Call:
     """One call under a deadline: when it ends and the connections it touched."""
 
-    __slots__ = ("conns", "deadline", "expired", "seconds")
+    __slots__ = ("conns", "deadline", "expired", "max_reply", "seconds")
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, max_reply: int) -> None:
         self.seconds = seconds
+        self.max_reply = max_reply
         self.deadline = time.monotonic() + seconds
         self.conns: list[Any] = []
         self.expired = False
@@ -116,16 +122,24 @@ def _touch(conn: Any) -> None:
         _WATCHDOG.touch(call, conn)
 
 
+def _reply_cap() -> int | None:
+    call = getattr(_LOCAL, "call", None)
+    return None if call is None else call.max_reply
+
+
 @contextmanager
-def deadline(seconds: float) -> Iterator[None]:
+def deadline(seconds: float, max_reply_bytes: int = MAX_REPLY_BYTES) -> Iterator[None]:
     """Run the block as one call bounded by ``seconds`` (module docstring); raises
     redis-py's ``TimeoutError`` when it overran. Any other exception than redis-py's own,
     ``OSError`` or kvoffload's (redis-py raises ``AttributeError``, ``OverflowError``, ...
-    on some replies a real Redis never sends) becomes redis-py's ``InvalidResponse``."""
+    on some replies a real Redis never sends) becomes redis-py's ``InvalidResponse``.
+    A bulk reply announced longer than ``max_reply_bytes``, or a reply line that grows
+    past it, is ``InvalidResponse`` before it is read (memory stays bounded however much
+    the server sends). A call that fails disconnects the connections it touched."""
     from redis.exceptions import InvalidResponse, RedisError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
-    call = _Call(seconds)
+    call = _Call(seconds, max_reply_bytes)
     outer = getattr(_LOCAL, "call", None)
     _LOCAL.call = call
     _WATCHDOG.add(call)
@@ -144,6 +158,9 @@ def deadline(seconds: float) -> Iterator[None]:
         raise RedisTimeoutError(f"no complete answer within {seconds:g} s (the bound on "
                                 "a whole call)") from failed
     if failed is not None:
+        for conn in call.conns:  # never reuse a connection left mid-reply
+            with suppress(Exception):
+                conn.disconnect()
         if isinstance(failed, (RedisError, OSError, KVOffloadError)):
             raise failed
         raise InvalidResponse(f"a reply that is not Redis ({type(failed).__name__}: "
@@ -163,6 +180,7 @@ class _DeadlineMixin:
 
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
         _touch(self)
+        _cap_buffer(self)
         return super().read_response(*args, **kwargs)  # type: ignore[misc]
 
     def can_read(self, *args: Any, **kwargs: Any) -> Any:
@@ -190,3 +208,39 @@ def deadline_pool_class(base: type) -> Any:
         base.__init__(self, *args, **kwargs)  # type: ignore[misc]
 
     return type(f"Deadline{base.__name__}", (base,), {"__init__": init})
+
+
+def _cap_buffer(conn: Any) -> None:
+    """Make ``conn``'s reply buffer (redis-py's pure-Python parsers) check ``_reply_cap``."""
+    buffer = getattr(getattr(conn, "_parser", None), "_buffer", None)
+    if buffer is None:
+        return
+    capped = _capped_buffer_class()
+    if type(buffer) is capped.__base__:
+        buffer.__class__ = capped
+
+
+@cache
+def _capped_buffer_class() -> type:
+    """redis-py's ``SocketBuffer``, refusing replies longer than the call's cap."""
+    from redis._parsers.socket import SocketBuffer
+    from redis.exceptions import InvalidResponse
+
+    class CappedSocketBuffer(SocketBuffer):
+        def read(self, length: int, *args: Any, **kwargs: Any) -> Any:
+            cap = _reply_cap()
+            if cap is not None and length > cap:
+                raise InvalidResponse(f"a bulk reply of {length:,} bytes announced, more "
+                                      f"than the {cap:,} this call reads")
+            return super().read(length, *args, **kwargs)
+
+        def _read_from_socket(self, length: int | None = None, *args: Any,
+                              **kwargs: Any) -> Any:
+            out = super()._read_from_socket(length, *args, **kwargs)
+            cap = _reply_cap()
+            if length is None and cap is not None and \
+                    self.unread_bytes() > cap + 2 * self.socket_read_size:
+                raise InvalidResponse(f"a reply line longer than {cap:,} bytes")
+            return out
+
+    return CappedSocketBuffer

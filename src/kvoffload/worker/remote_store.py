@@ -157,7 +157,8 @@ class RemoteStore(BlockStore):
         pipe = self._client.pipeline(transaction=False)
         for key, dest in items:
             pipe.getrange(self._rkey(key), 0, HEADER_BYTES + dest.nbytes)
-        replies = self._execute(pipe)
+        replies = self._execute(pipe, max((HEADER_BYTES + dest.nbytes + 1
+                                           for _, dest in items), default=0))
         self._check_refused(replies)
         out = []
         damaged = []
@@ -282,11 +283,12 @@ class RemoteStore(BlockStore):
         finally:
             pool.release(conn)
 
-    def _execute(self, pipe: Any) -> list[Any]:
+    def _execute(self, pipe: Any, max_reply_bytes: int) -> list[Any]:
         """A pipeline's replies within ``call_bound_s`` (an error reply per command is
-        returned, not raised); a reply redis-py cannot convert counts as unreachable."""
+        returned, not raised), none longer than ``max_reply_bytes``; a reply redis-py
+        cannot convert, or a longer one, counts as unreachable."""
         try:
-            with deadline(call_bound_s(self.settings)):
+            with deadline(call_bound_s(self.settings), max(max_reply_bytes, 1 << 16)):
                 try:
                     return list(pipe.execute(raise_on_error=False))
                 except (ValueError, TypeError, IndexError) as exc:
