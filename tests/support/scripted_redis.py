@@ -27,6 +27,9 @@ class Behaviour:
     reply: bytes | None
     drip_s: float = 0.0
     once: bool = False
+    on_accept: bool = False
+    """Send ``reply`` as soon as a connection is accepted (before any command: e.g. a
+    TLS handshake that never completes)."""
     login_ok: bool = True
     """Answer the connection's set-up commands (``CLIENT``, ``HELLO``, ``AUTH``,
     ``SELECT``) with ``+OK``, so the scripted reply meets the tier's own command."""
@@ -46,6 +49,11 @@ BEHAVIOURS: dict[str, Behaviour] = {
     "drip": Behaviour(b"$1000000\r\n" + b"x" * 1_000_000, drip_s=0.3, once=True),
     "silent": Behaviour(None),
 }
+
+TLS_DRIP = Behaviour(b"\x16\x03\x03\x40\x00" + b"x" * 16384, drip_s=0.2, once=True,
+                    on_accept=True)
+"""A TLS record header announcing 16 KiB of handshake, then one byte every 0.2 s
+(inside the tests' 0.25 s connect timeout)."""
 
 STREAM_BYTES = 200_000_000
 STREAM = Behaviour(b"$%d\r\n" % STREAM_BYTES + b"x" * STREAM_BYTES, once=True)
@@ -114,6 +122,9 @@ class ScriptedServer:
         buf = bytearray()
         answered = False
         try:
+            if self.behaviour.on_accept and self.behaviour.reply is not None:
+                answered = True
+                self._send(conn, self.behaviour.reply)
             while not self._closed.is_set():
                 data = conn.recv(1 << 16)
                 if not data:

@@ -29,7 +29,7 @@ from kvoffload.tiers.config import RemoteTierConfig
 from kvoffload.tiers.remote import RemoteIndex, check_credentials
 from kvoffload.worker.block_store import TierUnavailable
 from kvoffload.worker.remote_store import RemoteStore
-from support.scripted_redis import BEHAVIOURS, STREAM, ScriptedServer, timed
+from support.scripted_redis import BEHAVIOURS, STREAM, TLS_DRIP, ScriptedServer, timed
 
 FP = bytes(range(FINGERPRINT_BYTES))
 NS = "ns-misbehaving"
@@ -205,3 +205,20 @@ def test_a_long_reply_streamed_at_full_speed_is_cut_at_the_block_size() -> None:
             store.close()
     assert elapsed <= bound(config) and isinstance(result, TierUnavailable), result
     assert peak < 8 << 20, f"peak {peak:,} bytes"
+
+
+def test_a_tls_handshake_that_drips_is_bounded_too(caplog: pytest.LogCaptureFixture) -> None:
+    """A ``rediss://`` server that drips its TLS handshake one byte every 0.2 s: the start-up
+    check and a store end within the bound (CPython's ``ssl`` bounds a whole handshake by
+    the connect timeout; this guards that the tier keeps it so)."""
+    with ScriptedServer(TLS_DRIP) as srv:
+        config = remote(srv.url.replace("redis://", "rediss://"))
+        elapsed, result = timed(check_credentials, config, limit_s=HANG_S)
+        assert elapsed <= bound(config) and result is None, (elapsed, result)
+        store = RemoteStore(config, NS, 0, FP)
+        try:
+            elapsed, result = timed(store.put, blocks(1), limit_s=HANG_S)
+        finally:
+            store.close()
+    assert elapsed <= bound(config) and isinstance(result, TierUnavailable), (elapsed, result)
+    no_tracebacks(caplog)

@@ -10,7 +10,9 @@ read then ends at once; the call raises redis-py's ``TimeoutError`` (one of
 
 Contract: a call inside ``deadline(s)`` returns or raises within ``s`` plus the time the
 watchdog needs to wake (milliseconds), plus at most one TCP connect (bounded by
-``connect_timeout_s``: a socket that is still connecting cannot be shut down). A call that
+``connect_timeout_s``: a socket that is still connecting cannot be shut down; a TLS
+handshake is bounded as a whole by it too, as CPython's ``ssl`` applies a socket's
+timeout to a whole operation). A call that
 overran its deadline raises ``TimeoutError`` even if its reply arrived, and its connections
 are disconnected (never reused half-read). A reply redis-py cannot make sense of becomes
 ``InvalidResponse`` (``deadline``), so a server that does not speak Redis is unreachable,
