@@ -11,14 +11,16 @@ read then ends at once; the call raises redis-py's ``TimeoutError`` (one of
 Contract: a call inside ``deadline(s)`` returns or raises within ``s`` plus the time the
 watchdog needs to wake (milliseconds), plus at most one TCP connect (bounded by
 ``connect_timeout_s``: a socket that is still connecting cannot be shut down; a TLS
-handshake is bounded as a whole by it too, as CPython's ``ssl`` applies a socket's
-timeout to a whole operation). A call that
-overran its deadline raises ``TimeoutError`` even if its reply arrived, and its connections
-are disconnected (never reused half-read). A reply redis-py cannot make sense of becomes
-``InvalidResponse`` (``deadline``), so a server that does not speak Redis is unreachable,
-never a traceback. Connections get this behaviour from the pool
-classes ``deadline_pool_class`` makes (their connections are ``deadline_connection_class``);
-a client built otherwise is not bounded beyond its per-read timeout.
+handshake is bounded as a whole by it too, as CPython's ``ssl`` applies a socket's timeout
+to a whole operation). A call that overran its deadline raises ``TimeoutError`` even if
+its reply arrived; a call that failed disconnects the connections it touched (never
+reused half-read). A reply redis-py cannot make sense of becomes ``InvalidResponse``, so a
+server that does not speak Redis is unreachable, never a traceback; a reply longer than
+the call can use is refused when announced (``MAX_REPLY_BYTES``). Connections get this
+behaviour from the pool classes ``deadline_pool_class`` makes (their connections are
+``deadline_connection_class``); a client built otherwise is not bounded beyond its
+per-read timeout. With the optional ``hiredis`` parser the reply cap does not apply (the
+deadline does).
 """
 
 from __future__ import annotations
