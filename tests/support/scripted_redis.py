@@ -48,6 +48,7 @@ BEHAVIOURS: dict[str, Behaviour] = {
     "huge-bulk": Behaviour(b"$9223372036854775807\r\n", once=True),
     "drip": Behaviour(b"$1000000\r\n" + b"x" * 1_000_000, drip_s=0.3, once=True),
     "silent": Behaviour(None),
+    "long-line": Behaviour(b"+" + b"A" * 200_000 + b"\r\n"),
 }
 
 TLS_DRIP = Behaviour(b"\x16\x03\x03\x40\x00" + b"x" * 16384, drip_s=0.2, once=True,

@@ -74,8 +74,11 @@ def blocks(n: int, size: int = 4096) -> list[tuple[bytes, bytes]]:
 
 
 def no_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
+    """No traceback logged, and no line echoing a server's huge reply."""
     traced = [r.getMessage() for r in caplog.records if r.exc_info]
     assert not traced, f"tracebacks logged: {traced}"
+    long = [r.getMessage()[:200] for r in caplog.records if len(r.getMessage()) > 1000]
+    assert not long, f"huge lines logged: {long}"
 
 
 def test_the_start_up_check_passes_within_the_bound_with_a_warning(
@@ -131,6 +134,7 @@ def test_a_store_and_a_load_end_within_the_bound_as_tier_unavailable(
             # client can tell: the load below, checksummed, still serves nothing wrong)
             assert isinstance(result, TierUnavailable) or result == \
                 [server.behaviour.reply == b"+OK\r\n"] * len(items), result
+            assert len(str(result)) < 1000
         finally:
             store.close()
         store = RemoteStore(config, NS, 0, FP)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from kvoffload.blockfile.framing import HEADER_BYTES, BytesLike, MacKey, check, encode_header
+from kvoffload.errors import shown
 from kvoffload.tiers.config import RemoteTierConfig
 from kvoffload.tiers.naming import remote_key
 from kvoffload.tiers.remote import (
@@ -145,7 +146,7 @@ class RemoteStore(BlockStore):
                 self._count(write_errors=1)
                 if _is_redirect(reply):
                     self._stale_slots = True
-                logger.debug("remote tier: SET of %s refused: %r", key.hex()[:16], reply)
+                logger.debug("remote tier: SET of %s refused: %s", key.hex()[:16], shown(reply))
             out.append(ok)
         return out
 
@@ -311,7 +312,7 @@ class RemoteStore(BlockStore):
             logger.error("rank %d: remote tier %s; no more calls to it until the worker "
                          "restarts", self.rank, refused_message(self.settings, exc))
         raise TierUnavailable(f"remote tier {self.settings.shown_url}: "
-                              f"{type(exc).__name__}: {exc}") from exc
+                              f"{type(exc).__name__}: {shown(str(exc))}") from exc
 
 
 def _is_redirect(reply: object) -> bool:
