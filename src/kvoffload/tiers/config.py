@@ -259,7 +259,7 @@ OPTION_HELP: dict[str, str] = {
     "disk_io_threads": "file I/O threads per worker (default 4)",
     "disk_fsync": "fsync every block before it counts as stored (default true)",
     "remote_url": "redis://[user:password@]host:port/db (rediss:// for TLS) of the shared "
-                  "Redis/Valkey tier (enables it)",
+                  "Redis/Valkey tier (enables it); the only query parameter is ?db=N",
     "remote_write_mode": "write_through (default) or write_back",
     "remote_io_threads": "threads per worker talking to the server (default 4)",
     "remote_max_connections": "connection pool size per process (default 16)",

@@ -21,6 +21,12 @@ Refused credentials. A server that refuses the user or password (``WRONGPASS``,
 ``NOAUTH``, ``NOPERM``: ``auth_failure``) will not accept them later either: the index
 logs one error naming the options to check and keeps the tier off (every lookup MISS,
 no demote) for the life of the process; it asks the server nothing more.
+
+Misbehaving server. Each existence check is one call bounded as a whole by
+``connect_timeout_s + timeout_s`` (``remote_client.call_bound_s``); a server that drips,
+never answers or answers something other than Redis marks the tier down like an
+unreachable one. The clients, errors and start-up check live in ``remote_client``
+(re-exported here).
 """
 
 from __future__ import annotations
@@ -36,162 +42,33 @@ from itertools import islice
 from typing import Any
 
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import ConfigError, InvariantError
+from kvoffload.errors import ConfigError, InvariantError, shown
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.base import LookupResult
-from kvoffload.tiers.config import RemoteTierConfig, url_without_credentials
+from kvoffload.tiers.config import RemoteTierConfig
 from kvoffload.tiers.lower import LowerTier, LowerTierStats
 from kvoffload.tiers.naming import remote_key
+from kvoffload.tiers.remote_client import (
+    REMOTE_ERRORS,
+    auth_failure,
+    call_bound_s,
+    check_credentials,
+    connect,
+    connection_kwargs,
+    refused_message,
+    remote_errors,
+    unexpected_reply,
+)
+from kvoffload.tiers.remote_deadline import deadline
+
+__all__ = ["REMOTE_ERRORS", "RemoteIndex", "auth_failure", "call_bound_s",
+           "check_credentials", "connect", "connection_kwargs", "refused_message",
+           "remote_errors", "unexpected_reply"]
 
 logger = logging.getLogger(__name__)
 
 _PROBE_BATCH = 512
 """Keys per pipelined existence check."""
-
-REMOTE_ERRORS: tuple[type[BaseException], ...] = (OSError,)
-"""Exceptions meaning "the server is unreachable or too slow" (redis' are added on import)."""
-
-
-def connect(remote: RemoteTierConfig, max_connections: int) -> Any:
-    """A redis-py client for ``remote.url`` with bounded timeouts and no silent retries.
-
-    Blocks on nothing: connections open lazily. A pool of ``max_connections`` connections;
-    a caller waiting for a free one gives up after ``timeout_s``. Credentials and TLS
-    settings come from ``connection_kwargs``. Needs the ``redis`` extra
-    (``pip install kvoffload[redis]``).
-    """
-    try:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("the remote tier needs redis-py: pip install 'kvoffload[redis]'") \
-            from exc
-    if remote.cluster:
-        return _connect_cluster(remote, max_connections)
-    pool = redis.BlockingConnectionPool.from_url(
-        url_without_credentials(remote.url), max_connections=max_connections,
-        timeout=remote.timeout_s, socket_timeout=remote.timeout_s,
-        socket_connect_timeout=remote.connect_timeout_s, retry=Retry(NoBackoff(), 0),
-        **connection_kwargs(remote))
-    return redis.Redis(connection_pool=pool)
-
-
-def _connect_cluster(remote: RemoteTierConfig, max_connections: int) -> Any:
-    """A redis-py ``RedisCluster`` seeded by ``remote.url`` (one node; the client reads the
-    slot map from it). Slots without a master (one lost, its replica not promoted yet)
-    make their commands fail, which the tier counts as unreachable, never as data:
-    ``require_full_coverage=False`` keeps the other shards serving. Each node gets a pool
-    of ``max_connections``."""
-    from redis.backoff import NoBackoff
-    from redis.cluster import RedisCluster
-    from redis.retry import Retry
-
-    return RedisCluster.from_url(
-        url_without_credentials(remote.url), max_connections=max_connections,
-        socket_timeout=remote.timeout_s, socket_connect_timeout=remote.connect_timeout_s,
-        require_full_coverage=False, retry=Retry(NoBackoff(), 1), **connection_kwargs(remote))
-
-
-
-def connection_kwargs(remote: RemoteTierConfig) -> dict[str, Any]:
-    """Credential and TLS keyword arguments of a redis-py client (a pool, a cluster
-    client) for ``remote``: ``username``/``password`` as ``RemoteTierConfig`` resolves
-    them (options over the environment over the URL) and, for ``rediss://``, the
-    ``ssl_*`` settings (the server's certificate and host name verified).
-
-    Give them with ``url_without_credentials(remote.url)``: redis-py lets a URL's own
-    user and password override keyword arguments.
-    """
-    kwargs: dict[str, Any] = {}
-    username, password = remote.credentials()
-    if username is not None:
-        kwargs["username"] = username
-    if password is not None:
-        kwargs["password"] = password
-    if remote.url.lower().startswith("rediss://"):
-        kwargs["ssl_cert_reqs"] = "required"
-        kwargs["ssl_check_hostname"] = True
-        for key, path in (("ssl_ca_certs", remote.tls_ca_file),
-                          ("ssl_certfile", remote.tls_cert_file),
-                          ("ssl_keyfile", remote.tls_key_file)):
-            if path is not None:
-                kwargs[key] = path
-    return kwargs
-
-
-def remote_errors() -> tuple[type[BaseException], ...]:
-    """Connection, timeout and cluster-availability errors of redis-py, plus ``OSError``.
-
-    A refused login (``AuthenticationError``) is one of them too: tell it apart with
-    ``auth_failure`` before treating the server as merely unreachable.
-    """
-    try:
-        from redis.exceptions import ClusterDownError, ClusterError, RedisClusterException
-        from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import TimeoutError as RedisTimeoutError
-    except ImportError:  # pragma: no cover - depends on the environment
-        return REMOTE_ERRORS
-    # Cluster errors: no master for a slot (failover in progress), or the slot map could
-    # not be read; they pass like an unreachable server.
-    return (*REMOTE_ERRORS, RedisConnectionError, RedisTimeoutError, ClusterDownError,
-            ClusterError, RedisClusterException)
-
-
-_AUTH_REPLIES = ("WRONGPASS", "NOAUTH", "NOPERM")
-
-
-def auth_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` says the server refused our credentials (a wrong user or password,
-    none given where one is needed, or a user without the rights the tier needs)."""
-    try:
-        from redis.exceptions import (
-            AuthenticationError,
-            AuthenticationWrongNumberOfArgsError,
-            NoPermissionError,
-        )
-    except ImportError:  # pragma: no cover - depends on the environment
-        return False
-    if isinstance(exc, (AuthenticationError, AuthenticationWrongNumberOfArgsError,
-                        NoPermissionError)):
-        return True
-    return str(exc).lstrip("-").upper().startswith(_AUTH_REPLIES)
-
-
-def refused_message(remote: RemoteTierConfig, exc: BaseException) -> str:
-    """What the server refused (``exc``), naming the options to check; no secrets."""
-    what = f"{remote.shown_url} refused the credentials ({type(exc).__name__}: {exc})"
-    if type(exc).__name__ == "NoPermissionError" or \
-            str(exc).lstrip("-").upper().startswith("NOPERM"):
-        return (f"{what}: the user ({remote.credential_source()}) lacks a command or key "
-                "the tier needs; grant it ping, set, getrange, exists and del on keys kvo:*")
-    return (f"{what}: check remote_username and the password "
-            f"({remote.credential_source()})")
-
-
-def check_credentials(remote: RemoteTierConfig, field: str = "remote_url") -> None:
-    """Start-up check: log in once and ``PING``; raise ``ConfigError`` (naming ``field``)
-    when the server refuses the credentials. An unreachable server passes (the tier
-    skips it while it is down); so does a missing redis-py (the tier says so)."""
-    try:
-        client = connect(remote, 1)
-    except ImportError:  # pragma: no cover - depends on the environment
-        return
-    except ValueError as exc:  # redis-py cannot read the URL (a port that is no number)
-        raise ConfigError(field, f"cannot read {remote.shown_url!r}: {exc}",
-                          "Use redis://host:port/db.") from None
-    try:
-        client.ping()
-    except Exception as exc:
-        if auth_failure(exc):
-            raise ConfigError(field, refused_message(remote, exc),
-                              "Fix them and start again.") from None
-        if not isinstance(exc, remote_errors()):
-            raise
-        logger.debug("remote tier %s not reachable at start-up: %s", remote.shown_url, exc)
-    finally:
-        client.connection_pool.disconnect()
-
 
 @dataclass(slots=True)
 class _Answer:
@@ -448,24 +325,36 @@ class RemoteIndex(LowerTier):
                 logger.debug("closing the remote index client failed", exc_info=True)
 
     def _probe_failed(self, exc: Exception, batch: Sequence[OffloadKey]) -> None:
-        """An existence check raised: refused credentials turn the tier off, an
-        unreachable server marks it down, anything else (a bug, an unexpected reply) is
-        logged with its traceback."""
+        """An existence check raised: refused credentials turn the tier off; an
+        unreachable, too slow or non-Redis server marks it down (one warning); anything
+        else (a bug) marks it down too, its traceback logged once per outage."""
         refused = auth_failure(exc) or isinstance(exc, ConfigError)
         unreachable = not refused and isinstance(exc, self._errors)
-        if not (refused or unreachable):
-            logger.error("remote tier existence check failed", exc_info=exc)
         with self._cond:
+            if not (refused or unreachable or self._down):
+                logger.error("remote tier existence check failed", exc_info=exc)
             self._probing.difference_update(batch)
             if refused:
                 self._refuse(exc)
-            elif unreachable:
+            else:
                 self._queued.clear()  # asked again once the tier is retried
-                self._go_down(f"{type(exc).__name__}: {exc}")
+                self._go_down(f"{type(exc).__name__}: {shown(str(exc))}")
             self._cond.notify_all()
 
     def _exists(self, client: Any, keys: Sequence[OffloadKey]) -> list[int]:
+        """One pipelined round trip of ``EXISTS`` within ``call_bound_s``; a reply that is
+        not a count in ``0..ranks`` raises ``InvalidResponse`` (the tier goes down)."""
         pipe = client.pipeline(transaction=False)
         for key in keys:
             pipe.exists(*(remote_key(self.namespace, r, key) for r in range(self._ranks)))
-        return [int(n) for n in pipe.execute()]
+        try:
+            with deadline(call_bound_s(self.settings)):
+                replies = pipe.execute()
+        except (ValueError, TypeError, IndexError) as exc:  # a reply of the wrong kind
+            raise unexpected_reply("EXISTS", str(exc)) from None
+        if not isinstance(replies, list) or len(replies) != len(keys):
+            raise unexpected_reply("EXISTS", replies)
+        for n in replies:
+            if type(n) is not int or not 0 <= n <= self._ranks:
+                raise unexpected_reply("EXISTS", n)
+        return replies

@@ -1,10 +1,10 @@
 """Configuration of the remote tier: ``RemoteTierConfig`` and its URL and credentials.
 
 A remote tier is a Redis/Valkey server (or cluster) named by a ``redis://``, ``rediss://``
-or ``unix://`` URL (``check_remote_url``). Its password is a secret: it is read when a
-client connects (``RemoteTierConfig.credentials``), never kept in the value, and every URL
-shown in a repr, a log line or an error message is masked (``masked_url``). Plain data:
-nothing here connects.
+or ``unix://`` URL (checked, shown and split by ``kvoffload.tiers.remote_url``). Its
+password is a secret: it is read when a client connects (``RemoteTierConfig.credentials``),
+never kept in the value, and every URL shown in a repr, a log line or an error message is
+masked (``masked_url``). Plain data: nothing here connects.
 """
 
 from __future__ import annotations
@@ -13,78 +13,25 @@ import math
 import os
 import stat
 from dataclasses import dataclass, fields
-from urllib.parse import parse_qsl, unquote
 
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, shown
 from kvoffload.tiers.option_values import MAX_IO_THREADS, WriteMode
+from kvoffload.tiers.remote_url import (
+    MASK,
+    REMOTE_SCHEMES,
+    check_remote_url,
+    masked_url,
+    url_credentials,
+    url_db,
+    url_without_credentials,
+)
 
-REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
-"""URL schemes of the remote tier (what redis-py's ``from_url`` connects to)."""
+__all__ = ["MASK", "PASSWORD_ENV", "REMOTE_SCHEMES", "RemoteTierConfig", "check_readable_file",
+           "check_remote_url", "masked_url", "read_password_file", "url_credentials",
+           "url_without_credentials"]
 
 PASSWORD_ENV = "KVOFFLOAD_REMOTE_PASSWORD"
 """Environment variable holding the remote tier's password (read when a client connects)."""
-
-MASK = "***"
-"""What a password looks like in every log line, error message and repr."""
-
-
-def check_remote_url(url: str, field: str = "remote_url") -> None:
-    """A shared tier's URL must be one redis-py opens: ``redis://``, ``rediss://`` (TLS)
-    or ``unix://``."""
-    if not url:
-        raise ConfigError(field, "is empty", "Give redis://host:port/db.")
-    if not url.lower().startswith(REMOTE_SCHEMES):
-        raise ConfigError(field, f"{masked_url(url)!r} is not a Redis URL",
-                          "Use redis://host:port/db, rediss://host:port/db (TLS) or "
-                          "unix:///path/to/redis.sock.")
-
-
-def _split_url(url: str) -> tuple[str, str, str, str]:
-    """``(scheme://, userinfo, host:port, rest)`` of a URL, by plain string cuts (no
-    parsing that could fail or re-spell it)."""
-    scheme, sep, after = url.partition("://")
-    if not sep:
-        return "", "", url, ""
-    end = min((i for i in (after.find(c) for c in "/?#") if i >= 0), default=len(after))
-    userinfo, at, hostport = after[:end].rpartition("@")
-    return scheme + sep, userinfo + at, hostport, after[end:]
-
-
-def masked_url(url: str) -> str:
-    """``url`` with its password shown as ``***``: ``redis://user:***@host:port/0``.
-
-    Covers the password of the user part and a ``password=`` query parameter; every log
-    line, error message and repr that shows a remote tier's URL goes through here.
-    """
-    scheme, userinfo, hostport, rest = _split_url(url)
-    user, colon, password = userinfo[:-1].partition(":")
-    if colon and password:
-        userinfo = f"{user}:{MASK}@"
-    path, qmark, query = rest.partition("?")
-    if qmark:
-        query, hash_, fragment = query.partition("#")
-        pairs = [(k, MASK if k.lower() == "password" and v else v)
-                 for k, v in parse_qsl(query, keep_blank_values=True)]
-        if any(v == MASK for _, v in pairs):
-            query = "&".join(f"{k}={v}" for k, v in pairs)
-        rest = path + qmark + query + hash_ + fragment
-    return scheme + userinfo + hostport + rest
-
-
-def url_without_credentials(url: str) -> str:
-    """``url`` without its ``user:password@`` part (what redis-py is given, with the
-    resolved credentials as keyword arguments: see ``RemoteTierConfig``)."""
-    scheme, _, hostport, rest = _split_url(url)
-    return scheme + hostport + rest
-
-
-def url_credentials(url: str) -> tuple[str | None, str | None]:
-    """The (percent-decoded) user and password written in ``url``, None where absent."""
-    userinfo = _split_url(url)[1][:-1]
-    if not userinfo:
-        return None, None
-    user, colon, password = userinfo.partition(":")
-    return (unquote(user) or None), (unquote(password) if colon and password else None)
 
 
 def check_readable_file(path: str, field: str, what: str) -> bytes:
@@ -212,6 +159,11 @@ class RemoteTierConfig:
             raise ConfigError("remote_cluster", "is true with a unix:// socket URL",
                               "Give one cluster node as redis://host:port, or set "
                               "remote_cluster to false.")
+        if self.cluster and url_db(self.url) != 0:
+            raise ConfigError("remote_cluster", f"is true while remote_url names the database "
+                              f"{url_db(self.url)}; a cluster has only database 0",
+                              "Drop the database from the URL, or set remote_cluster to "
+                              "false.")
         self._check_credentials()
         if not 1 <= self.io_threads <= MAX_IO_THREADS:
             raise ConfigError("remote_io_threads", f"must be >= 1 and at most "
@@ -242,7 +194,7 @@ class RemoteTierConfig:
         given = [name for name, path in tls.items() if path is not None]
         if given and not self.url.lower().startswith("rediss://"):
             raise ConfigError(given[0], f"needs a TLS URL, remote_url is "
-                              f"{masked_url(self.url)!r}",
+                              f"{shown(masked_url(self.url))}",
                               "Use rediss://host:port/db, or drop the TLS options.")
         if self.tls_key_file is not None and self.tls_cert_file is None:
             raise ConfigError("remote_tls_cert_file", "is missing while remote_tls_key_file "

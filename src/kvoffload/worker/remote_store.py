@@ -4,7 +4,10 @@ Each block is one string value, ``header + payload`` (``kvoffload.blockfile.fram
 ``kvoffload.tiers.naming.remote_key`` (namespace, rank, key). A batch of blocks is one
 pipelined round trip of binary ``SET``s or ``GET``s (no transaction: each command stands
 alone, and ``SET`` is atomic, so a reader never sees half a block). Connections come from
-redis-py's bounded pool; every round trip is bounded by ``timeout_s``. ``SET`` commands
+redis-py's bounded pool; every call (a round trip with the connection it may open) ends
+within ``connect_timeout_s + timeout_s`` however the server answers (a whole-call
+deadline, ``kvoffload.tiers.remote_deadline``); a reply that is not Redis counts as an
+unreachable server. ``SET`` commands
 are packed here (header bytes, then the payload straight from the host slot, no copy);
 everything else is plain redis-py.
 
@@ -30,9 +33,18 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from kvoffload.blockfile.framing import HEADER_BYTES, BytesLike, MacKey, check, encode_header
+from kvoffload.errors import shown
 from kvoffload.tiers.config import RemoteTierConfig
 from kvoffload.tiers.naming import remote_key
-from kvoffload.tiers.remote import auth_failure, connect, refused_message, remote_errors
+from kvoffload.tiers.remote import (
+    auth_failure,
+    call_bound_s,
+    connect,
+    refused_message,
+    remote_errors,
+    unexpected_reply,
+)
+from kvoffload.tiers.remote_deadline import deadline
 from kvoffload.worker.block_store import BlockStore, TierUnavailable
 
 logger = logging.getLogger(__name__)
@@ -134,7 +146,7 @@ class RemoteStore(BlockStore):
                 self._count(write_errors=1)
                 if _is_redirect(reply):
                     self._stale_slots = True
-                logger.debug("remote tier: SET of %s refused: %r", key.hex()[:16], reply)
+                logger.debug("remote tier: SET of %s refused: %s", key.hex()[:16], shown(reply))
             out.append(ok)
         return out
 
@@ -146,12 +158,13 @@ class RemoteStore(BlockStore):
         pipe = self._client.pipeline(transaction=False)
         for key, dest in items:
             pipe.getrange(self._rkey(key), 0, HEADER_BYTES + dest.nbytes)
-        replies = self._execute(pipe)
+        replies = self._execute(pipe, max((HEADER_BYTES + dest.nbytes + 1
+                                           for _, dest in items), default=0))
         self._check_refused(replies)
         out = []
         damaged = []
         for (key, dest), value in zip(items, replies, strict=True):
-            if not value or isinstance(value, Exception):
+            if not value or not isinstance(value, bytes):  # absent, an error reply, junk
                 self._count(misses=1)
                 out.append(False)
                 continue
@@ -175,7 +188,8 @@ class RemoteStore(BlockStore):
             out.append(True)
         if damaged:
             try:
-                self._client.delete(*damaged)
+                with deadline(call_bound_s(self.settings)):
+                    self._client.delete(*damaged)
             except Exception as exc:
                 if auth_failure(exc):
                     self._went_down(exc)
@@ -189,7 +203,8 @@ class RemoteStore(BlockStore):
             return
         self._check_up()
         try:
-            self._client.delete(*(self._rkey(k) for k in keys))
+            with deadline(call_bound_s(self.settings)):
+                self._client.delete(*(self._rkey(k) for k in keys))
         except Exception as exc:
             if auth_failure(exc) or isinstance(exc, self._errors):
                 self._went_down(exc)
@@ -227,7 +242,8 @@ class RemoteStore(BlockStore):
         if refresh:
             # A cluster's slot map changed (a redirect, or a node lost): read it again.
             try:
-                self._client.nodes_manager.initialize()
+                with deadline(call_bound_s(self.settings)):
+                    self._client.nodes_manager.initialize()
             except self._errors as exc:
                 self._went_down(exc)
 
@@ -240,13 +256,19 @@ class RemoteStore(BlockStore):
 
     def _round_trip(self, pool: Any, chunks: Sequence[BytesLike], replies: int) -> list[Any]:
         """Send packed commands on one connection of ``pool``; read ``replies`` replies (an
-        error reply, e.g. the server out of memory, is returned, not raised)."""
-        from redis.exceptions import ResponseError
-
+        error reply, e.g. the server out of memory, is returned, not raised), all within
+        ``call_bound_s``."""
         try:
-            conn = pool.get_connection()
+            with deadline(call_bound_s(self.settings)):
+                return self._send_and_read(pool, chunks, replies)
         except self._errors as exc:
             self._went_down(exc)
+
+    @staticmethod
+    def _send_and_read(pool: Any, chunks: Sequence[BytesLike], replies: int) -> list[Any]:
+        from redis.exceptions import ResponseError
+
+        conn = pool.get_connection()
         try:
             conn.send_packed_command(chunks)
             out: list[Any] = []
@@ -256,15 +278,22 @@ class RemoteStore(BlockStore):
                 except ResponseError as exc:
                     out.append(exc)
             return out
-        except self._errors as exc:
+        except BaseException:
             conn.disconnect()
-            self._went_down(exc)
+            raise
         finally:
             pool.release(conn)
 
-    def _execute(self, pipe: Any) -> list[Any]:
+    def _execute(self, pipe: Any, max_reply_bytes: int) -> list[Any]:
+        """A pipeline's replies within ``call_bound_s`` (an error reply per command is
+        returned, not raised), none longer than ``max_reply_bytes``; a reply redis-py
+        cannot convert, or a longer one, counts as unreachable."""
         try:
-            return list(pipe.execute(raise_on_error=False))
+            with deadline(call_bound_s(self.settings), max(max_reply_bytes, 1 << 16)):
+                try:
+                    return list(pipe.execute(raise_on_error=False))
+                except (ValueError, TypeError, IndexError) as exc:
+                    raise unexpected_reply("GETRANGE", str(exc)) from None
         except self._errors as exc:
             self._went_down(exc)
 
@@ -283,7 +312,7 @@ class RemoteStore(BlockStore):
             logger.error("rank %d: remote tier %s; no more calls to it until the worker "
                          "restarts", self.rank, refused_message(self.settings, exc))
         raise TierUnavailable(f"remote tier {self.settings.shown_url}: "
-                              f"{type(exc).__name__}: {exc}") from exc
+                              f"{type(exc).__name__}: {shown(str(exc))}") from exc
 
 
 def _is_redirect(reply: object) -> bool:
