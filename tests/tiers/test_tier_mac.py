@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import pickle
@@ -520,3 +521,35 @@ def test_a_nul_byte_in_a_path_option_is_a_config_error(options: dict[str, object
             "host", *(["disk"] if "disk_path" in options else []),
             *(["remote"] if "remote_url" in options else [])], **options})
     assert info.value.field == f"kv_connector_extra_config.{field}"
+
+
+def simulate_disk_hits(disk: Path, capsys: pytest.CaptureFixture[str],
+                       *extra: str) -> float:
+    """One ``kvoffload simulate`` on a real disk tier; the share of prompt tokens the disk
+    tier served."""
+    from kvoffload.cli import main
+
+    status = main(["simulate", "--host-capacity", "64MiB", "--disk-capacity", "1GiB",
+                   "--disk-path", str(disk), "--limit", "12", "--no-baseline", "--json",
+                   "--quiet", *extra])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    report = json.loads(out)
+    assert report["offload"]["wrong_bytes"] == 0
+    assert report["config"]["mac_key"] is True  # a key is used; never shown
+    assert_hidden(out + err)
+    return float(report["offload"]["tier_hit_rates"].get("disk", 0.0))
+
+
+def test_simulate_macs_its_real_tiers_like_the_connector(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 40: `simulate --disk-path` ignored KVOFFLOAD_TIER_MAC_KEY, and
+    # --tier-mac-key-file (docs/tiers.md) was no option of any subcommand.
+    disk = tmp_path / "disk"
+    monkeypatch.setenv(MAC_KEY_ENV, SECRET.decode())
+    simulate_disk_hits(disk, capsys)
+    assert simulate_disk_hits(disk, capsys) > 0  # a restart hits its own blocks
+    monkeypatch.delenv(MAC_KEY_ENV)
+    other = write_key(tmp_path / "other.key", OTHER_SECRET)
+    assert simulate_disk_hits(disk, capsys, "--tier-mac-key-file", str(other)) == 0
