@@ -12,6 +12,8 @@ import pytest
 from kvoffload.cli import main
 
 S = ["simulate", "--limit", "3", "--no-baseline"]
+SW = ["sweep", "--limit", "3"]
+PL = ["plan", "--limit", "3", "--jobs", "1"]
 
 
 @pytest.mark.parametrize(("argv", "flag", "needle"), [
@@ -57,21 +59,21 @@ S = ["simulate", "--limit", "3", "--no-baseline"]
     ([*S, "--sessions", "1000000000"], "--sessions", "at most 10,000"),
     (["sweep", "--workload", "agentic", "--sessions", "10001"], "--sessions", "at most"),
     # Issue 40, second round: empty lists are refused, never read as the default.
-    (["sweep", "--capacity-fraction", ""], "--capacity-fraction", "comma-separated list"),
-    (["sweep", "--capacity-fraction", ","], "--capacity-fraction", "comma-separated list"),
-    (["sweep", "--capacity-fraction", "0.1,x"], "--capacity-fraction", "shares"),
-    (["sweep", "--seeds", ""], "--seeds", "comma-separated list"),
-    (["sweep", "--seeds", "1,\u0663"], "--seeds", "ASCII digits"),
-    (["sweep", "--seeds", ",".join(map(str, range(65)))], "--seeds", "at most 64"),
-    (["sweep", "--seeds", "0," * 100_000], "--seeds", "at most 64"),
-    (["sweep", "--policy", ""], "--policy", "comma-separated list"),
-    (["sweep", "--preset", " , "], "--preset", "comma-separated list"),
-    (["sweep", "--host-capacity", ""], "--host-capacity", "comma-separated list"),
-    (["plan", "--fractions", ""], "--fractions", "comma-separated list"),
-    (["plan", "--fractions", "0.5,\u0661"], "--fractions", "shares"),
+    ([*SW, "--capacity-fraction", ""], "--capacity-fraction", "comma-separated list"),
+    ([*SW, "--capacity-fraction", ","], "--capacity-fraction", "comma-separated list"),
+    ([*SW, "--capacity-fraction", "0.1,x"], "--capacity-fraction", "shares"),
+    ([*SW, "--seeds", ""], "--seeds", "comma-separated list"),
+    ([*SW, "--seeds", "1,\u0663"], "--seeds", "ASCII digits"),
+    ([*SW, "--seeds", ",".join(map(str, range(65)))], "--seeds", "at most 64"),
+    ([*SW, "--seeds", "0," * 100_000], "--seeds", "at most 64"),
+    ([*SW, "--policy", ""], "--policy", "comma-separated list"),
+    ([*SW, "--preset", " , "], "--preset", "comma-separated list"),
+    ([*SW, "--host-capacity", ""], "--host-capacity", "comma-separated list"),
+    ([*PL, "--fractions", ""], "--fractions", "comma-separated list"),
+    ([*PL, "--fractions", "0.5,\u0661"], "--fractions", "shares"),
     # Factors and counts have documented caps (docs/configuration.md).
     ([*S, "--block-size-factor", "1000000000"], "--block-size-factor", "at most 1024"),
-    (["sweep", "--block-size-factor", "1025"], "--block-size-factor", "at most 1024"),
+    ([*SW, "--block-size-factor", "1025"], "--block-size-factor", "at most 1024"),
     # Digits other than ASCII are refused by count flags as by size flags.
     ([*S, "--engines", "\u00b3"], "--engines", "ASCII digits"),
     ([*S, "--engines", "\u0663"], "--engines", "ASCII digits"),
@@ -83,6 +85,9 @@ S = ["simulate", "--limit", "3", "--no-baseline"]
     ([*S, "--bandwidth", "9" * 100_000], "--bandwidth", "characters"),
     ([*S, "--engines", "4" * 100_000], "--engines", "100,002 characters"),
     ([*S, "--router", "r" * 100_000, "--engines", "2"], "--router", "100,002 characters"),
+    ([*S, "--host-capacity", "1" * 100_000], "--host-capacity", "100,002 characters"),
+    ([*S, "--faults", "\u0660.\u0665"], "--faults", "not a number"),
+    ([*S, "--faults", "0.1," + "k" * 100_000], "--faults", "100,002 characters"),
     # The MAC key of simulate's real tiers (docs/tiers.md).
     ([*S, "--tier-mac-key-file", "/etc/kvoffload/tier.key"], "--tier-mac-key-file",
      "real tiers"),
@@ -118,7 +123,7 @@ def run_cli(argv: list[str]) -> int:
     ([*S, "--decode-steps", "\u0663"], "--decode-steps"),
     ([*S, "--tier-faults", "\u0661"], "--tier-faults"),  # float() reads it as 1.0
     ([*S, "--hint-accuracy", "\u0660.\u0665"], "--hint-accuracy"),
-    (["plan", "--jobs", "\u0662"], "--jobs"),
+    ([*PL, "--jobs", "\u0662"], "--jobs"),
     ([*S, "--block-size", "7" * 100_000], "--block-size"),
     ([*S, "--max-seqs", "abc"], "--max-seqs"),
 ])
