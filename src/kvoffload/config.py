@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, shown
 from kvoffload.group_kinds import KIND_RULES, GroupKind, KindRules
 
 __all__ = ["DEFAULT_POLICY", "GroupKind", "GroupSpec", "OffloadConfig", "ResolvedGroup"]
@@ -157,13 +157,31 @@ HOST_ACCOUNTING = ("slot", "bytes")
 
 MAX_DEFERRAL_S = 60.0
 
+MAX_BLOCK_SIZE_FACTOR = 1024
+"""The most engine blocks one offloaded block may group (``block_size_factor``): 16,384
+tokens per offloaded block at block size 16. Larger values are typos (a factor beyond any
+prompt makes every block partial, so nothing is ever stored)."""
+MAX_NUM_WORKERS = 4096
+"""The most tensor-parallel ranks (``num_workers``) a configuration may count."""
+MAX_DEFERRED_STEPS = 1 << 20
+"""The most engine steps a lookup may be deferred in a row (``max_deferred_steps``)."""
+
+
+def checked_count(value: object, field: str, maximum: int, fix: str) -> int:
+    """``value`` as a whole number in ``[1, maximum]``; ``ConfigError`` naming ``field``
+    (with ``fix``) for anything else, a bool and a float included."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise ConfigError(field, f"must be a positive whole number, at most {maximum:,}, "
+                          f"got {shown(value)}", fix)
+    return value
+
 
 def checked_min_deferral_s(value: object, field: str = "min_deferral_s") -> float:
     """``value`` as seconds a deferred lookup waits at least, in ``[0, MAX_DEFERRAL_S]``;
     ``ConfigError`` naming ``field`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not 0 <= value <= MAX_DEFERRAL_S:
-        raise ConfigError(field, f"must be seconds in [0, {MAX_DEFERRAL_S:g}], got {value!r}",
+        raise ConfigError(field, f"must be seconds in [0, {MAX_DEFERRAL_S:g}], got {shown(value)}",
                           "Use e.g. 0.5, or 0 to bound by steps only.")
     return float(value)
 
@@ -224,18 +242,16 @@ class OffloadConfig:
         if self.hash_block_size <= 0:
             raise ConfigError("hash_block_size", f"must be positive, got {self.hash_block_size}",
                               "Use the engine's prefix-hash block size in tokens.")
-        if self.block_size_factor <= 0:
-            raise ConfigError("block_size_factor", f"must be >= 1, got {self.block_size_factor}",
-                              "Use 1 to offload engine blocks as they are.")
-        if self.num_workers <= 0:
-            raise ConfigError("num_workers", f"must be >= 1, got {self.num_workers}",
-                              "Use the tensor-parallel size.")
+        checked_count(self.block_size_factor, "block_size_factor", MAX_BLOCK_SIZE_FACTOR,
+                      "Use 1 to offload engine blocks as they are, or a small factor.")
+        checked_count(self.num_workers, "num_workers", MAX_NUM_WORKERS,
+                      "Use the tensor-parallel size.")
         checked_min_deferral_s(self.min_deferral_s)
-        if self.max_deferred_steps <= 0:
-            raise ConfigError("max_deferred_steps", f"must be >= 1, got {self.max_deferred_steps}",
-                              "Bound how many steps a lookup may be deferred, e.g. 64.")
+        checked_count(self.max_deferred_steps, "max_deferred_steps", MAX_DEFERRED_STEPS,
+                      "Bound how many steps a lookup may be deferred, e.g. 64.")
         if self.host_accounting not in HOST_ACCOUNTING:
-            raise ConfigError("host_accounting", f"unknown accounting {self.host_accounting!r}",
+            raise ConfigError("host_accounting",
+                              f"unknown accounting {shown(self.host_accounting)}",
                               f"Use one of {list(HOST_ACCOUNTING)}.")
         resolved = tuple(self._resolve(i, g) for i, g in enumerate(self.groups))
         object.__setattr__(self, "resolved", resolved)

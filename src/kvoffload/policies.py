@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvoffload.config import DEFAULT_POLICY
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, shown
 from kvoffload.planner.selective import hybrid_store_policy, value_store_policy
 from kvoffload.planner.store_policy import StorePolicy, StorePolicyContext
 from kvoffload.tiers.eviction.arc import ARCPolicy
@@ -131,5 +131,5 @@ def cache_policy(name: str, field: str = "eviction_policy") -> CachePolicy:
             raise ConfigError(field, RESERVED_NAMES[name],
                               f"Run it in the simulator (kvoffload simulate/sweep --policy "
                               f"{name}); a deployment uses one of: {known}.")
-        raise ConfigError(field, f"unknown policy {name!r}", f"Use one of: {known}.")
+        raise ConfigError(field, f"unknown policy {shown(name)}", f"Use one of: {known}.")
     return entry

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import re
 
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, shown
 
 MAX_SIZE = 1 << 60
 """The largest size any option accepts (1 EiB): larger is a typo, not a machine."""
@@ -63,15 +63,15 @@ def parse_size(value: object, field: str, *, minimum: int = 0,
     """``value`` (an int or a string in the grammar above) as bytes in
     ``[minimum, maximum]``; ``ConfigError`` naming ``field`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(field, f"{value!r} ({type(value).__name__}) is not a size",
+        raise ConfigError(field, f"{shown(value)} ({type(value).__name__}) is not a size",
                           SIZE_FIX)
     number = value if isinstance(value, int) else _parse_text(value, field)
     if number < minimum:
         problem = ("must be positive" if minimum == 1
                    else f"must be at least {minimum} bytes")
-        raise ConfigError(field, f"{problem}, got {value!r}", SIZE_FIX)
+        raise ConfigError(field, f"{problem}, got {shown(value)}", SIZE_FIX)
     if number > maximum:
-        raise ConfigError(field, f"{value!r} is more than the largest size accepted "
+        raise ConfigError(field, f"{shown(value)} is more than the largest size accepted "
                           f"({maximum} bytes)", SIZE_FIX)
     return number
 
@@ -81,13 +81,13 @@ def _parse_text(text: str, field: str) -> int:
     match = _SIZE.fullmatch(stripped) if len(stripped) <= _MAX_TEXT else None
     unit = match.group(3).lower() if match else ""
     if match is None or unit not in UNITS:
-        raise ConfigError(field, f"{text!r} is not a size", SIZE_FIX)
+        raise ConfigError(field, f"{shown(text)} is not a size", SIZE_FIX)
     whole, fraction = match.group(1), match.group(2) or ""
     scaled = int(whole + fraction) * UNITS[unit]
     scale: int = 10 ** len(fraction)
     number, rest = divmod(scaled, scale)
     if rest:
-        raise ConfigError(field, f"{text!r} is not a whole number of bytes", SIZE_FIX)
+        raise ConfigError(field, f"{shown(text)} is not a whole number of bytes", SIZE_FIX)
     return number
 
 

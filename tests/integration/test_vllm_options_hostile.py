@@ -69,6 +69,23 @@ REMOTE = {"host_memory_bytes": "1GiB", "tiers": ["host", "remote"],
     ({"host_memory_bytes": "1GiB", "load_deadline_s": True}, "load_deadline_s", "seconds in"),
     ({"host_memory_bytes": "1GiB", "load_deadline_s": None}, None, None),
     ({"host_memory_bytes": "1GiB", "load_deadline_s": 2.5}, None, None),
+    # Issue 40: refused when the options are read, naming the key.
+    ({**DISK, "disk_eviction_policy": "nope"}, "disk_eviction_policy", "unknown policy"),
+    ({**DISK, "disk_eviction_policy": ["lru"]}, "disk_eviction_policy", "not a string"),
+    ({**DISK, "disk_path": "/nvme/kv\0"}, "disk_path", "NUL byte"),
+    ({**DISK, "tier_mac_key_file": "/etc/kvoffload/key\0"}, "tier_mac_key_file", "NUL byte"),
+    ({"host_memory_bytes": "1GiB", "block_size_factor": 10**9}, "block_size_factor",
+     "at most 1,024"),
+    ({"host_memory_bytes": "1GiB", "block_size_factor": 1025}, "block_size_factor",
+     "at most 1,024"),
+    ({"host_memory_bytes": "1GiB", "block_size_factor": 1024}, None, None),
+    ({"host_memory_bytes": "1GiB", "max_deferred_steps": 10**12}, "max_deferred_steps",
+     "at most 1,048,576"),
+    ({**DISK, "disk_io_threads": "\u0663"}, "disk_io_threads", "ASCII digits"),
+    ({"host_memory_bytes": "1GiB", "eviction_policy": "v" * 100_000}, "eviction_policy",
+     "100,002 characters"),
+    ({"host_memory_bytes": "1GiB", "tiers": ["host", "t" * 100_000]}, "tiers",
+     "100,002 characters"),
 ])
 def test_hostile_values_name_their_key(extra: dict[str, Any], key: str | None,
                                        needle: str | None) -> None:
@@ -79,6 +96,7 @@ def test_hostile_values_name_their_key(extra: dict[str, Any], key: str | None,
         ConnectorOptions.from_extra_config(extra)
     assert info.value.field == f"{P}.{key}"
     assert needle is not None and needle in str(info.value)
+    assert len(str(info.value)) < 1000  # a huge value is named, never echoed whole
 
 
 def test_sizes_read_alike_everywhere() -> None:

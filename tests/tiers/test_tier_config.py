@@ -62,11 +62,40 @@ def test_string_options_build_both_tiers_with_defaults_and_overrides() -> None:
     ({"dsk_path": "/x"}, "dsk_path"),
     ({"remote_url": "redis://h", "remote_cluster": "maybe"}, "remote_cluster"),
     ({"remote_url": "unix:///run/redis.sock", "remote_cluster": "true"}, "remote_cluster"),
+    # Issue 40: refused when the options are read, not when the tier is built.
+    ({"disk_path": "/x", "disk_capacity": "1GiB", "disk_eviction_policy": "nope"},
+     "disk_eviction_policy"),
+    ({"disk_path": "/x", "disk_capacity": "1GiB", "disk_eviction_policy": "oracle"},
+     "disk_eviction_policy"),
+    ({"disk_path": "/x", "disk_capacity": "1GiB", "disk_eviction_policy": 5},
+     "disk_eviction_policy"),
+    ({"disk_path": "/x", "disk_capacity": "1GiB", "disk_eviction_policy": "x" * 100_000},
+     "disk_eviction_policy"),
+    # Digits other than ASCII are refused by count options as by sizes (issue 40).
+    ({"disk_path": "/x", "disk_capacity": "1GiB", "disk_io_threads": "\u0663"},
+     "disk_io_threads"),
+    ({"disk_path": "/x", "disk_capacity": "1GiB", "disk_io_threads": "\u00b3"},
+     "disk_io_threads"),
+    ({"remote_url": "redis://h", "remote_batch_blocks": "\uff11\uff16"}, "remote_batch_blocks"),
+    ({"remote_url": "redis://h", "remote_timeout_s": "\u0661"}, "remote_timeout_s"),
+    ({"remote_url": "redis://h", "remote_io_threads": "9" * 100_000}, "remote_io_threads"),
+    ({"remote_url": "redis://h", "remote_cluster": "y" * 100_000}, "remote_cluster"),
+    ({"disk_path": "/x", "disk_capacity": "1GiB", "disk_write_mode": "w" * 100_000},
+     "disk_write_mode"),
+    ({"tier_order": "disk," * 50_000}, "tier_order"),
 ])
 def test_bad_options_name_the_option_to_fix(options: dict[str, str], field: str) -> None:
     with pytest.raises(ConfigError) as err:
         TierConfig.from_options(options)
     assert err.value.field == field
+    assert len(str(err.value)) < 1000  # a huge value is named, never echoed whole
+
+
+def test_the_disk_eviction_policy_is_checked_with_the_config() -> None:
+    with pytest.raises(ConfigError) as err:
+        DiskTierConfig("/x", 1 << 30, eviction_policy="nope")
+    assert err.value.field == "disk_eviction_policy" and "'lru'" in err.value.fix
+    assert DiskTierConfig("/x", 1 << 30, eviction_policy="arc").eviction_policy == "arc"
 
 
 def test_command_line_flags_round_trip() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import pickle
@@ -55,6 +56,13 @@ PAYLOAD = bytes(range(256)) * 16  # 4 KiB blocks
 BLOCK = b"\x11" * 16 + b"\x00"
 TARGET = b"\x22" * 16 + b"\x00"
 """The block the attacker wants to plant (e.g. the first block of a popular prompt)."""
+
+
+def write_key(path: Path, data: bytes) -> Path:
+    """A key file as docs/tiers.md says to make one: only its owner may access it."""
+    path.write_bytes(data)
+    path.chmod(0o600)
+    return path
 
 
 def tiers_for(tmp_path: Path, redis: RedisServer | None, secret: bytes | None) -> TierConfig:
@@ -304,8 +312,7 @@ def test_the_key_never_appears_in_logs_reprs_or_errors(
         tmp_path: Path, redis_srv: RedisServer, open_stores: list,
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
-    key_file = tmp_path / "key"
-    key_file.write_bytes(SECRET + b"\n")
+    key_file = write_key(tmp_path / "key", SECRET + b"\n")
     tiers = TierConfig.from_options({"model_id": "m", "disk_path": str(tmp_path / "disk"),
                                      "disk_capacity": "1GiB", "remote_url": redis_srv.url,
                                      "remote_timeout_s": "0.3",
@@ -407,8 +414,8 @@ def test_framing_with_a_key() -> None:
 
 def test_the_key_comes_from_a_file_or_the_environment(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    key_file = tmp_path / "key"
-    key_file.write_text(SECRET.decode() + "\n")  # as `openssl rand -hex 32 > key` writes
+    # as `openssl rand -hex 32 > key; chmod 600 key` leaves it
+    key_file = write_key(tmp_path / "key", SECRET + b"\n")
     assert read_mac_key(str(key_file), {}) == MacKey(SECRET)
     assert read_mac_key(None, {MAC_KEY_ENV: SECRET.decode()}) == MacKey(SECRET)
     assert read_mac_key(None, {}) is None
@@ -433,14 +440,12 @@ def test_bad_keys_are_config_errors_that_say_what_to_do(tmp_path: Path) -> None:
     missing = config_error({"tier_mac_key_file": str(tmp_path / "nope")}, {})
     assert missing.field == "tier_mac_key_file" and "cannot open" in missing.problem
     assert "openssl rand" in missing.fix
-    short = tmp_path / "short"
-    short.write_bytes(SECRET[:15] + b"\n")
+    short = write_key(tmp_path / "short", SECRET[:15] + b"\n")
     too_short = config_error({"tier_mac_key_file": str(short)}, {})
     assert "15 bytes of key, fewer than 16" in too_short.problem
     assert SECRET[:15].decode() not in str(too_short)
     assert "openssl rand -hex 32 >" in too_short.fix
-    empty = tmp_path / "empty"
-    empty.write_bytes(b"\n")
+    empty = write_key(tmp_path / "empty", b"\n")
     assert "0 bytes" in config_error({"tier_mac_key_file": str(empty)}, {}).problem
     assert "not a regular file" in config_error({"tier_mac_key_file": str(tmp_path)},
                                                 {}).problem
@@ -448,16 +453,14 @@ def test_bad_keys_are_config_errors_that_say_what_to_do(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     assert "not a regular file" in config_error({"tier_mac_key_file": str(fifo)},
                                                 {}).problem  # without waiting for a writer
-    big = tmp_path / "big"
-    big.write_bytes(b"k" * 5000)
+    big = write_key(tmp_path / "big", b"k" * 5000)
     assert "too big" in config_error({"tier_mac_key_file": str(big)}, {}).problem
     assert config_error({"tier_mac_key_file": ""}, {}).field == "tier_mac_key_file"
     assert config_error({"tier_mac_key_file": 7}, {}).field == "tier_mac_key_file"
     env_short = config_error({}, {MAC_KEY_ENV: SECRET[:9].decode()})
     assert env_short.field == MAC_KEY_ENV and "9 bytes" in env_short.problem
     assert config_error({}, {MAC_KEY_ENV: ""}).field == MAC_KEY_ENV  # fails closed
-    key_file = tmp_path / "key"
-    key_file.write_bytes(SECRET)
+    key_file = write_key(tmp_path / "key", SECRET)
     both = config_error({"tier_mac_key_file": str(key_file)}, {MAC_KEY_ENV: SECRET.decode()})
     assert MAC_KEY_ENV in both.problem
 
@@ -472,3 +475,81 @@ def test_the_connector_takes_the_key_file_and_no_literal_key(tmp_path: Path) -> 
             ConnectorOptions.from_extra_config({**base, literal: SECRET.decode()})
         assert "is not a kvoffload option" in str(info.value)
         assert_hidden(str(info.value))
+
+
+# -- hostile key files and paths (issue 40) -------------------------------------------------
+
+
+@pytest.mark.parametrize(("mode", "needle"), [
+    (0o644, "chmod 600"),  # what `openssl rand -hex 32 > FILE` leaves under umask 022
+    (0o640, "chmod 600"),  # readable by the group
+    (0o604, "chmod 600"),  # readable by others only
+    (0o620, "chmod 600"),  # writable by the group: anyone there could set a key they know
+    (0o602, "chmod 600"),  # writable by others
+    (0o600, None),
+    (0o400, None),
+])
+def test_a_key_file_other_users_may_access_is_refused(tmp_path: Path, mode: int,
+                                                       needle: str | None) -> None:
+    key_file = write_key(tmp_path / "key", SECRET + b"\n")
+    key_file.chmod(mode)
+    if needle is None:
+        assert read_mac_key(str(key_file), {}) == MacKey(SECRET)
+        return
+    error = config_error({"tier_mac_key_file": str(key_file)}, {})
+    assert error.field == "tier_mac_key_file"
+    assert f"{needle} {key_file}" in error.fix and f"{mode:04o}" in error.problem
+
+
+@pytest.mark.parametrize(("options", "field"), [
+    ({"tier_mac_key_file": "/etc/kvoffload/tier\0.key"}, "tier_mac_key_file"),
+    ({"tier_mac_key_file": "\0"}, "tier_mac_key_file"),
+    ({"disk_path": "/var/cache/kv\0offload", "disk_capacity": "1GiB"}, "disk_path"),
+    ({"disk_path": "\0", "disk_capacity": "1GiB"}, "disk_path"),
+    ({"remote_url": "redis://cache:6379/0", "remote_password_file": "/run/pw\0"},
+     "remote_password_file"),
+    ({"remote_url": "rediss://cache:6380/0", "remote_tls_ca_file": "/ca\0.pem"},
+     "remote_tls_ca_file"),
+])
+def test_a_nul_byte_in_a_path_option_is_a_config_error(options: dict[str, object],
+                                                        field: str) -> None:
+    error = config_error(options, {})
+    assert error.field == field
+    assert "NUL byte" in str(error) or "null byte" in str(error)
+    with pytest.raises(ConfigError) as info:  # the connector names its own key
+        ConnectorOptions.from_extra_config({"host_memory_bytes": "1GiB", "tiers": [
+            "host", *(["disk"] if "disk_path" in options else []),
+            *(["remote"] if "remote_url" in options else [])], **options})
+    assert info.value.field == f"kv_connector_extra_config.{field}"
+
+
+def simulate_disk_hits(disk: Path, capsys: pytest.CaptureFixture[str],
+                       *extra: str) -> float:
+    """One ``kvoffload simulate`` on a real disk tier; the share of prompt tokens the disk
+    tier served."""
+    from kvoffload.cli import main
+
+    status = main(["simulate", "--host-capacity", "64MiB", "--disk-capacity", "1GiB",
+                   "--disk-path", str(disk), "--limit", "12", "--no-baseline", "--json",
+                   "--quiet", *extra])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    report = json.loads(out)
+    assert report["offload"]["wrong_bytes"] == 0
+    assert report["config"]["mac_key"] is True  # a key is used; never shown
+    assert_hidden(out + err)
+    return float(report["offload"]["tier_hit_rates"].get("disk", 0.0))
+
+
+def test_simulate_macs_its_real_tiers_like_the_connector(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 40: `simulate --disk-path` ignored KVOFFLOAD_TIER_MAC_KEY, and
+    # --tier-mac-key-file (docs/tiers.md) was no option of any subcommand.
+    disk = tmp_path / "disk"
+    monkeypatch.setenv(MAC_KEY_ENV, SECRET.decode())
+    simulate_disk_hits(disk, capsys)
+    assert simulate_disk_hits(disk, capsys) > 0  # a restart hits its own blocks
+    monkeypatch.delenv(MAC_KEY_ENV)
+    other = write_key(tmp_path / "other.key", OTHER_SECRET)
+    assert simulate_disk_hits(disk, capsys, "--tier-mac-key-file", str(other)) == 0

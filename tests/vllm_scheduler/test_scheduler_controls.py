@@ -76,6 +76,23 @@ def test_a_bad_control_value_stores_nothing(root: Path) -> None:
         assert host_blocks(eng) == 0
 
 
+def test_params_that_are_not_an_object_never_stop_the_scheduler(
+        root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Issue 40: vLLM passes kv_transfer_params on unchecked; a string, list or number raised
+    # in the connector (an HTTP 500 for the client). Read as empty: the request is stored
+    # as one without controls; a 1 MiB session id is no hint.
+    with kit.engine(root, kit.Layout("full")) as eng, caplog.at_level("WARNING"):
+        for i, params in enumerate(["max_offload_tokens=0", ["max_offload_tokens", 0], 7]):
+            run_one(eng, f"odd-{i}", [5000 + i, *PROMPT[1:]],
+                    kv_transfer_params=params)
+        assert host_blocks(eng) == 3 * 12
+        run_one(eng, "long-session", [6000, *PROMPT[1:]],
+                kv_transfer_params={"session_id": "s" * (1 << 20)})
+        assert host_blocks(eng) == 4 * 12
+    assert caplog.text.count("must be a JSON object") == 3
+    assert "kv_transfer_params.session_id" in caplog.text and len(caplog.text) < 20_000
+
+
 def test_tenants_with_different_salts_never_share_blocks(root: Path) -> None:
     with kit.engine(root, kit.Layout("hybrid")) as eng:
         run_one(eng, "a1", cache_salt="tenant-a")

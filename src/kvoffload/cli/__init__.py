@@ -16,10 +16,11 @@ import argparse
 import sys
 import textwrap
 from collections.abc import Sequence
+from typing import cast
 
 from kvoffload.cli import plan, presets, simulate, sweep, trace
-from kvoffload.cli.common import UsageError, explain_config_error
-from kvoffload.errors import ConfigError, InvariantError, KVOffloadError
+from kvoffload.cli.common import CommandLineParser, UsageError, explain_config_error
+from kvoffload.errors import ConfigError, InvariantError, KVOffloadError, shown
 
 EPILOG = textwrap.dedent("""\
     examples:
@@ -33,12 +34,15 @@ EPILOG = textwrap.dedent("""\
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = CommandLineParser(
         prog="kvoffload",
         description="Simulate KV-cache offloading for hybrid LLMs: replay workloads and "
                     "traces through kvoffload's planner, host tier and transfer worker.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # Every command's parser is a CommandLineParser too (one-line errors).
+    sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]",
+               parser.add_subparsers(dest="command", metavar="COMMAND",
+                                     parser_class=CommandLineParser))
     simulate.add_parser(sub)
     sweep.add_parser(sub)
     plan.add_parser(sub)
@@ -68,8 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "),
-              file=sys.stderr)
+        where = "" if exc.filename is None else shown(str(exc.filename))
+        print(f"error: {exc.strerror or exc}: {where}".rstrip(": "), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, shown
 from kvoffload.models.hf_config import is_model_path, resolve_model
 from kvoffload.models.presets import PRESETS
 from kvoffload.policies import cache_policy_names
@@ -32,6 +34,67 @@ class UsageError(Exception):
     """A command-line value is wrong; the message says which option and what to give."""
 
 
+class CommandLineParser(argparse.ArgumentParser):
+    """The tool's argument parser: a flag argparse itself refuses (unknown, missing its
+    value, not a number) is one ``error:`` line naming it, exit status 2, like every
+    other bad value (no usage dump; an offending value is cut to 80 characters)."""
+
+    def error(self, message: str) -> NoReturn:
+        if len(message) > 300:
+            message = f"{message[:300]}... ({len(message):,} characters)"
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+_WHOLE_NUMBER = re.compile(r"[+-]?[0-9]{1,30}")
+
+
+def whole_number(text: str) -> int:
+    """argparse type of every count flag: a whole number in ASCII digits. Other digits
+    (``'٣'``, ``'³'``, ``'１'``), which Python's ``int`` would take, are refused, as the
+    size grammar (``kvoffload.sizes``) refuses them."""
+    if not _WHOLE_NUMBER.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"not a whole number in ASCII digits: {shown(text)}")
+    return int(text)
+
+
+def real_number(text: str) -> float:
+    """argparse type of every number flag: a number in ASCII characters (``0.5``,
+    ``1e-3``); other digits are refused as in ``whole_number``. Range checks are the
+    command's (``kvoffload.cli.validate``)."""
+    try:
+        if not text.isascii() or len(text) > 100:
+            raise ValueError(text)
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number in ASCII characters: "
+                                         f"{shown(text)}") from None
+
+
+def parse_items(text: str, option: str, example: str) -> list[str]:
+    """The items of a comma-separated list flag; ``UsageError`` naming ``option`` when it
+    has none (``""``, ``","``): an empty list is refused, never read as the default."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise UsageError(f"{option}: give a comma-separated list, e.g. {example} "
+                         f"(got {shown(text)})")
+    return items
+
+
+def parse_shares(text: str, option: str) -> list[float]:
+    """A comma-separated list of shares in (0, 1], sorted and without repeats."""
+    shares: set[float] = set()
+    for item in parse_items(text, option, "0.01,0.1,0.5"):
+        try:
+            value = real_number(item)
+        except argparse.ArgumentTypeError:
+            raise UsageError(f"{option}: give shares such as 0.01,0.1,0.5 (got "
+                             f"{shown(item)})") from None
+        if not 0 < value <= 1:
+            raise UsageError(f"{option}: every share must be in (0, 1], got {shown(item)}")
+        shares.add(value)
+    return sorted(shares)
+
+
 def parse_count(text: str, option: str) -> int:
     """``"32k"``, ``"32Ki"``, ``"1M"``, ``"4096"`` -> a positive count, read with the size
     grammar (``kvoffload.sizes``); ``UsageError`` naming ``option`` otherwise."""
@@ -46,10 +109,7 @@ def parse_sizes(text: str, option: str) -> list[int]:
     """A comma-separated list of sizes (``"4GiB,16GiB"``) in the grammar of
     ``kvoffload.sizes``: ``UsageError`` naming ``option`` for an empty list,
     ``ConfigError`` for a size that is not one."""
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise UsageError(f"{option}: give a comma-separated list of sizes, e.g. 4GiB,16GiB")
-    return [parse_size(t, option) for t in items]
+    return [parse_size(t, option) for t in parse_items(text, option, "4GiB,16GiB")]
 
 
 def format_seconds(s: float) -> str:
@@ -86,6 +146,7 @@ OPTION_OF_FIELD = {
     "faults": "--faults",
     "engines": "--engines",
     "router": "--router",
+    "tier_mac_key_file": "--tier-mac-key-file",
 }
 
 
@@ -109,11 +170,11 @@ def add_workload_options(parser: argparse.ArgumentParser, *, default_limit: int 
                         help="a Mooncake-format trace (JSON lines with timestamp, "
                              "input_length, output_length, hash_ids)")
     sizes = ", ".join(f"{name} {default_size(name)}" for name in sorted(BUILTIN_WORKLOADS))
-    group.add_argument("--sessions", type=int, default=None, metavar="N",
+    group.add_argument("--sessions", type=whole_number, default=None, metavar="N",
                        help="size of a built-in workload: its sessions (chat, agentic) or "
                             f"users (shared-prefix); more gives steadier figures (default: "
                             f"{sizes})")
-    group.add_argument("--limit", type=int, default=default_limit, metavar="N",
+    group.add_argument("--limit", type=whole_number, default=default_limit, metavar="N",
                        help="use only the first N requests"
                             + (f" (default {default_limit})" if default_limit else ""))
     group.add_argument("--arrival", choices=[a.value for a in Arrival], default="trace",
@@ -159,7 +220,7 @@ def add_model_options(parser: argparse.ArgumentParser,
                         help="a local Hugging Face model directory or its config.json, "
                              "instead of --preset: layer kinds, KV and Mamba bytes and "
                              "prefill FLOPs are derived from the config (docs/models.md)")
-    target.add_argument("--tp", type=int, default=1, metavar="N",
+    target.add_argument("--tp", type=whole_number, default=1, metavar="N",
                         help="tensor-parallel ranks: KV and Mamba heads are split across N "
                              "ranks and every figure is one rank's (default 1)")
 
@@ -180,10 +241,10 @@ def check_model(args: argparse.Namespace) -> None:
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine and model")
     add_model_options(parser, group)
-    group.add_argument("--block-size", type=int, metavar="TOKENS",
+    group.add_argument("--block-size", type=whole_number, metavar="TOKENS",
                        help="engine block size (default: 16, or vLLM's page-matching size "
                             "for models with Mamba layers)")
-    group.add_argument("--block-size-factor", type=int, default=1, metavar="N",
+    group.add_argument("--block-size-factor", type=whole_number, default=1, metavar="N",
                        help="engine blocks per offloaded block (default 1)")
     group.add_argument("--host-accounting", choices=("slot", "bytes"), default="slot",
                        help="'slot': every host block takes a slot of the largest group's "
@@ -201,11 +262,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--remote-capacity", metavar="SIZE",
                        help="add a modelled shared remote store below it (write-through; "
                             "accounting mode; in bytes mode give --remote-url instead)")
-    group.add_argument("--max-batched-tokens", type=int, default=8192, metavar="N",
+    group.add_argument("--max-batched-tokens", type=whole_number, default=8192, metavar="N",
                        help="token budget of one engine step (default 8192)")
-    group.add_argument("--max-seqs", type=int, default=64, metavar="N",
+    group.add_argument("--max-seqs", type=whole_number, default=64, metavar="N",
                        help="requests running at once (default 64)")
-    group.add_argument("--decode-steps", type=int, default=None, metavar="K",
+    group.add_argument("--decode-steps", type=whole_number, default=None, metavar="K",
                        help="engine iterations one simulated step stands for (default: 1 in "
                             "bytes mode, 16 in accounting mode)")
     group.add_argument("--flops", metavar="FLOP/S", default="400e12",
@@ -230,7 +291,7 @@ def simulator_policy_names() -> tuple[str, ...]:
 def check_policy(name: str) -> str:
     """A cache policy the simulator runs (the ``oracle`` reference included)."""
     if name not in simulator_policy_names():
-        raise UsageError(f"--policy: unknown policy {name!r}; choose one of "
+        raise UsageError(f"--policy: unknown policy {shown(name)}; choose one of "
                          f"{', '.join(simulator_policy_names())}")
     return name
 
@@ -240,10 +301,14 @@ def check_preset(name: str) -> str:
     (``ConfigError`` naming the path and field otherwise)."""
     if name in PRESETS:
         return name
-    if is_model_path(name):
+    try:
+        model_path = is_model_path(name)
+    except (OSError, ValueError):  # a name no file can have (too long, a NUL byte)
+        model_path = False
+    if model_path:
         resolve_model(name)
         return name
-    raise UsageError(f"--preset: unknown preset {name!r}; choose one of "
+    raise UsageError(f"--preset: unknown preset {shown(name)}; choose one of "
                      f"{', '.join(PRESETS)} (see 'kvoffload presets'), or give --model PATH")
 
 
@@ -277,7 +342,7 @@ def workload_spec(args: argparse.Namespace, seed: int) -> WorkloadSpec:
 def add_hint_option(parser: argparse.ArgumentParser) -> None:
     """``--hint-accuracy P``: client hints drawn from the workload's future
     (``kvoffload.workloads.hints``), each right with probability P."""
-    parser.add_argument("--hint-accuracy", type=float, default=None, metavar="P",
+    parser.add_argument("--hint-accuracy", type=real_number, default=None, metavar="P",
                         help="give each request the client hints 'conversation continues' "
                              "(right with probability P, 0..1, drawn from the workload's "
                              "own future) and its session id; default: no hints")

@@ -21,8 +21,10 @@ from kvoffload.cli.common import (
     add_workload_options,
     check_policy,
     check_preset,
+    parse_shares,
     progress_bar,
     simulation_config,
+    whole_number,
     workload_spec,
 )
 from kvoffload.cli.plots import plot_plan
@@ -65,7 +67,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         metavar="SHARES",
                         help="host capacities tried, as shares of the working set "
                              "(default %(default)s)")
-    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+    parser.add_argument("--jobs", type=whole_number, default=None, metavar="N",
                         help="simulations run at once (default: every core)")
     add_workload_options(parser, default_limit=None)
     add_engine_options(parser)
@@ -82,13 +84,7 @@ def run(args: argparse.Namespace) -> int:
                          "compare it with at least one other policy (e.g. value,oracle)")
     if not policies:
         raise UsageError("--policy: give at least one policy, e.g. lru,value")
-    try:
-        fractions = sorted({float(f) for f in args.fractions.split(",") if f.strip()})
-    except ValueError:
-        raise UsageError(f"--fractions: give shares such as 0.01,0.1,0.5 "
-                         f"(got {args.fractions!r})") from None
-    if not fractions or any(not 0 < f <= 1 for f in fractions):
-        raise UsageError("--fractions: every share must be in (0, 1]")
+    fractions = parse_shares(args.fractions, "--fractions")
     jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
     if not 1 <= jobs <= MAX_JOBS:
         raise UsageError(f"--jobs: must be between 1 and {MAX_JOBS}, got {jobs}")

@@ -191,6 +191,7 @@ def _config_dict(cfg: SimulationConfig) -> dict[str, Any]:
     config = asdict(cfg)
     config["mode"] = cfg.mode.value
     config["arrival"] = cfg.arrival.value
+    config["mac_key"] = cfg.mac_key is not None  # whether one is used; never the key
     if cfg.remote_url is not None:
         config["remote_url"] = masked_url(cfg.remote_url)
     return config

@@ -16,12 +16,14 @@ from kvoffload.cli.common import (
     check_policy,
     check_preset,
     progress_bar,
+    real_number,
     simulation_config,
+    whole_number,
     workload_spec,
 )
 from kvoffload.cli.plots import plot_simulation
 from kvoffload.cli.report import fleet_dict, fleet_text, simulation_dict, simulation_text
-from kvoffload.cli.validate import check_fleet_args, check_simulate_args
+from kvoffload.cli.validate import check_fleet_args, check_simulate_args, simulate_mac_key
 from kvoffload.config import DEFAULT_POLICY
 from kvoffload.sim.fleet import MAX_ENGINES, ROUTER_HELP, FleetConfig, Router, simulate_fleet
 from kvoffload.sim.simulation import Mode, SimulationConfig, simulate
@@ -85,8 +87,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         help=f"cache policy: {DEFAULT_POLICY} (default; docs/policy.md), lru, "
                              "arc, hybrid, or oracle (a reference that knows the workload's "
                              "future; simulator only)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of a built-in workload")
-    parser.add_argument("--scale-bytes", type=int, default=64, metavar="B",
+    parser.add_argument("--seed", type=whole_number, default=0, help="seed of a built-in workload")
+    parser.add_argument("--scale-bytes", type=whole_number, default=64, metavar="B",
                         help="bytes mode: the smallest moved page, in bytes (default 64)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the run without offloading")
@@ -96,20 +98,24 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument("--remote-url", metavar="URL",
                         help="bytes mode: a real shared tier on a Redis/Valkey server, "
                              "e.g. redis://127.0.0.1:6379/0")
+    parser.add_argument("--tier-mac-key-file", metavar="FILE", default=None,
+                        help="with --disk-path / --remote-url: the file holding the secret "
+                             "that MACs every block in those tiers (chmod 600; else "
+                             "$KVOFFLOAD_TIER_MAC_KEY; docs/tiers.md)")
     parser.add_argument("--check", action="store_true",
                         help="check the pool's and planner's bookkeeping every step (slow)")
     faults = parser.add_argument_group("faults (soak)")
     faults.add_argument("--faults", metavar="RATE[,KIND...]", default=None,
                         help="inject faults into that share of transfer jobs and print the "
                              "soak figures instead of the comparison")
-    faults.add_argument("--fault-seed", type=int, default=0, metavar="N",
+    faults.add_argument("--fault-seed", type=whole_number, default=0, metavar="N",
                         help="seed of the fault schedule (default 0)")
-    faults.add_argument("--load-deadline", type=float, default=5.0, metavar="S",
+    faults.add_argument("--load-deadline", type=real_number, default=5.0, metavar="S",
                         help="modelled seconds a request waits for a load before it "
                              "recomputes (default 5)")
-    faults.add_argument("--hang", type=float, default=30.0, metavar="S",
+    faults.add_argument("--hang", type=real_number, default=30.0, metavar="S",
                         help="modelled seconds a hung transfer is late (default 30)")
-    faults.add_argument("--tier-faults", type=float, default=0.0, metavar="RATE",
+    faults.add_argument("--tier-faults", type=real_number, default=0.0, metavar="RATE",
                         help="with real tiers (--disk-path, --remote-url): that share of "
                              "tier I/O calls fails, damages the block it wrote, or starts "
                              "an outage of the tier")
@@ -144,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     spec = workload_spec(args, args.seed)
     config = simulation_config(args, preset=preset, policy=policy, mode=mode,
                                host_capacity=parse_size(args.host_capacity, "--host-capacity"))
+    config = replace(config, mac_key=simulate_mac_key(args))
     if args.no_baseline:
         config = replace(config, baseline=False)
     workload = spec.load()

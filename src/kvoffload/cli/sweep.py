@@ -18,15 +18,19 @@ from kvoffload.cli.common import (
     add_workload_options,
     check_policy,
     check_preset,
+    parse_items,
+    parse_shares,
     parse_sizes,
     progress_bar,
     simulation_config,
+    whole_number,
     workload_spec,
 )
 from kvoffload.cli.plots import plot_sweep
 from kvoffload.cli.tables import format_rows, goal_table, sweep_table
 from kvoffload.cli.validate import check_common_args
 from kvoffload.config import DEFAULT_POLICY
+from kvoffload.errors import shown
 from kvoffload.models.presets import PRESETS
 from kvoffload.sim.simulation import Mode
 from kvoffload.sim.sweep import Reference, run_sweep
@@ -43,6 +47,15 @@ EPILOG = textwrap.dedent("""\
     Every point runs in accounting mode (no tensors move). The run without offloading is
     done once per preset and seed and shared by its points. Figures are means over seeds.
     """)
+
+
+def parse_seed(text: str) -> int:
+    """One ``--seeds`` item: a whole number in ASCII digits."""
+    try:
+        return whole_number(text)
+    except argparse.ArgumentTypeError:
+        raise UsageError(f"--seeds: give integers in ASCII digits, e.g. 0,1,2 (got "
+                         f"{shown(text)})") from None
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -73,28 +86,24 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.set_defaults(run=run)
 
 
+MAX_SEEDS = 64
+"""The most workload seeds one ``sweep --seeds`` runs: every seed runs the whole grid
+again, so 64 already multiplies its time by 64 (``docs/cli.md``)."""
+
+
 def run(args: argparse.Namespace) -> int:
     check_common_args(args)
     presets = list(PRESETS) if args.preset == "all" else [
-        check_preset(p.strip()) for p in args.preset.split(",") if p.strip()]
-    policies = [check_policy(p.strip()) for p in args.policy.split(",") if p.strip()]
+        check_preset(p) for p in parse_items(args.preset, "--preset", "gpt-oss-20b,llama3-8b")]
+    policies = [check_policy(p) for p in parse_items(args.policy, "--policy", "value,lru")]
     capacities = sorted(parse_sizes(args.host_capacity, "--host-capacity"))
     fractions: list[float] = []
-    if args.capacity_fraction:
-        try:
-            fractions = sorted(float(f) for f in args.capacity_fraction.split(",")
-                               if f.strip())
-        except ValueError:
-            raise UsageError("--capacity-fraction: give shares such as 0.01,0.1,0.5 "
-                             f"(got {args.capacity_fraction!r})") from None
-        if not fractions or any(not 0 < f <= 1 for f in fractions):
-            raise UsageError("--capacity-fraction: every share must be in (0, 1]")
-    try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        raise UsageError(f"--seeds: give integers, e.g. 0,1,2 (got {args.seeds!r})") from None
-    if not presets or not seeds or not policies:
-        raise UsageError("--preset, --policy and --seeds need at least one value")
+    if args.capacity_fraction is not None:
+        fractions = parse_shares(args.capacity_fraction, "--capacity-fraction")
+    seeds = [parse_seed(s) for s in parse_items(args.seeds, "--seeds", "0,1,2")]
+    if len(seeds) > MAX_SEEDS:
+        raise UsageError(f"--seeds: at most {MAX_SEEDS} seeds (got {len(seeds):,}); every "
+                         "seed runs the whole grid again")
     spec = workload_spec(args, seeds[0])
     base = simulation_config(args, preset=presets[0], policy=policies[0],
                              host_capacity=capacities[0], mode=Mode.ACCOUNTING)

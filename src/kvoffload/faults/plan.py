@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeVar
 
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, shown
 
 
 class FaultKind(str, Enum):
@@ -81,15 +81,17 @@ class FaultPlan:
         if not parts:
             raise ConfigError("--faults", "is empty", "Give RATE[,KIND...], e.g. 0.01,fail.")
         try:
+            if not parts[0].isascii():  # float() takes other digits too: refused alike
+                raise ValueError(parts[0])
             rate = float(parts[0])
         except ValueError:
-            raise ConfigError("--faults", f"rate {parts[0]!r} is not a number",
+            raise ConfigError("--faults", f"rate {shown(parts[0])} is not a number",
                               "Give RATE[,KIND...], e.g. 0.01,fail,hang.") from None
         known = {k.value: k for k in FaultKind}
         kinds = []
         for name in parts[1:]:
             if name not in known:
-                raise ConfigError("--faults", f"unknown fault kind {name!r}",
+                raise ConfigError("--faults", f"unknown fault kind {shown(name)}",
                                   f"Choose from {', '.join(known)}.")
             kinds.append(known[name])
         return cls(rate, tuple(dict.fromkeys(kinds)) or ALL_KINDS, seed=seed)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from kvoffload.blockfile.framing import MacKey
 from kvoffload.config import DEFAULT_POLICY, OffloadConfig
 from kvoffload.errors import ConfigError
 from kvoffload.group_kinds import KIND_RULES
@@ -118,6 +119,9 @@ class SimulationConfig:
         check_integrity: check bookkeeping every step (slow; tests).
         tensor_parallel: tensor-parallel ranks (``--tp``): the model's figures are one
             rank's.
+        mac_key: bytes mode: the key every block in the real lower tiers is MAC'd with
+            (``kvoffload.tiers.config.read_mac_key``: ``--tier-mac-key-file`` or
+            ``$KVOFFLOAD_TIER_MAC_KEY``), as the connector does; None: checksums only.
     """
 
     preset: str = "gpt-oss-20b"
@@ -144,6 +148,7 @@ class SimulationConfig:
     sample_interval_s: float = 1.0
     check_integrity: bool = False
     tensor_parallel: int = 1
+    mac_key: MacKey | None = None
 
     def model(self) -> ModelPreset:
         return resolve_model(self.preset, self.tensor_parallel)
@@ -352,7 +357,7 @@ def lower_tier_config(config: SimulationConfig, byte_scale: float = 1.0) -> Tier
         disk = DiskTierConfig(config.disk_path, budget, fsync=False)
     remote = RemoteTierConfig(config.remote_url) if config.remote_url else None
     return TierConfig(model_id=f"{config.model_id}:scaled{config.scale_bytes}",
-                      disk=disk, remote=remote)
+                      disk=disk, remote=remote, mac_key=config.mac_key)
 
 
 ExecutorWrap = Callable[[TransferExecutor, "DeviceCaches | None", "WorkerExecutor | None"],

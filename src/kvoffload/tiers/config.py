@@ -34,7 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from kvoffload.blockfile.framing import MacKey
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, shown
+from kvoffload.policies import cache_policy
 from kvoffload.sizes import parse_size
 from kvoffload.tiers.mac_key import MAC_KEY_ENV, MAX_MAC_KEY_FILE_BYTES, read_mac_key
 from kvoffload.tiers.option_values import (
@@ -103,6 +104,10 @@ class DiskTierConfig:
 
     def __post_init__(self) -> None:
         check_disk_path(self.path)
+        if not isinstance(self.eviction_policy, str):
+            raise ConfigError("disk_eviction_policy", f"{shown(self.eviction_policy)} is not "
+                              "a policy name", "Give a name such as lru or arc.")
+        cache_policy(self.eviction_policy, "disk_eviction_policy")
         if self.capacity_bytes <= 0:
             raise ConfigError("disk_capacity", f"must be positive, got {self.capacity_bytes}",
                               "Give the disk budget, e.g. 64GiB.")
@@ -112,10 +117,14 @@ class DiskTierConfig:
 
 
 def check_disk_path(path: str, field: str = "disk_path") -> None:
-    """A disk tier's directory must be named (not empty, not only blanks)."""
+    """A disk tier's directory must be named (not empty, not only blanks) by a path the
+    system can open (no NUL byte)."""
     if not path.strip():
         raise ConfigError(field, "is empty", "Give a directory for offloaded blocks, "
                           "e.g. /var/cache/kvoffload.")
+    if "\0" in path:
+        raise ConfigError(field, f"{shown(path)} holds a NUL byte, which no path can",
+                          "Give a directory for offloaded blocks, e.g. /var/cache/kvoffload.")
 
 
 LOWER_TIER_NAMES = ("disk", "remote")
@@ -152,7 +161,7 @@ class TierConfig:
     def __post_init__(self) -> None:
         unknown = [n for n in self.order if n not in LOWER_TIER_NAMES]
         if unknown or len(set(self.order)) != len(self.order):
-            raise ConfigError("tier_order", f"{self.order!r} is not an ordering of "
+            raise ConfigError("tier_order", f"{shown(self.order)} is not an ordering of "
                               f"{LOWER_TIER_NAMES}", "Use e.g. disk,remote.")
 
     @property
@@ -178,7 +187,8 @@ class TierConfig:
         opts = {k: v for k, v in options.items() if v is not None}
         unknown = sorted(set(opts) - set(OPTION_HELP))
         if unknown:
-            raise ConfigError(unknown[0], "is not a tier option",
+            name = unknown[0] if len(unknown[0]) <= 80 else shown(unknown[0])
+            raise ConfigError(name, "is not a tier option",
                               "Known options: " + ", ".join(sorted(OPTION_HELP)) + ".")
         disk = remote = None
         if "disk_path" in opts:
@@ -191,7 +201,9 @@ class TierConfig:
                                           minimum=1),
                 write_mode=parse_write_mode(opts.get("disk_write_mode", "write_back"),
                                        "disk_write_mode"),
-                eviction_policy=str(opts.get("disk_eviction_policy", DISK_EVICTION_POLICY)),
+                eviction_policy=parse_text(opts.get("disk_eviction_policy",
+                                                    DISK_EVICTION_POLICY),
+                                           "disk_eviction_policy"),
                 io_threads=parse_int(opts.get("disk_io_threads", 4), "disk_io_threads"),
                 fsync=parse_bool(opts.get("disk_fsync", True), "disk_fsync"),
             )

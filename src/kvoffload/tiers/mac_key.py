@@ -12,12 +12,16 @@ import stat
 from collections.abc import Mapping
 
 from kvoffload.blockfile.framing import MIN_MAC_KEY_BYTES, MacKey
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, shown
+from kvoffload.files import UnreadableFileError, open_regular_file
 
 MAC_KEY_ENV = "KVOFFLOAD_TIER_MAC_KEY"
 """Environment variable holding the tiers' MAC key (when ``tier_mac_key_file`` is not set)."""
 MAX_MAC_KEY_FILE_BYTES = 4096
 """The largest key file read (anything bigger is not a key file)."""
+KEY_FILE_FORBIDDEN_MODE = 0o077
+"""Permission bits a key file may not have: any access by its group or by others (the
+key is a secret; ``chmod 600`` leaves none of them)."""
 _KEY_FIX = (f"Use at least {MIN_MAC_KEY_BYTES} random bytes, the same for every engine "
             "sharing the tiers, e.g. openssl rand -hex 32")
 
@@ -28,9 +32,10 @@ def read_mac_key(path: str | None, environ: Mapping[str, str]) -> MacKey | None:
     whitespace (a trailing newline) is not part of the key.
 
     Raises:
-        ConfigError: both are set; the file is missing, unreadable, not a regular file or
-            over 4 KiB; the key is shorter than 16 bytes. Messages name the file or the
-            variable, never the key.
+        ConfigError: both are set; the file is missing, unreadable, not a regular file,
+            accessible by its group or others (``chmod 600`` it), or over 4 KiB; the key
+            is shorter than 16 bytes. Messages name the file or the variable, never the
+            key.
     """
     from_env = environ.get(MAC_KEY_ENV)
     if path is not None and from_env is not None:
@@ -55,30 +60,29 @@ def read_mac_key(path: str | None, environ: Mapping[str, str]) -> MacKey | None:
 
 def _read_key_file(path: str) -> bytes:
     """The bytes of key file ``path`` (never waits on a FIFO; refuses anything but a
-    regular file of at most ``MAX_MAC_KEY_FILE_BYTES``)."""
+    regular file of at most ``MAX_MAC_KEY_FILE_BYTES`` that only its owner may access,
+    as ``chmod 600`` leaves it)."""
     fix = ("Point tier_mac_key_file at a readable file holding the key; make one with "
            "openssl rand -hex 32 > FILE")
     if not path.strip():
         raise ConfigError("tier_mac_key_file", "is empty", fix)
+    name = shown(path) if "\0" in path else path
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open_regular_file(path) as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if mode & KEY_FILE_FORBIDDEN_MODE:
+                raise ConfigError("tier_mac_key_file", f"{path} may be read or written by "
+                                  f"other users (mode {stat.S_IMODE(mode):04o})",
+                                  f"Let only its owner access it: chmod 600 {path}")
+            data = f.read(MAX_MAC_KEY_FILE_BYTES + 1)
+    except UnreadableFileError as exc:
+        opened = "cannot be opened "
+        problem = (f"cannot open {name} {exc.reason[len(opened):]}"
+                   if exc.reason.startswith(opened) else f"{name} {exc.reason}")
+        raise ConfigError("tier_mac_key_file", problem, fix) from None
     except OSError as exc:
-        raise ConfigError("tier_mac_key_file", f"cannot open {path} "
+        raise ConfigError("tier_mac_key_file", f"cannot read {name} "
                           f"({exc.strerror or type(exc).__name__})", fix) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError("tier_mac_key_file", f"{path} is not a regular file", fix)
-        data = b""
-        while len(data) <= MAX_MAC_KEY_FILE_BYTES:
-            piece = os.read(fd, MAX_MAC_KEY_FILE_BYTES + 1 - len(data))
-            if not piece:
-                break
-            data += piece
-    except OSError as exc:
-        raise ConfigError("tier_mac_key_file", f"cannot read {path} "
-                          f"({exc.strerror or type(exc).__name__})", fix) from None
-    finally:
-        os.close(fd)
     if len(data) > MAX_MAC_KEY_FILE_BYTES:
         raise ConfigError("tier_mac_key_file", f"{path} is over {MAX_MAC_KEY_FILE_BYTES} "
                           "bytes, too big for a key file", fix)

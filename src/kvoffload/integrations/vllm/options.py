@@ -50,8 +50,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffload.config import DEFAULT_POLICY, checked_min_deferral_s
-from kvoffload.errors import ConfigError
+from kvoffload.config import (
+    DEFAULT_POLICY,
+    MAX_BLOCK_SIZE_FACTOR,
+    MAX_DEFERRED_STEPS,
+    checked_count,
+    checked_min_deferral_s,
+)
+from kvoffload.errors import ConfigError, shown
 from kvoffload.policies import RESERVED_NAMES, cache_policy, cache_policy_names
 from kvoffload.sizes import parse_size
 from kvoffload.tiers.config import MAC_KEY_ENV, OPTION_HELP, TierConfig
@@ -92,7 +98,8 @@ class ConnectorOptions:
                  *TIER_OPTIONS}
         unknown = sorted(set(extra) - known)
         if unknown:
-            raise ConfigError(f"{PREFIX}.{unknown[0]}", "is not a kvoffload option",
+            name = unknown[0] if len(unknown[0]) <= 80 else shown(unknown[0])
+            raise ConfigError(f"{PREFIX}.{name}", "is not a kvoffload option",
                               f"Use only {sorted(known)}.")
         if "host_memory_bytes" not in extra:
             raise ConfigError(f"{PREFIX}.host_memory_bytes", "is missing",
@@ -105,14 +112,14 @@ class ConnectorOptions:
         if isinstance(policy, str) and policy in RESERVED_NAMES:
             cache_policy(policy, f"{PREFIX}.eviction_policy")  # says why it is reserved
         if not isinstance(policy, str) or policy not in policies:
-            raise ConfigError(f"{PREFIX}.eviction_policy", f"{policy!r} is not a policy",
+            raise ConfigError(f"{PREFIX}.eviction_policy", f"{shown(policy)} is not a policy",
                               f"Use one of {list(policies)}.")
-        factor = _positive_int(extra.get("block_size_factor", 1),
-                               f"{PREFIX}.block_size_factor",
+        factor = checked_count(extra.get("block_size_factor", 1),
+                               f"{PREFIX}.block_size_factor", MAX_BLOCK_SIZE_FACTOR,
                                "Use 1 to offload engine blocks as they are, or a small "
                                "integer to group several engine blocks per host block.")
-        deferred = _positive_int(extra.get("max_deferred_steps", 64),
-                                 f"{PREFIX}.max_deferred_steps",
+        deferred = checked_count(extra.get("max_deferred_steps", 64),
+                                 f"{PREFIX}.max_deferred_steps", MAX_DEFERRED_STEPS,
                                  "Use a small positive number of steps, e.g. 64.")
         min_deferral = checked_min_deferral_s(extra.get("min_deferral_s", 0.5),
                                               f"{PREFIX}.min_deferral_s")
@@ -135,14 +142,8 @@ def _load_deadline(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not 0 < value <= MAX_LOAD_DEADLINE_S:
         raise ConfigError(field, f"must be seconds in (0, {MAX_LOAD_DEADLINE_S:g}] or null, "
-                          f"got {value!r}", "Use e.g. 30, or null to wait for every load.")
+                          f"got {shown(value)}", "Use e.g. 30, or null to wait for every load.")
     return float(value)
-
-
-def _positive_int(value: object, field: str, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(field, f"must be a positive integer, got {value!r}", fix)
-    return value
 
 
 def _tiers(value: object) -> tuple[str, ...]:
@@ -150,17 +151,17 @@ def _tiers(value: object) -> tuple[str, ...]:
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, (list, tuple)) or not names or \
             not all(isinstance(n, str) for n in names):
-        raise ConfigError(field, f"{value!r} is not a list of tier names",
+        raise ConfigError(field, f"{shown(value)} is not a list of tier names",
                           'Use a list such as ["host"].')
     if names[0] != "host":
-        raise ConfigError(field, f"the first tier must be 'host', got {names[0]!r}",
+        raise ConfigError(field, f"the first tier must be 'host', got {shown(names[0])}",
                           'Start the list with "host".')
     for name in names:
         if name not in AVAILABLE_TIERS:
-            raise ConfigError(field, f"tier {name!r} is not available in this connector",
+            raise ConfigError(field, f"tier {shown(name)} is not available in this connector",
                               f"Use only {list(AVAILABLE_TIERS)}.")
     if len(set(names)) != len(names):
-        raise ConfigError(field, f"{list(names)} lists a tier twice", "List each tier once.")
+        raise ConfigError(field, f"{shown(list(names))} lists a tier twice", "List each tier once.")
     return tuple(names)
 
 

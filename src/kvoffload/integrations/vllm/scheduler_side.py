@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvoffload.config import OffloadConfig
@@ -102,10 +102,14 @@ class SchedulerSide:
 
     def on_new_request(self, request: Any) -> None:
         """Remember vLLM's request object (scheduler outputs name requests by id only) and
-        apply its ``kv_transfer_params`` controls (``request_params``)."""
+        apply its ``kv_transfer_params`` controls (``request_params``). Params that are
+        not a mapping are read as empty (with a warning) and replaced by None on the
+        request: vLLM's scheduler reads them after this hook and would raise on them."""
         self._requests[request.request_id] = request
-        controls = request_controls(request.request_id,
-                                    getattr(request, "kv_transfer_params", None))
+        params = getattr(request, "kv_transfer_params", None)
+        controls = request_controls(request.request_id, params)
+        if params is not None and not isinstance(params, Mapping):
+            request.kv_transfer_params = None
         if controls is not NO_CONTROLS:
             self.planner.set_controls(request, controls)
 
