@@ -19,7 +19,12 @@ SYSTEM = {"role": "system", "content": " ".join(["you are a helpful assistant"] 
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    status = main(list(argv))
+    """The command's exit status (argparse's own refusals exit through SystemExit) and
+    what it printed."""
+    try:
+        status = main(list(argv))
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 1
     out, err = capsys.readouterr()
     return status, out, err
 
@@ -138,6 +143,8 @@ def test_a_malformed_log_is_one_line_and_leaves_the_output_untouched(
     (["--block-size", "0"], "--block-size: must be in [1,"),
     (["--output-length", "0"], "--output-length: must be in [1,"),
     (["--limit", "0"], "--limit: must be at least 1"),
+    (["--limit", "\u0663"], "argument --limit: not a whole number in ASCII digits"),
+    (["--block-size", "\uff11\uff16"], "argument --block-size: not a whole number in ASCII digits"),
 ])
 def test_convert_mistakes_name_the_flag(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch, extra: list[str],

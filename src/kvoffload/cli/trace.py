@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvoffload.cli.common import UsageError, format_seconds, progress_bar
+from kvoffload.cli.common import UsageError, format_seconds, progress_bar, whole_number
 from kvoffload.errors import ConfigError
 from kvoffload.workloads.mooncake import (
     MAX_INPUT_TOKENS,
@@ -99,16 +99,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     convert.add_argument("--format", choices=("auto", "chat", "tokens"), default="auto",
                          dest="log_format",
                          help="the log's format (default auto: the first line decides)")
-    convert.add_argument("--block-size", type=int, default=MOONCAKE_BLOCK_TOKENS,
+    convert.add_argument("--block-size", type=whole_number, default=MOONCAKE_BLOCK_TOKENS,
                          metavar="TOKENS",
                          help=f"tokens per hash id (default {MOONCAKE_BLOCK_TOKENS}, the "
                               "Mooncake block that simulate reads)")
-    convert.add_argument("--output-length", type=int, default=None, metavar="N",
+    convert.add_argument("--output-length", type=whole_number, default=None, metavar="N",
                          help="output tokens of a request whose line gives none "
                               "(default 256)")
     convert.add_argument("--time-unit", choices=("s", "ms"), default="s",
                          help="unit of numeric timestamps (default s)")
-    convert.add_argument("--limit", type=int, default=None, metavar="N",
+    convert.add_argument("--limit", type=whole_number, default=None, metavar="N",
                          help="convert only the first N requests")
     _output_flags(convert)
     convert.set_defaults(run=run_convert)
@@ -120,10 +120,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     "can help before sizing anything.",
         epilog=STATS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     stats.add_argument("trace", type=Path, metavar="FILE", help="a Mooncake-format trace")
-    stats.add_argument("--block-size", type=int, default=MOONCAKE_BLOCK_TOKENS,
+    stats.add_argument("--block-size", type=whole_number, default=MOONCAKE_BLOCK_TOKENS,
                        metavar="TOKENS",
                        help=f"tokens per hash id (default {MOONCAKE_BLOCK_TOKENS})")
-    stats.add_argument("--limit", type=int, default=None, metavar="N",
+    stats.add_argument("--limit", type=whole_number, default=None, metavar="N",
                        help="use only the first N requests")
     _output_flags(stats)
     stats.set_defaults(run=run_stats)
