@@ -235,17 +235,17 @@ def test_string_options_carry_credentials_and_tls_files(tmp_path: Path,
 
 
 @pytest.mark.parametrize(("options", "field", "needle"), [
-    ({"remote_tls_ca_file": "/nonexistent/ca.crt"}, "remote_tls_ca_file", "cannot read"),
+    ({"remote_tls_ca_file": "/nonexistent/ca.crt"}, "remote_tls_ca_file", "cannot be opened"),
     ({"remote_tls_cert_file": "/"}, "remote_tls_cert_file", "not a regular file"),
     ({"remote_tls_cert_file": "CERT", "remote_tls_key_file": ""}, "remote_tls_key_file",
      "is empty"),
     ({"remote_tls_key_file": "KEY"}, "remote_tls_cert_file", "is missing"),
     ({"remote_url": "redis://cache:6379/0", "remote_tls_ca_file": "CA"},
      "remote_tls_ca_file", "needs a TLS URL"),
-    ({"remote_password_file": "/nonexistent/pw"}, "remote_password_file", "cannot read"),
+    ({"remote_password_file": "/nonexistent/pw"}, "remote_password_file", "cannot be opened"),
     ({"remote_password_file": "EMPTY"}, "remote_password_file", "is empty"),
     ({"remote_password_file": "/tmp"}, "remote_password_file", "not a regular file"),
-    ({"remote_password_file": "bad\0path"}, "remote_password_file", "cannot read"),
+    ({"remote_password_file": "bad\0path"}, "remote_password_file", "NUL byte"),
     ({"remote_username": " "}, "remote_username", "is empty"),
     ({"remote_username": 7}, "remote_username", "not a string"),
 ])
@@ -529,3 +529,19 @@ def test_closing_a_store_and_an_index_disconnects_them(password_srv: RedisServer
     store.close()
     index.close()
     assert wait_for(lambda: password_srv.clients() == 0)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+def test_credential_files_are_read_within_bounds(tmp_path: Path) -> None:
+    """A password or certificate file linked to a device, or larger than any real one, is
+    refused without being read whole."""
+    from kvoffload.tiers.remote_config import MAX_CREDENTIAL_FILE_BYTES, check_readable_file
+    link = tmp_path / "pw"
+    link.symlink_to("/dev/zero")
+    with pytest.raises(ConfigError, match="is a device, not a regular file"):
+        check_readable_file(str(link), "remote_password_file", "the password")
+    big = tmp_path / "ca.pem"
+    with big.open("wb") as f:
+        f.truncate(MAX_CREDENTIAL_FILE_BYTES + 1)
+    with pytest.raises(ConfigError, match="is over 16,777,216 bytes"):
+        check_readable_file(str(big), "remote_tls_ca_file", "the certificate authorities")

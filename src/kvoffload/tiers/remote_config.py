@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 from dataclasses import dataclass, fields
 
 from kvoffload.errors import ConfigError, shown
+from kvoffload.files import UnreadableFileError, read_regular_file
 from kvoffload.tiers.option_values import MAX_IO_THREADS, WriteMode
 from kvoffload.tiers.remote_url import (
     MASK,
@@ -34,20 +34,22 @@ PASSWORD_ENV = "KVOFFLOAD_REMOTE_PASSWORD"
 """Environment variable holding the remote tier's password (read when a client connects)."""
 
 
+MAX_CREDENTIAL_FILE_BYTES = 16 << 20
+"""Largest password, certificate or key file read (a CA bundle is a few hundred KB)."""
+
+
 def check_readable_file(path: str, field: str, what: str) -> bytes:
-    """``path`` must name a regular file this process can read; returns its bytes."""
+    """``path`` must name a regular file this process can read, of at most
+    ``MAX_CREDENTIAL_FILE_BYTES``; returns its bytes (``kvoffload.files``: a FIFO is refused
+    without waiting, a device or a huge file without reading it whole)."""
     if not path.strip():
         raise ConfigError(field, "is empty", f"Give the path of {what}.")
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise ConfigError(field, f"{path!r} is not a regular file",
-                              f"Give the path of {what}.")
-        with open(path, "rb") as f:
-            return f.read()
-    except (OSError, ValueError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc)
-        raise ConfigError(field, f"cannot read {path!r}: {reason}",
-                          f"Give a file this process can read, holding {what}.") from None
+        return read_regular_file(path, max_bytes=MAX_CREDENTIAL_FILE_BYTES)
+    except UnreadableFileError as exc:
+        fix = (f"Give a file this process can read, holding {what}."
+               if exc.reason.startswith("cannot") else f"Give the path of {what}.")
+        raise ConfigError(field, f"{shown(path)} {exc.reason}", fix) from None
 
 
 def read_password_file(path: str, field: str = "remote_password_file") -> str:
@@ -56,10 +58,10 @@ def read_password_file(path: str, field: str = "remote_password_file") -> str:
     try:
         text = data.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError:
-        raise ConfigError(field, f"{path!r} is not UTF-8 text",
+        raise ConfigError(field, f"{shown(path)} is not UTF-8 text",
                           "Write the password as one line of text.") from None
     if not text:
-        raise ConfigError(field, f"{path!r} is empty", "Write the password into it, "
+        raise ConfigError(field, f"{shown(path)} is empty", "Write the password into it, "
                           "as one line.")
     return text
 
