@@ -166,35 +166,16 @@ def test_simulate_runs_to_the_end_with_the_tier_down(
     assert offload["lower_tier_blocks"]["remote"] == 0
 
 
-def test_a_huge_announced_bulk_length_allocates_nothing() -> None:
-    """``$9223372036854775807`` announced, nothing sent: the load ends within the bound
-    and memory stays flat (the reply is never allocated for by its announced length)."""
+@pytest.mark.parametrize("reply", ["huge-bulk", "stream"])
+def test_a_reply_longer_than_a_block_allocates_nothing(reply: str) -> None:
+    """A load of 4 KiB blocks answered with ``$9223372036854775807`` and nothing after it
+    (``huge-bulk``), or with a 200 MB bulk reply sent as fast as loopback allows
+    (``stream``): the load stops at the announced length (more than a block can be), ends
+    within the bound, and memory stays flat (nothing is allocated for the announced
+    length)."""
     import tracemalloc
 
-    with ScriptedServer(BEHAVIOURS["huge-bulk"]) as srv:
-        config = remote(srv.url)
-        store = RemoteStore(config, NS, 0, FP)
-        items = blocks(2)
-        dests = [memoryview(bytearray(len(p))) for _, p in items]
-        tracemalloc.start()
-        try:
-            elapsed, result = timed(store.get_into, list(zip([k for k, _ in items], dests,
-                                                             strict=True)), limit_s=HANG_S)
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
-            store.close()
-    assert elapsed <= bound(config) and isinstance(result, TierUnavailable), result
-    assert peak < 8 << 20, f"peak {peak:,} bytes"
-
-
-def test_a_long_reply_streamed_at_full_speed_is_cut_at_the_block_size() -> None:
-    """A 200 MB bulk reply to a load of 4 KiB blocks, sent as fast as loopback allows: the
-    load stops reading at the announced length (more than a block can be) and memory
-    stays flat."""
-    import tracemalloc
-
-    with ScriptedServer(STREAM) as srv:
+    with ScriptedServer(BEHAVIOURS["huge-bulk"] if reply == "huge-bulk" else STREAM) as srv:
         config = remote(srv.url)
         store = RemoteStore(config, NS, 0, FP)
         items = blocks(2)
