@@ -332,8 +332,8 @@ def is_model_path(ref: str) -> bool:
         return True
     try:
         return Path(ref).expanduser().exists()
-    except (OSError, ValueError):  # a name too long, a NUL byte: not a preset either
-        return True
+    except (OSError, ValueError):  # a name no file can have (too long, a NUL byte):
+        return False                # an unknown preset, named as such
 
 
 @functools.lru_cache(maxsize=64)
