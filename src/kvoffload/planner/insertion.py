@@ -122,12 +122,15 @@ class ShadowDirectory:
         """Insert (key, charge) pairs not held yet as the most recent normal keys, or cold
         ones if ``cold`` (except those in ``normal``), making room first in eviction
         order. Keys held already, and keys larger than the budget, are left."""
+        held_normal, held_cold, held_demoted = self._normal, self._cold, self._demoted
+        budget = self.budget
         for key, charge in keys:
-            if key in self or charge > self.budget:
+            if (key in held_normal or key in held_cold or key in held_demoted
+                    or charge > budget):
                 continue
-            while self._used + charge > self.budget:
+            while self._used + charge > budget:
                 self._evict_one()
-            (self._cold if cold and key not in normal else self._normal)[key] = charge
+            (held_cold if cold and key not in normal else held_normal)[key] = charge
             self._used += charge
 
     def warm(self, keys: Sequence[OffloadKey]) -> None:
@@ -149,15 +152,16 @@ class ShadowDirectory:
         """How many of ``keys[start:]`` are held in a row; the held keys of that prefix
         (``keys[:start]`` too) become the most recent normal keys, the first one last
         (demoted keys stay demoted)."""
+        normal, cold, demoted = self._normal, self._cold, self._demoted
         found = 0
         for key in keys[start:]:
-            if key not in self:
+            if key not in normal and key not in cold and key not in demoted:
                 break
             found += 1
-        normal, cold = self._normal, self._cold
+        move = normal.move_to_end
         for key in reversed(keys[:start + found]):
             if key in normal:
-                normal.move_to_end(key)
+                move(key)
             elif key in cold:
                 normal[key] = cold.pop(key)
         return found

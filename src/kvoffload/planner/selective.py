@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
 from kvoffload.config import ResolvedGroup
-from kvoffload.keys import OffloadKey, key_group
+from kvoffload.keys import OffloadKey, key_groups
 from kvoffload.planner.admission import Admit, HitPointAdmission, window_at
 from kvoffload.planner.insertion import InsertionDuel, is_hot_request
 from kvoffload.planner.lookup import lookup_order
@@ -203,8 +203,10 @@ class HitPointStorePolicy(StorePolicy):
         pst = st.policy
         if self._insertion is not None:
             charge = self._charge
-            self._insertion.observe_store([(key, charge[key_group(key)]) for key in candidates],
-                                          pst.cold_candidate, normal=resume_keys)
+            self._insertion.observe_store(
+                list(zip(candidates, map(charge.__getitem__, key_groups(candidates)),
+                         strict=True)),
+                pst.cold_candidate, normal=resume_keys)
         if pst.stores_cold:
             # Bimodal insertion: the newly stored keys go in cold, except the window and
             # state blocks stored only for the resume point (a preemption reloads them).

@@ -295,6 +295,7 @@ class ValuePolicy(EvictionPolicy):
         demoted keys stay demoted. A ``ValueRun`` is its hints in order."""
         entries = self._entries
         get = entries.get
+        dirty = self._dirty
         anchors = self._anchors
         # ``_priority`` inlined: the number of keys does not change here, the reference
         # density only when a key is valued for the first time.
@@ -321,8 +322,15 @@ class ValuePolicy(EvictionPolicy):
                         reference = self._density_sum / self._density_count
                     entry.density = density
                     if entry.prio != _DEMOTED:
-                        self._push(key, entry, entry.stamp + scale * (
-                            1.0 if density < 0 else density / reference))
+                        # ``_push`` inlined.
+                        self._seq += 1
+                        entry.prio = entry.stamp + scale * (
+                            1.0 if density < 0 else density / reference)
+                        entry.seq = self._seq
+                        low = entry.cold or entry.prio == _DEMOTED
+                        self._num_low += low - entry.low
+                        entry.low = low
+                        dirty[key] = entry
                 if anchor is not None and anchor != key and key not in anchors:
                     if anchor not in entries:
                         # Its anchor is gone already: this key can serve no hit (for good).
