@@ -38,9 +38,10 @@ Three rules keep what it costs small:
 from __future__ import annotations
 
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
+from itertools import takewhile
 
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.eviction.base import NORMAL_SHARE, cold_goes_first
@@ -153,6 +154,13 @@ class ShadowDirectory:
         (``keys[:start]`` too) become the most recent normal keys, the first one last
         (demoted keys stay demoted)."""
         normal, cold, demoted = self._normal, self._cold, self._demoted
+        if not cold and not demoted:
+            # Only normal keys held (the LRU directory): the same, without a Python step
+            # per key.
+            found = len(list(takewhile(normal.__contains__, keys[start:])))
+            deque(map(normal.move_to_end,
+                      filter(normal.__contains__, reversed(keys[:start + found]))), maxlen=0)
+            return found
         found = 0
         for key in keys[start:]:
             if key not in normal and key not in cold and key not in demoted:
