@@ -78,7 +78,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from enum import IntEnum
 from typing import TypeVar
 
@@ -248,21 +248,37 @@ class HitPointAdmission(AdmissionPolicy):
                      num_prompt_tokens: int, continues: bool | None = None) -> bool:
         """Whether ``point`` (aligned, in tokens) is a likely hit point of this request,
         whose hint is ``continues`` (module doc: hints)."""
-        if point > num_prompt_tokens:
-            return self.turn_ends_hit if continues is None else continues
+        return self._any_hit_point((point,), hashes, num_prompt_tokens, continues)
+
+    def _any_hit_point(self, points: Iterable[int], hashes: Sequence[BlockHash],
+                       num_prompt_tokens: int, continues: bool | None) -> bool:
+        """Whether one of ``points`` is a likely hit point (``is_hit_point``), asked in
+        order up to the first that is: what the request's prompt decides is computed
+        once, not per point."""
         # The prompt's end point: a repeat of the prompt hits at most one token short of
         # its end; a prompt extending it hits at its end (when that is a hit point).
         last = num_prompt_tokens - 1
-        if continues is not False and point in (
-                num_prompt_tokens, last // self._alignment * self._alignment):
-            return True
+        ends = ((num_prompt_tokens, last // self._alignment * self._alignment)
+                if continues is not False else ())
         g = self.granule
-        if point % g == 0 and last // g * g - point < self._granule_points * g:
-            return True
-        key = self._hash_at(hashes, point)
-        if key is not None and key in self._learned:
-            self._learned.move_to_end(key)
-            return True
+        granule_floor = last // g * g - self._granule_points * g
+        learned = self._learned
+        hash_bs = self._hash_bs
+        num_hashes = len(hashes)
+        for point in points:
+            if point > num_prompt_tokens:
+                if self.turn_ends_hit if continues is None else continues:
+                    return True
+                continue
+            if point in ends:
+                return True
+            if point % g == 0 and point > granule_floor:
+                return True
+            index = point // hash_bs - 1  # ``_hash_at``
+            key = hashes[index] if 0 <= index < num_hashes else None
+            if key is not None and key in learned:
+                learned.move_to_end(key)
+                return True
         return False
 
     def _hash_at(self, hashes: Sequence[BlockHash], point: int) -> BlockHash | None:
@@ -364,9 +380,9 @@ class HitPointAdmission(AdmissionPolicy):
 
     def admit(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
               num_prompt_tokens: int, continues: bool | None = None) -> Admit:
-        for point in self._points(group, block):
-            if self.is_hit_point(point, hashes, num_prompt_tokens, continues):
-                return Admit.YES
+        if self._any_hit_point(self._points(group, block), hashes, num_prompt_tokens,
+                               continues):
+            return Admit.YES
         return Admit.SPARE_ROOM if self._has_room() else Admit.NO
 
     def record_prompt_end(self, hashes: Sequence[BlockHash], num_prompt_tokens: int) -> None:
@@ -425,8 +441,8 @@ class HitPointAdmission(AdmissionPolicy):
     def hit_point_between(self, start: int, stop: int, hashes: Sequence[BlockHash],
                           num_prompt_tokens: int, continues: bool | None = None) -> bool:
         first = start + -start % self._alignment
-        return any(self.is_hit_point(p, hashes, num_prompt_tokens, continues)
-                   for p in range(first, stop, self._alignment))
+        return self._any_hit_point(range(first, stop, self._alignment), hashes,
+                                   num_prompt_tokens, continues)
 
     def demote_on_finish(self, group: ResolvedGroup, stored_from: int, stored_to: int,
                          num_prompt_tokens: int, num_tokens: int) -> range:

@@ -38,9 +38,10 @@ Three rules keep what it costs small:
 from __future__ import annotations
 
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
+from itertools import takewhile
 
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.eviction.base import NORMAL_SHARE, cold_goes_first
@@ -122,12 +123,15 @@ class ShadowDirectory:
         """Insert (key, charge) pairs not held yet as the most recent normal keys, or cold
         ones if ``cold`` (except those in ``normal``), making room first in eviction
         order. Keys held already, and keys larger than the budget, are left."""
+        held_normal, held_cold, held_demoted = self._normal, self._cold, self._demoted
+        budget = self.budget
         for key, charge in keys:
-            if key in self or charge > self.budget:
+            if (key in held_normal or key in held_cold or key in held_demoted
+                    or charge > budget):
                 continue
-            while self._used + charge > self.budget:
+            while self._used + charge > budget:
                 self._evict_one()
-            (self._cold if cold and key not in normal else self._normal)[key] = charge
+            (held_cold if cold and key not in normal else held_normal)[key] = charge
             self._used += charge
 
     def warm(self, keys: Sequence[OffloadKey]) -> None:
@@ -149,15 +153,23 @@ class ShadowDirectory:
         """How many of ``keys[start:]`` are held in a row; the held keys of that prefix
         (``keys[:start]`` too) become the most recent normal keys, the first one last
         (demoted keys stay demoted)."""
+        normal, cold, demoted = self._normal, self._cold, self._demoted
+        if not cold and not demoted:
+            # Only normal keys held (the LRU directory): the same, without a Python step
+            # per key.
+            found = len(list(takewhile(normal.__contains__, keys[start:])))
+            deque(map(normal.move_to_end,
+                      filter(normal.__contains__, reversed(keys[:start + found]))), maxlen=0)
+            return found
         found = 0
         for key in keys[start:]:
-            if key not in self:
+            if key not in normal and key not in cold and key not in demoted:
                 break
             found += 1
-        normal, cold = self._normal, self._cold
+        move = normal.move_to_end
         for key in reversed(keys[:start + found]):
             if key in normal:
-                normal.move_to_end(key)
+                move(key)
             elif key in cold:
                 normal[key] = cold.pop(key)
         return found

@@ -59,6 +59,9 @@ class PrefixLookup:
         key hash exists: ``ResolvedGroup.key_hash_index``)."""
         hashes = st.request.block_hashes
         num_hashes = len(hashes)
+        if num_hashes == st.hashes_keyed:
+            return  # no hash since the last call: every key exists already
+        st.hashes_keyed = num_hashes
         for g, gs, suffix in zip(self._groups, st.groups, self._key_suffix, strict=True):
             keys = gs.keys
             if len(keys) < g.num_keys(num_hashes):

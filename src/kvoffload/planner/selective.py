@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
 from kvoffload.config import ResolvedGroup
-from kvoffload.keys import OffloadKey, key_group
+from kvoffload.keys import OffloadKey, key_groups
 from kvoffload.planner.admission import Admit, HitPointAdmission, window_at
 from kvoffload.planner.insertion import InsertionDuel, is_hot_request
 from kvoffload.planner.lookup import lookup_order
@@ -203,8 +203,10 @@ class HitPointStorePolicy(StorePolicy):
         pst = st.policy
         if self._insertion is not None:
             charge = self._charge
-            self._insertion.observe_store([(key, charge[key_group(key)]) for key in candidates],
-                                          pst.cold_candidate, normal=resume_keys)
+            self._insertion.observe_store(
+                list(zip(candidates, map(charge.__getitem__, key_groups(candidates)),
+                         strict=True)),
+                pst.cold_candidate, normal=resume_keys)
         if pst.stores_cold:
             # Bimodal insertion: the newly stored keys go in cold, except the window and
             # state blocks stored only for the resume point (a preemption reloads them).
@@ -216,9 +218,9 @@ class HitPointStorePolicy(StorePolicy):
             pst.spare_keys.extend(key for key in selection.spare if key in fresh)
 
     def value_stored(self, st: RequestState, frontier: int,
-                     chosen: Sequence[Sequence[tuple[int, OffloadKey]]]) -> None:
+                     chosen: Sequence[Sequence[int]]) -> None:
         assert self._valuer is not None
-        self.tier.hint(TierHints(values=tuple(self._valuer.hints(
+        self.tier.hint(TierHints(values=tuple(self._valuer.runs(
             frontier, chosen, [gs.keys for gs in st.groups], self._reuse(st)))))
 
     def _track_resume_point(self, st: RequestState, point: int,
@@ -306,14 +308,13 @@ class HitPointStorePolicy(StorePolicy):
                        for g, gs in zip(self._groups, st.groups, strict=True))
         if frontier <= 0:
             return
-        entries: list[list[tuple[int, OffloadKey]]] = []
+        blocks: list[Sequence[int]] = []
         for g, gs in zip(self._groups, st.groups, strict=True):
             stop = min(gs.next_stored, len(gs.keys))
-            blocks = (range(stop) if g.window_blocks is None
-                      else useful_blocks(g, self._alignment, 0, stop))
-            entries.append([(k, gs.keys[k]) for k in blocks])
-        self.tier.hint(TierHints(values=tuple(self._valuer.hints(
-            frontier, entries, [gs.keys for gs in st.groups], self._reuse(st)))))
+            blocks.append(range(stop) if g.window_blocks is None
+                          else useful_blocks(g, self._alignment, 0, stop))
+        self.tier.hint(TierHints(values=tuple(self._valuer.runs(
+            frontier, blocks, [gs.keys for gs in st.groups], self._reuse(st)))))
 
     @staticmethod
     def _reuse(st: RequestState) -> float:

@@ -106,6 +106,9 @@ class RequestState:
     planned: PlannedLoad | None = None
     num_local_tokens: int = 0
     looked_up: bool = False
+    hashes_keyed: int = 0
+    """Block hashes the request had when its keys were last refreshed
+    (``PrefixLookup.refresh_keys``; keys are only ever appended)."""
     deferred_steps: int = 0
     """"Ask again later" answers in a row (0: the lookup is not deferred)."""
     deferred_since: float = 0.0

@@ -119,13 +119,13 @@ class StorePlanner:
         transfers: list[GroupTransfer] = []
         windowed_ids: list[int] = []
         other_ids: list[int] = []
-        valued: list[list[tuple[int, OffloadKey]]] = []
+        valued: list[list[int]] = []
         values_keys = self._policy.values_keys
         stats = self._stats
         for g, gs, entries in zip(self._groups, st.groups, candidates, strict=True):
             chosen = [(k, p) for k, p in entries if gs.keys[k] in slot_of]
             if values_keys:
-                valued.append([(k, gs.keys[k]) for k, _ in chosen])
+                valued.append([k for k, _ in chosen])
             if not chosen:
                 continue
             stats.add_blocks(stats.blocks_stored, g.index, len(chosen))

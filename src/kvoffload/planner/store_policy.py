@@ -130,8 +130,8 @@ class StorePolicy:
         del st, selection, candidates, stored
 
     def value_stored(self, st: RequestState, frontier: int,
-                     chosen: Sequence[Sequence[tuple[int, OffloadKey]]]) -> None:
-        """The store writes ``chosen[group]`` ((block, key) pairs); the request's blocks
+                     chosen: Sequence[Sequence[int]]) -> None:
+        """The store writes offloaded blocks ``chosen[group]`` of the request; its blocks
         are complete up to ``frontier`` tokens."""
         del st, frontier, chosen
 

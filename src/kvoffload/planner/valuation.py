@@ -11,10 +11,11 @@ document) is likely to be reached again: its saved compute is scaled by ``1 + re
 * reuse``, where ``reuse`` is the share of the request's prompt that was already cached
 when it arrived.
 
-The planner hands the tier one ``ValueHint`` per stored key with the density of the
-request's prefix (one density for all keys of a request, so a value-aware policy still
-orders one prefix by recency and never prefers a deep block over the blocks it depends
-on), and, for window blocks and Mamba states, the full-attention key they depend on.
+The planner hands the tier a ``ValueHint`` for every stored key, as one ``ValueRun`` per
+group, with the density of the request's prefix (one density for all keys of a request,
+so a value-aware policy still orders one prefix by recency and never prefers a deep
+block over the blocks it depends on), and, for window blocks and Mamba states, the
+full-attention key they depend on.
 
 ``prefill_flops(end, start)`` is the model's cost of prefilling tokens ``[start, end)``.
 The simulator passes its preset's exact figure; without one, ``proxy_prefill_flops``
@@ -28,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 from kvoffload.config import OffloadConfig, ResolvedGroup
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.eviction.base import ValueHint
+from kvoffload.tiers.eviction.base import ValueHint, ValueRun
 
 PrefillFlops = Callable[[int, int], float]
 """``prefill_flops(end, start)``: FLOPs to prefill tokens ``[start, end)`` of a sequence."""
@@ -112,23 +113,49 @@ class PrefixValuer:
         ``keys_by_group[g]`` lists (offloaded block index, key) of group ``g`` to describe;
         ``group_keys[g]`` is the request's whole key list of group ``g`` (to name anchors).
         """
+        runs = self._runs(t, [[k for k, _ in entries] for entries in keys_by_group],
+                          [[key for _, key in entries] for entries in keys_by_group],
+                          group_keys, reuse)
+        return [hint for run in runs for hint in run.hints()]
+
+    def runs(self, t: int, blocks_by_group: Sequence[Sequence[int]],
+             group_keys: Sequence[Sequence[OffloadKey]], reuse: float = 0.0
+             ) -> list[ValueRun]:
+        """``hints`` as one ``ValueRun`` per group (the same hints, in the same order,
+        without an object per key): ``blocks_by_group[g]`` lists the offloaded blocks of
+        group ``g`` to describe, whose keys are ``group_keys[g][k]``."""
+        keys_by_group: list[Sequence[OffloadKey]] = []
+        for blocks, keys in zip(blocks_by_group, group_keys, strict=True):
+            if isinstance(blocks, range):
+                keys_by_group.append(keys[blocks.start:blocks.stop:blocks.step])
+            else:
+                keys_by_group.append([keys[k] for k in blocks])
+        return self._runs(t, blocks_by_group, keys_by_group, group_keys, reuse)
+
+    def _runs(self, t: int, blocks_by_group: Sequence[Sequence[int]],
+              keys_by_group: Sequence[Sequence[OffloadKey]],
+              group_keys: Sequence[Sequence[OffloadKey]], reuse: float) -> list[ValueRun]:
+        """One ``ValueRun`` per group with blocks (``blocks_by_group[g]``, whose keys are
+        ``keys_by_group[g]``), valued as the prefix ending at ``t``."""
         nbytes = self.bytes_needed(t)
         if nbytes <= 0:
             return []
         saved = self._flops(t, 0) * (1.0 + self.reuse_bonus * reuse)
         anchor_group = self._anchor_group
-        out: list[ValueHint] = []
-        for g, entries in zip(self._groups, keys_by_group, strict=True):
-            if not entries:
+        out: list[ValueRun] = []
+        for g, blocks, keys in zip(self._groups, blocks_by_group, keys_by_group, strict=True):
+            if not blocks:
                 continue
             if g.window_blocks is None or anchor_group is None:
-                out.extend(ValueHint(key, saved, nbytes) for _, key in entries)
+                out.append(ValueRun(keys, saved, nbytes))
                 continue
             anchors = group_keys[anchor_group.index]
             obs, anchor_obs = g.offloaded_block_size, anchor_group.offloaded_block_size
-            for k, key in entries:
+            links: list[OffloadKey | None] = []
+            for k in blocks:
                 end = (k + 1) * obs
                 a = end // anchor_obs - 1
-                anchor = anchors[a] if end % anchor_obs == 0 and 0 <= a < len(anchors) else None
-                out.append(ValueHint(key, saved, nbytes, anchor))
+                links.append(anchors[a] if end % anchor_obs == 0 and 0 <= a < len(anchors)
+                             else None)
+            out.append(ValueRun(keys, saved, nbytes, links))
         return out

@@ -31,7 +31,7 @@ from types import MappingProxyType
 from kvoffload.errors import InvariantError
 from kvoffload.jobs import TierWork, WorkerReport
 from kvoffload.keys import OffloadKey
-from kvoffload.tiers.eviction.base import ValueHint
+from kvoffload.tiers.eviction.base import ValueHint, ValueRun
 
 HOST = "host"
 """Tier name of host memory (``LoadGrant.blocks_by_source``, ``CascadeStats``)."""
@@ -89,7 +89,7 @@ class TierHints:
        keys inserted or used normally (see ``EvictionPolicy.cool``), until used; the
        count of keys that went cold is what ``Tier.hint`` returns.
     4. ``values``: what present keys are worth (``ValueHint``: key, compute saved, bytes
-       held, anchor) for value-aware eviction.
+       held, anchor; or a ``ValueRun``: one value for many keys) for value-aware eviction.
     5. ``prefetch``: a lookup found these keys PENDING and would hit them once readable; a
        tier whose PENDING means "in a slower tier" brings them up with the next step plan.
 
@@ -102,7 +102,7 @@ class TierHints:
     warm: tuple[OffloadKey, ...] = ()
     demote: tuple[OffloadKey, ...] = ()
     cool: tuple[OffloadKey, ...] = ()
-    values: tuple[ValueHint, ...] = ()
+    values: tuple[ValueHint | ValueRun, ...] = ()
     prefetch: tuple[OffloadKey, ...] = ()
 
 

@@ -12,6 +12,7 @@ from kvoffload.tiers.eviction.base import (
     BlockState,
     EvictionPolicy,
     ValueHint,
+    ValueRun,
     Victims,
 )
 from kvoffload.tiers.eviction.lru import LRUPolicy
@@ -25,5 +26,6 @@ __all__ = [
     "LRUPolicy",
     "ValueHint",
     "ValuePolicy",
+    "ValueRun",
     "Victims",
 ]

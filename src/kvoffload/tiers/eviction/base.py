@@ -79,6 +79,29 @@ class ValueHint(NamedTuple):
     anchor: OffloadKey | None = None
 
 
+class ValueRun(NamedTuple):
+    """One value for many present keys (a request's keys of one group): the
+    ``ValueHint`` of each key in turn, without an object per key.
+
+    Attributes:
+        keys: the keys, in the order their hints would be given.
+        saved: prefill compute (FLOPs) a hit through them saves.
+        nbytes: bytes that hit needs, all groups together.
+        anchors: each key's anchor (``ValueHint.anchor``), or ``None``: no key has one.
+    """
+
+    keys: Sequence[OffloadKey]
+    saved: float
+    nbytes: float
+    anchors: Sequence[OffloadKey | None] | None = None
+
+    def hints(self) -> list[ValueHint]:
+        """The same hints, one ``ValueHint`` per key."""
+        anchors = self.anchors if self.anchors is not None else [None] * len(self.keys)
+        return [ValueHint(key, self.saved, self.nbytes, anchor)
+                for key, anchor in zip(self.keys, anchors, strict=True)]
+
+
 Victims = list[tuple[OffloadKey, BlockState]]
 """Evicted keys with their (now detached) states, in eviction order."""
 
@@ -190,8 +213,9 @@ class EvictionPolicy(ABC):
             freed += size_of(one[0][0])
         return victims
 
-    def set_values(self, values: Sequence[ValueHint]) -> None:
-        """Hint: what present keys are worth (``ValueHint``); absent keys are ignored.
+    def set_values(self, values: Sequence[ValueHint | ValueRun]) -> None:
+        """Hint: what present keys are worth (``ValueHint``, or a ``ValueRun`` for many
+        keys at once: the same as its hints in order); absent keys are ignored.
 
         Value-aware policies rank keys by it; the default ignores it.
         """

@@ -28,16 +28,21 @@ makes a cold key normal; a key touched since its insertion is not made cold.
 
 Victims are found through two heaps of ``(priority, sequence, key)`` entries, one for
 normal keys and one for cold and demoted keys; an entry is live while its sequence is the
-key's current one (touches push new entries and leave the old ones to be skipped). The
-heaps are rebuilt when stale entries outnumber live ones, so their size stays linear in
-the keys held.
+key's current one (touches push new entries and leave the old ones to be skipped). A
+change computes the key's priority and sequence at once (they decide the order) but only
+marks the key *dirty*: its heap entry is pushed when victims are next looked for, so a
+key changed several times between evictions (inserted, cooled, valued; touched by every
+lookup of its prefix) is pushed once, and a tier that never evicts never pushes. The
+heaps are rebuilt when stale entries would outnumber live ones, or when most keys are
+dirty, so their size stays linear in the keys held.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
+from itertools import repeat
 
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey
@@ -47,6 +52,7 @@ from kvoffload.tiers.eviction.base import (
     BlockState,
     EvictionPolicy,
     ValueHint,
+    ValueRun,
     Victims,
     cold_goes_first,
 )
@@ -116,6 +122,7 @@ class ValuePolicy(EvictionPolicy):
         self._entries: dict[OffloadKey, _Entry] = {}
         self._heap: _Heap = []  # normal keys
         self._low_heap: _Heap = []  # cold and demoted keys
+        self._dirty: dict[OffloadKey, _Entry] = {}  # changed since the heaps were read
         self._num_low = 0
         self._seq = 0
         self._clock = 0
@@ -135,17 +142,36 @@ class ValuePolicy(EvictionPolicy):
         return entry.stamp + self.weight * len(self._entries) * relative
 
     def _push(self, key: OffloadKey, entry: _Entry, prio: float) -> None:
+        """Give ``key`` priority ``prio`` and the next sequence; its heap entry waits in
+        ``_dirty`` until ``_flush``."""
         self._seq += 1
         entry.prio = prio
         entry.seq = self._seq
         low = entry.cold or prio == _DEMOTED
         self._num_low += low - entry.low
         entry.low = low
-        heapq.heappush(self._low_heap if low else self._heap, (prio, self._seq, key))
-        if len(self._heap) + len(self._low_heap) > 2 * len(self._entries) + 64:
+        self._dirty[key] = entry
+
+    def _flush(self) -> None:
+        """Push the live heap entry of every dirty key (or rebuild both heaps when that is
+        cheaper, or stale entries would outnumber live ones)."""
+        dirty = self._dirty
+        if not dirty:
+            return
+        held = len(self._entries)
+        if (2 * len(dirty) > held
+                or len(self._heap) + len(self._low_heap) + len(dirty) > 2 * held + 64):
             self._rebuild_heaps()
+            return
+        heap, low_heap = self._heap, self._low_heap
+        push = heapq.heappush
+        for key, entry in dirty.items():
+            push(low_heap if entry.low else heap, (entry.prio, entry.seq, key))
+        dirty.clear()
 
     def _rebuild_heaps(self) -> None:
+        """Both heaps anew from the live entries (nothing dirty after)."""
+        self._dirty.clear()
         self._heap = [(e.prio, e.seq, k) for k, e in self._entries.items() if not e.low]
         self._low_heap = [(e.prio, e.seq, k) for k, e in self._entries.items() if e.low]
         heapq.heapify(self._heap)
@@ -173,11 +199,36 @@ class ValuePolicy(EvictionPolicy):
         self._entries[key] = entry
         self._push(key, entry, self._priority(entry))
 
+    def insert_all(self, keys: Sequence[OffloadKey], states: Sequence[BlockState]) -> None:
+        """``insert`` each key in order, in one loop (what ``insert`` does, inlined)."""
+        if len(keys) != len(states):
+            raise InvariantError(f"value: {len(keys)} keys but {len(states)} states")
+        entries = self._entries
+        if not entries.keys().isdisjoint(keys):
+            raise InvariantError("value: insert of a key already present")
+        dirty = self._dirty
+        weight = self.weight
+        clock, seq = self._clock, self._seq
+        try:
+            for key, state in zip(keys, states, strict=True):
+                if key in entries:
+                    raise InvariantError(f"value: insert of a key already present ({key.hex()})")
+                clock += 1
+                seq += 1
+                entry = entries[key] = _Entry(state, clock)
+                # ``_priority`` of an entry not valued yet (relative density 1.0).
+                entry.prio = clock + weight * len(entries) * 1.0
+                entry.seq = seq
+                dirty[key] = entry
+        finally:
+            self._clock, self._seq = clock, seq
+
     def remove(self, key: OffloadKey) -> BlockState:
         entry = self._entries.pop(key, None)
         if entry is None:
             raise InvariantError(f"value: remove of an absent key ({key.hex()})")
         self._num_low -= entry.low
+        self._dirty.pop(key, None)
         self._forget(key)
         return entry.state
 
@@ -185,13 +236,29 @@ class ValuePolicy(EvictionPolicy):
         """Present keys become most recent, ``keys[0]`` last, including keys demoted by a
         hint; keys demoted because their anchor left stay demoted."""
         entries = self._entries
+        get = entries.get
+        dirty = self._dirty
+        # What ``_priority`` and ``_push`` do per key, inlined: the number of keys and the
+        # reference density do not change during a touch.
+        scale = self.weight * len(entries)
+        reference = self.reference_density
+        clock, seq, num_low = self._clock, self._seq, self._num_low
         for key in reversed(keys):
-            entry = entries.get(key)
-            if entry is not None and (entry.prio != _DEMOTED or entry.hinted):
-                self._clock += 1
-                entry.stamp = self._clock
-                entry.cold = entry.hinted = False
-                self._push(key, entry, self._priority(entry))
+            entry = get(key)
+            if entry is None or (entry.prio == _DEMOTED and not entry.hinted):
+                continue
+            clock += 1
+            seq += 1
+            entry.stamp = clock
+            entry.cold = entry.hinted = False
+            density = entry.density
+            prio = entry.prio = clock + scale * (1.0 if density < 0 else density / reference)
+            entry.seq = seq
+            low = prio == _DEMOTED
+            num_low += low - entry.low
+            entry.low = low
+            dirty[key] = entry
+        self._clock, self._seq, self._num_low = clock, seq, num_low
 
     def warm(self, keys: Sequence[OffloadKey]) -> None:
         """Present cold keys are touched (normal again); the others are left."""
@@ -222,31 +289,55 @@ class ValuePolicy(EvictionPolicy):
                 cooled += 1
         return cooled
 
-    def set_values(self, values: Sequence[ValueHint]) -> None:
+    def set_values(self, values: Sequence[ValueHint | ValueRun]) -> None:
         """Record densities (a key keeps the highest it was given) and anchors. The value
         part of a key's priority follows its density; its place in time does not move;
-        demoted keys stay demoted."""
+        demoted keys stay demoted. A ``ValueRun`` is its hints in order."""
         entries = self._entries
-        for hint in values:
-            entry = entries.get(hint.key)
-            if entry is None or hint.nbytes <= 0:
+        get = entries.get
+        dirty = self._dirty
+        anchors = self._anchors
+        # ``_priority`` inlined: the number of keys does not change here, the reference
+        # density only when a key is valued for the first time.
+        scale = self.weight * len(entries)
+        reference = self.reference_density
+        links: Iterable[OffloadKey | None]
+        for item in values:
+            if isinstance(item, ValueRun):
+                keys, saved, nbytes = item.keys, item.saved, item.nbytes
+                links = repeat(None) if item.anchors is None else item.anchors
+            else:
+                keys, saved, nbytes, links = (item.key,), item.saved, item.nbytes, (item.anchor,)
+            if nbytes <= 0:
                 continue
-            density = hint.saved / hint.nbytes
-            if density > entry.density:
-                if entry.density < 0:
-                    self._density_sum += density
-                    self._density_count += 1
-                entry.density = density
-                if entry.prio != _DEMOTED:
-                    self._push(hint.key, entry, self._priority(entry))
-            anchor = hint.anchor
-            if anchor is not None and anchor != hint.key and hint.key not in self._anchors:
-                if anchor not in entries:
-                    # Its anchor is gone already: this key can serve no hit (for good).
-                    entry.hinted = False
-                    self._push(hint.key, entry, _DEMOTED)
+            density = saved / nbytes
+            for key, anchor in zip(keys, links, strict=False):  # links may be repeat(None)
+                entry = get(key)
+                if entry is None:
                     continue
-                self._anchors.link(hint.key, anchor)
+                if density > entry.density:
+                    if entry.density < 0:
+                        self._density_sum += density
+                        self._density_count += 1
+                        reference = self._density_sum / self._density_count
+                    entry.density = density
+                    if entry.prio != _DEMOTED:
+                        # ``_push`` inlined.
+                        self._seq += 1
+                        entry.prio = entry.stamp + scale * (
+                            1.0 if density < 0 else density / reference)
+                        entry.seq = self._seq
+                        low = entry.cold or entry.prio == _DEMOTED
+                        self._num_low += low - entry.low
+                        entry.low = low
+                        dirty[key] = entry
+                if anchor is not None and anchor != key and key not in anchors:
+                    if anchor not in entries:
+                        # Its anchor is gone already: this key can serve no hit (for good).
+                        entry.hinted = False
+                        self._push(key, entry, _DEMOTED)
+                        continue
+                    anchors.link(key, anchor)
 
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> Victims | None:
         if n < 0:
@@ -269,6 +360,7 @@ class ValuePolicy(EvictionPolicy):
     def _take(self, done: Callable[[Victims, int], bool], protected: AbstractSet[OffloadKey],
               size_of: Callable[[OffloadKey], int] | None) -> Victims | None:
         """Pop victims until ``done``, in eviction order (``_next_heap``); all or nothing."""
+        self._flush()
         entries = self._entries
         victims: Victims = []
         popped: list[tuple[_Heap, tuple[float, int, OffloadKey]]] = []
@@ -353,6 +445,7 @@ class ValuePolicy(EvictionPolicy):
         self._entries.clear()
         self._heap.clear()
         self._low_heap.clear()
+        self._dirty.clear()
         self._num_low = 0
         self._anchors.clear()
         self._density_sum = 0.0
@@ -366,8 +459,11 @@ class ValuePolicy(EvictionPolicy):
 
     def check_integrity(self) -> None:
         super().check_integrity()
+        if any(self._entries.get(k) is not e for k, e in self._dirty.items()):
+            raise InvariantError("value: a dirty key is not held")
         for low in (False, True):
-            live = {(e.prio, e.seq, k) for k, e in self._entries.items() if e.low == low}
+            live = {(e.prio, e.seq, k) for k, e in self._entries.items()
+                    if e.low == low and k not in self._dirty}
             if not live <= set(self._low_heap if low else self._heap):
                 raise InvariantError("value: a key has no live heap entry")
         if self._num_low != sum(e.low for e in self._entries.values()):
