@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,58 +205,42 @@ def _recursion(path: Path) -> None:
     path.write_text('{"x": ' + "[" * 200_000 + "]" * 200_000 + "}")
 
 
-# name -> (what to do to the model directory / template file, option named, file named)
-MODEL_FILES = {
-    "tokenizer_config.json a FIFO": (
-        lambda d, t: _replace_by_fifo(d / "tokenizer_config.json"), "--model",
-        "tokenizer_config.json"),
-    "tokenizer_config.json linked to /dev/zero": (
-        lambda d, t: _replace_by_zero(d / "tokenizer_config.json"), "--model",
-        "tokenizer_config.json"),
-    "tokenizer_config.json over the bound": (
-        lambda d, t: _replace_by_huge(d / "tokenizer_config.json", MAX_MODEL_JSON_BYTES),
-        "--model", "tokenizer_config.json"),
-    "tokenizer_config.json nested too deep": (
-        lambda d, t: _deep(d / "tokenizer_config.json"), "--model",
-        "tokenizer_config.json"),
-    "tokenizer_config.json nested 200,000 deep": (
-        lambda d, t: _recursion(d / "tokenizer_config.json"), "--model",
-        "tokenizer_config.json"),
-    "tokenizer.json a FIFO": (
-        lambda d, t: _replace_by_fifo(d / "tokenizer.json"), "--model", "tokenizer.json"),
-    "tokenizer.json linked to /dev/zero": (
-        lambda d, t: _replace_by_zero(d / "tokenizer.json"), "--model", "tokenizer.json"),
-    "chat_template.jinja a FIFO": (
-        lambda d, t: _replace_by_fifo(d / "chat_template.jinja"), "--model",
-        "chat_template.jinja"),
-    "chat_template.jinja linked to /dev/zero": (
-        lambda d, t: _replace_by_zero(d / "chat_template.jinja"), "--model",
-        "chat_template.jinja"),
-    "chat_template.json a FIFO": (
-        lambda d, t: _replace_by_fifo(d / "chat_template.json"), "--model",
-        "chat_template.json"),
-    "--chat-template a FIFO": (
-        lambda d, t: _replace_by_fifo(t), "--chat-template", "tmpl.jinja"),
-    "--chat-template linked to /dev/zero": (
-        lambda d, t: _replace_by_zero(t), "--chat-template", "tmpl.jinja"),
-    "--chat-template over the bound": (
-        lambda d, t: _replace_by_huge(t, MAX_TEMPLATE_BYTES), "--chat-template",
-        "tmpl.jinja"),
+_DAMAGE: dict[str, Callable[[Path, int], None]] = {
+    "a FIFO": lambda path, bound: _replace_by_fifo(path),
+    "linked to /dev/zero": lambda path, bound: _replace_by_zero(path),
+    "over the bound": _replace_by_huge,
+    "nested too deep": lambda path, bound: _deep(path),
+    "nested 200,000 deep": lambda path, bound: _recursion(path),
 }
-_WITH_TEMPLATE_OPTION = {"--chat-template a FIFO", "--chat-template linked to /dev/zero",
-                         "--chat-template over the bound"}
+# (the file, the ways it is damaged, its bound); "tmpl.jinja" is given with --chat-template
+_SPOILED_FILES = [
+    ("tokenizer_config.json", ["a FIFO", "linked to /dev/zero", "over the bound",
+                               "nested too deep", "nested 200,000 deep"],
+     MAX_MODEL_JSON_BYTES),
+    ("tokenizer.json", ["a FIFO", "linked to /dev/zero"], 0),
+    ("chat_template.jinja", ["a FIFO", "linked to /dev/zero"], 0),
+    ("chat_template.json", ["a FIFO"], 0),
+    ("tmpl.jinja", ["a FIFO", "linked to /dev/zero", "over the bound"], MAX_TEMPLATE_BYTES),
+]
+# name -> (the file, how it is damaged, its bound)
+MODEL_FILES = {
+    f"{'--chat-template' if name == 'tmpl.jinja' else name} {damage}": (name, damage, bound)
+    for name, damages, bound in _SPOILED_FILES for damage in damages
+}
 
 
 @pytest.mark.parametrize("case", list(MODEL_FILES))
 def test_a_hostile_model_file_is_one_error_at_once(case: str, tmp_path: Path,
                                                    model: Path) -> None:
-    spoil, option, name = MODEL_FILES[case]
+    name, damage, bound = MODEL_FILES[case]
     directory = _tiny(tmp_path, model)
     template = tmp_path / "tmpl.jinja"
     template.write_text(TEMPLATE)
-    spoil(directory, template)
+    given_template = name == "tmpl.jinja"
+    _DAMAGE[damage](template if given_template else directory / name, bound)
+    option = "--chat-template" if given_template else "--model"
     log = write_log(tmp_path / "chat.jsonl", [{"messages": [TURN], "timestamp": 1}])
-    extra = ["--chat-template", template] if case in _WITH_TEMPLATE_OPTION else []
+    extra = ["--chat-template", template] if given_template else []
     started = time.monotonic()
     status, _, err = run_cli("trace", "convert", log, "--model", directory, *extra,
                              "-o", tmp_path / "out.jsonl", "-q", cwd=tmp_path)
