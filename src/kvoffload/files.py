@@ -15,11 +15,12 @@ finds bracket nesting deeper than a limit before ``json.loads`` would recurse in
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 
 class UnreadableFileError(ValueError):
@@ -30,6 +31,11 @@ class UnreadableFileError(ValueError):
         self.path = path
         self.reason = reason
         super().__init__(f"{path} {reason}")
+
+
+class MalformedJsonError(UnreadableFileError):
+    """A file was read but does not hold what was asked: JSON nested too deep, not JSON,
+    or not a JSON object (``read_json_object``)."""
 
 
 def file_kind(mode: int) -> str:
@@ -102,6 +108,27 @@ def read_regular_text(path: str | Path, *, max_bytes: int) -> str:
     except UnicodeDecodeError as exc:
         raise UnreadableFileError(str(path),
                                   f"is not valid UTF-8 (byte {exc.start + 1})") from None
+
+
+def read_json_object(path: str | Path, *, max_bytes: int, max_depth: int) -> dict[str, Any]:
+    """The JSON object in regular file ``path``, read with ``read_regular_text`` and
+    checked with ``json_too_deep`` before it is parsed. ``UnreadableFileError`` for what
+    ``read_regular_text`` refuses; its subclass ``MalformedJsonError`` for text that nests
+    deeper than ``max_depth`` (``"nests deeper than 32 levels"``), is not JSON
+    (``"cannot be read as JSON (...)"``) or is not an object (``"is not a JSON object"``)."""
+    text = read_regular_text(path, max_bytes=max_bytes)
+    if json_too_deep(text, max_depth):
+        raise MalformedJsonError(str(path), f"nests deeper than {max_depth} levels")
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        detail = str(exc)
+        if len(detail) > 80:
+            detail = detail[:80] + "..."
+        raise MalformedJsonError(str(path), f"cannot be read as JSON ({detail})") from None
+    if not isinstance(data, dict):
+        raise MalformedJsonError(str(path), "is not a JSON object")
+    return data
 
 
 _JSON_SPECIAL = re.compile(r'[\[\]{}"\\]')

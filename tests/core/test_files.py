@@ -12,8 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload.files import (
+    MalformedJsonError,
     UnreadableFileError,
     json_too_deep,
+    read_json_object,
     read_regular_file,
     read_regular_text,
 )
@@ -99,3 +101,24 @@ def test_an_offending_value_is_shown_cut_to_a_readable_length() -> None:
     long = shown("x" * 10_000_000)
     assert long.startswith("'xxx") and long.endswith("... (10,000,002 characters)")
     assert len(long) < 120
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("[" * 40 + "]" * 40, "nests deeper than 32 levels"),
+    ("{", "cannot be read as JSON"),
+    ("[1, 2]", "is not a JSON object"),
+])
+def test_a_file_that_is_not_a_json_object_is_malformed(tmp_path: Path, text: str,
+                                                       reason: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(MalformedJsonError, match=reason):
+        read_json_object(path, max_bytes=1 << 20, max_depth=32)
+    path.write_text('{"a": [1]}')
+    assert read_json_object(path, max_bytes=1 << 20, max_depth=32) == {"a": [1]}
+
+
+def test_a_file_that_cannot_be_read_is_not_called_malformed(tmp_path: Path) -> None:
+    with pytest.raises(UnreadableFileError) as info:
+        read_json_object(tmp_path, max_bytes=10, max_depth=4)
+    assert not isinstance(info.value, MalformedJsonError)

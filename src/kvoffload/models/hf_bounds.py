@@ -24,13 +24,12 @@ config class fills in), so no figure outside the bounds reaches a layout.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from kvoffload.errors import ConfigError, shown
-from kvoffload.files import UnreadableFileError, json_too_deep, read_regular_text
+from kvoffload.files import MalformedJsonError, UnreadableFileError, read_json_object
 
 MAX_CONFIG_BYTES = 4 << 20
 """Largest config.json read (4 MiB; published ones are a few KiB)."""
@@ -140,26 +139,18 @@ _FIX = "Correct the config (see the model's published config.json; docs/models.m
 
 
 def read_config_json(file: Path, where: str) -> dict[str, Any]:
-    """The JSON object in ``file``, read with bounded time and memory; ``ConfigError``
-    naming ``where`` for a file that is not a regular file, over ``MAX_CONFIG_BYTES``,
-    not UTF-8, nested deeper than ``MAX_CONFIG_DEPTH``, not JSON or not an object."""
+    """The JSON object in ``file``, read with bounded time and memory
+    (``kvoffload.files.read_json_object``); ``ConfigError`` naming ``where`` for a file
+    that is not a regular file, over ``MAX_CONFIG_BYTES``, not UTF-8, nested deeper than
+    ``MAX_CONFIG_DEPTH``, not JSON or not an object."""
     try:
-        text = read_regular_text(file, max_bytes=MAX_CONFIG_BYTES)
+        return read_json_object(file, max_bytes=MAX_CONFIG_BYTES, max_depth=MAX_CONFIG_DEPTH)
+    except MalformedJsonError as exc:
+        raise ConfigError(where, exc.reason, "Give a model's config.json.") from None
     except UnreadableFileError as exc:
         raise ConfigError(where, f"cannot be read: {exc.reason}",
                           "Give a model's config.json (a regular file of at most "
                           f"{MAX_CONFIG_BYTES:,} bytes).") from None
-    if json_too_deep(text, MAX_CONFIG_DEPTH):
-        raise ConfigError(where, f"nests objects or lists deeper than {MAX_CONFIG_DEPTH} "
-                          "levels", "Give a model's config.json.")
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise ConfigError(where, f"cannot be read as JSON ({shown(str(exc))})",
-                          "Give a model's config.json.") from None
-    if not isinstance(data, dict):
-        raise ConfigError(where, "is not a JSON object", "Give a model's config.json.")
-    return data
 
 
 def check_config_fields(data: Mapping[str, Any], where: str) -> None:

@@ -20,13 +20,12 @@ time and size bounds of ``kvoffload.workloads.chat_template``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.errors import ConfigError
-from kvoffload.files import UnreadableFileError, json_too_deep, read_regular_text
+from kvoffload.files import UnreadableFileError, read_json_object, read_regular_text
 from kvoffload.workloads.chat_template import RENDER_SECONDS, compile_template, render
 
 if TYPE_CHECKING:
@@ -161,17 +160,11 @@ def _json_file(path: Path, field: str) -> dict[str, Any]:
     """A JSON object file; ``{}`` when it does not exist (a dangling link included)."""
     if not path.exists():
         return {}
-    text = _read(path, field, MAX_MODEL_JSON_BYTES, _FILE_FIX)
-    if json_too_deep(text, MAX_MODEL_JSON_NESTING):
-        raise ConfigError(field, f"{path}: brackets nest deeper than "
-                          f"{MAX_MODEL_JSON_NESTING}", _FILE_FIX)
     try:
-        data = json.loads(text)
-    except (RecursionError, ValueError) as exc:
-        raise ConfigError(field, f"{path} cannot be read ({exc})", _FILE_FIX) from None
-    if not isinstance(data, dict):
-        raise ConfigError(field, f"{path} is not a JSON object", _FILE_FIX)
-    return data
+        return read_json_object(path, max_bytes=MAX_MODEL_JSON_BYTES,
+                                max_depth=MAX_MODEL_JSON_NESTING)
+    except UnreadableFileError as exc:
+        raise ConfigError(field, str(exc), _FILE_FIX) from None
 
 
 def _find_templates(directory: Path, config: dict[str, Any],
