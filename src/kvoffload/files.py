@@ -22,6 +22,8 @@ import stat
 from pathlib import Path
 from typing import IO, Any
 
+from kvoffload.errors import shown
+
 
 class UnreadableFileError(ValueError):
     """A named file cannot be read as asked. ``reason`` says what it is (``"is a FIFO"``,
@@ -122,10 +124,8 @@ def read_json_object(path: str | Path, *, max_bytes: int, max_depth: int) -> dic
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as exc:
-        detail = str(exc)
-        if len(detail) > 80:
-            detail = detail[:80] + "..."
-        raise MalformedJsonError(str(path), f"cannot be read as JSON ({detail})") from None
+        raise MalformedJsonError(str(path),
+                                 f"cannot be read as JSON ({shown(str(exc))})") from None
     if not isinstance(data, dict):
         raise MalformedJsonError(str(path), "is not a JSON object")
     return data
