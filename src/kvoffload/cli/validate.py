@@ -22,6 +22,7 @@ from kvoffload.blockfile.framing import MacKey
 from kvoffload.cli.common import UsageError
 from kvoffload.config import MAX_BLOCK_SIZE_FACTOR
 from kvoffload.errors import shown
+from kvoffload.files import file_kind
 from kvoffload.sim.fleet import MAX_ENGINES, Router
 from kvoffload.tiers.config import check_disk_path, check_remote_url, read_mac_key
 
@@ -88,9 +89,7 @@ def check_plot_path(path: Path | None, flag: str = "--plot") -> None:
         raise UsageError(f"{flag}: cannot write {shown(name)} ({exc.strerror}); {fix}") \
             from None
     if mode is not None and not stat.S_ISREG(mode):
-        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                else "not a regular file")
-        raise UsageError(f"{flag}: {shown(name)} is {kind}; {fix}")
+        raise UsageError(f"{flag}: {shown(name)} is {file_kind(mode)}; {fix}")
     parent = path.parent
     if mode is None and not parent.is_dir():
         raise UsageError(f"{flag}: the directory {shown(str(parent))} of {shown(name)} does "
