@@ -48,21 +48,25 @@ def test_stats_are_increments_and_aggregate() -> None:
     collector = StatsCollector()
     stats = PlannerStats(lookups=2, lookup_hit_tokens=64, blocks_loaded={0: 2})
     collector.add_transfer(TransferStats(loaded_bytes=8192, load_seconds=0.5))
-    first = collector.take(stats, usage)
+    first = collector.take(stats, usage, {"host": 2})
     assert first is not None
     assert first.data["counters"] == {"lookups": 2, "hit_tokens": 64, "loaded_bytes": 8192,
                                       "load_seconds": 0.5}
     assert first.data["group_counters"] == {"blocks_loaded": {"0": 2}}
-    assert collector.take(stats, usage) is None  # nothing moved since
+    assert first.data["tier_counters"] == {"tier_blocks_loaded": {"host": 2}}
+    assert collector.take(stats, usage, {"host": 2}) is None  # nothing moved since
     stats.lookups += 3
     stats.cold_stored_keys += 7
-    second = collector.take(stats, usage)
+    second = collector.take(stats, usage, {"host": 2, "disk": 5})
     assert second is not None and second.data["counters"] == {"lookups": 3, "cold_keys": 7}
+    assert second.data["tier_counters"] == {"tier_blocks_loaded": {"disk": 5}}
     total = KVOffloadStats().aggregate(first).aggregate(second)
     assert isinstance(total, KVOffloadStats)
     reduced = total.reduce()
     assert reduced["lookups"] == 5 and reduced["hit_tokens"] == 64
     assert reduced["host_used_slots"] == 10 and reduced["host_bytes[g1]"] == 1024
+    assert reduced["tier_blocks_loaded[host]"] == 2
+    assert reduced["tier_blocks_loaded[disk]"] == 5
     assert KVOffloadStats().is_empty() and not total.is_empty()
     rebuilt = KVOffloadStats(data=pickle.loads(pickle.dumps(total.to_dict())))
     assert rebuilt.reduce() == reduced
@@ -97,8 +101,10 @@ def test_prometheus_metrics_per_engine_and_group() -> None:
                                 ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
     prom.observe({"counters": {"hit_tokens": 64}, "gauges": {"host_used_slots": 7},
                   "group_counters": {"blocks_stored": {"1": 3}},
-                  "group_gauges": {"host_bytes": {"0": 100}}}, engine_idx=1)
-    prom.observe({"counters": {"hit_tokens": 32}}, engine_idx=1)
+                  "group_gauges": {"host_bytes": {"0": 100}},
+                  "tier_counters": {"tier_blocks_loaded": {"remote": 4}}}, engine_idx=1)
+    prom.observe({"counters": {"hit_tokens": 32},
+                  "tier_counters": {"tier_blocks_loaded": {"remote": 2}}}, engine_idx=1)
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, {"model_name": "m", **labels})
@@ -107,6 +113,7 @@ def test_prometheus_metrics_per_engine_and_group() -> None:
     assert value("vllm:kvoffload_host_used_slots", engine="1") == 7
     assert value("vllm:kvoffload_blocks_stored_total", engine="1", group="1") == 3
     assert value("vllm:kvoffload_host_bytes", engine="1", group="0") == 100
+    assert value("vllm:kvoffload_tier_blocks_loaded_total", engine="1", tier="remote") == 6
     assert value("vllm:kvoffload_hit_tokens_total", engine="0") is None  # never observed
 
 

@@ -47,6 +47,7 @@ from kvoffload.integrations.vllm.stats import KVOffloadStats, StatsCollector
 from kvoffload.jobs import JobId, WorkerReport
 from kvoffload.offload import build_offload
 from kvoffload.planner.contract import NO_CONTROLS, ReportOutcome, ScheduledRequest, StepInput
+from kvoffload.tiers.cascade import CascadeTier
 from kvoffload.tiers.config import TierConfig
 
 logger = logging.getLogger(__name__)
@@ -281,7 +282,14 @@ class SchedulerSide:
         return self.planner.has_pending_work() or bool(self._resolved)
 
     def take_stats(self) -> KVOffloadStats | None:
-        return self._stats.take(self.planner.stats, self.tier.usage())
+        return self._stats.take(self.planner.stats, self.tier.usage(), self._loaded_by_tier())
+
+    def _loaded_by_tier(self) -> dict[str, int]:
+        """Cumulative blocks loaded, by the tier that held them (all "host" without lower
+        tiers)."""
+        if isinstance(self.tier, CascadeTier):
+            return self.tier.stats.loaded_blocks
+        return {"host": sum(self.planner.stats.blocks_loaded.values())}
 
     def shutdown(self) -> None:
         self.planner.shutdown()

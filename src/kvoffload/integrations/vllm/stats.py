@@ -9,13 +9,15 @@ as a ``KVOffloadStats``; vLLM sums them over an interval for its log line
 The payload is a dict of plain numbers keyed by strings, so it survives vLLM's IPC::
 
     {"counters": {name: number}, "gauges": {name: number},
-     "group_counters": {name: {group: number}}, "group_gauges": {name: {group: number}}}
+     "group_counters": {name: {group: number}}, "group_gauges": {name: {group: number}},
+     "tier_counters": {name: {tier: number}}}
 
 Counters add up under ``aggregate``; gauges keep the latest value.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +51,10 @@ GROUP_COUNTERS: dict[str, str] = {
     "blocks_loaded": "Engine blocks loaded, per KV-cache group.",
     "blocks_stored": "Engine blocks stored, per KV-cache group.",
 }
+TIER_COUNTERS: dict[str, str] = {
+    "tier_blocks_loaded": "Blocks loaded into the engine, by the tier that held them when "
+                          "the request asked (host, or the lower tier they came from).",
+}
 GAUGES: dict[str, str] = {
     "host_capacity_slots": "Host tier capacity in offloaded blocks.",
     "host_used_slots": "Host slots holding a block (ready or being written).",
@@ -57,7 +63,8 @@ GAUGES: dict[str, str] = {
 GROUP_GAUGES: dict[str, str] = {
     "host_bytes": "Bytes of offloaded blocks held in host memory, per KV-cache group.",
 }
-_SECTIONS = ("counters", "gauges", "group_counters", "group_gauges")
+_SECTIONS = ("counters", "gauges", "group_counters", "group_gauges", "tier_counters")
+_LABELED_COUNTERS = ("group_counters", "tier_counters")
 METRIC_PREFIX = "vllm:kvoffload_"
 
 
@@ -89,10 +96,11 @@ class KVOffloadStats(KVConnectorStats):
         for name, value in other.data["counters"].items():
             counters[name] = counters.get(name, 0) + value
         gauges.update(other.data["gauges"])
-        for name, per_group in other.data["group_counters"].items():
-            mine = self.data["group_counters"].setdefault(name, {})
-            for group, value in per_group.items():
-                mine[group] = mine.get(group, 0) + value
+        for section in _LABELED_COUNTERS:
+            for name, per_label in other.data[section].items():
+                mine = self.data[section].setdefault(name, {})
+                for label, value in per_label.items():
+                    mine[label] = mine.get(label, 0) + value
         for name, per_group in other.data["group_gauges"].items():
             self.data["group_gauges"].setdefault(name, {}).update(per_group)
         return self
@@ -106,6 +114,9 @@ class KVOffloadStats(KVConnectorStats):
             for name, per_group in self.data[section].items():
                 for group, value in sorted(per_group.items()):
                     out[f"{name}[g{group}]"] = value
+        for name, per_tier in self.data["tier_counters"].items():
+            for tier, value in sorted(per_tier.items()):
+                out[f"{name}[{tier}]"] = value
         return out
 
 
@@ -115,6 +126,7 @@ class StatsCollector:
     def __init__(self) -> None:
         self._last: dict[str, int] = {}
         self._last_groups: dict[str, dict[int, int]] = {}
+        self._last_tiers: dict[str, int] = {}
         self._transfer = TransferStats()
 
     def add_transfer(self, stats: TransferStats) -> None:
@@ -126,8 +138,12 @@ class StatsCollector:
             store_seconds=t.store_seconds + stats.store_seconds,
             load_seconds=t.load_seconds + stats.load_seconds)
 
-    def take(self, planner: PlannerStats, usage: TierUsage) -> KVOffloadStats | None:
-        """The increments since the previous call, or None when no counter moved."""
+    def take(self, planner: PlannerStats, usage: TierUsage,
+             loaded_by_tier: Mapping[str, int]) -> KVOffloadStats | None:
+        """The increments since the previous call, or None when no counter moved.
+
+        ``loaded_by_tier``: cumulative blocks loaded, by the tier that served them.
+        """
         now: dict[str, int] = {
             "lookups": planner.lookups,
             "hit_tokens": planner.lookup_hit_tokens,
@@ -162,7 +178,13 @@ class StatsCollector:
                 if delta:
                     group_counters.setdefault(name, {})[str(group)] = delta
                 last[group] = value
-        if not counters and not group_counters:
+        tier_loads: dict[str, int] = {}
+        for tier, value in loaded_by_tier.items():
+            delta = value - self._last_tiers.get(tier, 0)
+            if delta:
+                tier_loads[tier] = delta
+            self._last_tiers[tier] = value
+        if not counters and not group_counters and not tier_loads:
             return None
         return KVOffloadStats(data={
             "counters": counters,
@@ -172,13 +194,21 @@ class StatsCollector:
             "group_counters": group_counters,
             "group_gauges": {"host_bytes": {str(g): b for g, b in
                                             usage.bytes_by_group.items()}},
+            "tier_counters": {"tier_blocks_loaded": tier_loads} if tier_loads else {},
         })
+
+
+_LABELED_SECTIONS: tuple[tuple[str, dict[str, str], bool], ...] = (
+    ("group_counters", GROUP_COUNTERS, True), ("tier_counters", TIER_COUNTERS, True),
+    ("group_gauges", GROUP_GAUGES, False))
+"""Payload sections with one child per label value: (section, metrics, counts up)."""
 
 
 class KVOffloadPromMetrics(KVConnectorPromMetrics):
     """Prometheus counters and gauges named ``vllm:kvoffload_*``, one child per engine.
 
-    Per-group metrics carry a ``group`` label (the vLLM KV-cache group index).
+    Per-group metrics carry a ``group`` label (the vLLM KV-cache group index); per-tier
+    ones a ``tier`` label (``host``, ``disk``, ``remote``).
     """
 
     def __init__(self, vllm_config: Any, metric_types: dict[type, type],
@@ -191,6 +221,10 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         for name, doc in COUNTERS.items():
             self._metrics[name] = counter_cls(
                 name=METRIC_PREFIX + name, documentation=doc, labelnames=labelnames)
+        for name, doc in TIER_COUNTERS.items():
+            self._metrics[name] = counter_cls(
+                name=METRIC_PREFIX + name, documentation=doc,
+                labelnames=[*labelnames, "tier"])
         for name, doc in GAUGES.items():
             self._metrics[name] = gauge_cls(
                 name=METRIC_PREFIX + name, documentation=doc, labelnames=labelnames,
@@ -213,12 +247,13 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
         for name, value in transfer_stats_data.get("gauges", {}).items():
             if name in GAUGES:
                 self._metrics[name].labels(*labels).set(value)
-        for name, per_group in transfer_stats_data.get("group_counters", {}).items():
-            if name in GROUP_COUNTERS:
-                for group, value in per_group.items():
-                    if value > 0:
-                        self._metrics[name].labels(*labels, str(group)).inc(value)
-        for name, per_group in transfer_stats_data.get("group_gauges", {}).items():
-            if name in GROUP_GAUGES:
-                for group, value in per_group.items():
-                    self._metrics[name].labels(*labels, str(group)).set(value)
+        for section, known, adds in _LABELED_SECTIONS:
+            for name, per_label in transfer_stats_data.get(section, {}).items():
+                if name not in known:
+                    continue
+                for label, value in per_label.items():
+                    child = self._metrics[name].labels(*labels, str(label))
+                    if not adds:
+                        child.set(value)
+                    elif value > 0:
+                        child.inc(value)
