@@ -31,10 +31,46 @@ def _answers_ping(port: int) -> bool:
     return False
 
 
+class RedisProcess:
+    """A ``redis-server`` on a fixed loopback port that can be killed and started again
+    (empty: nothing is persisted), as a Redis tier's server fails in production."""
+
+    def __init__(self, program: str, directory: Path) -> None:
+        self.program = program
+        self.directory = directory
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the server; raise ``RuntimeError`` if it does not answer within 10 s."""
+        log = self.directory / "redis-server.log"
+        with open(log, "ab") as out:
+            self._proc = proc = subprocess.Popen(
+                [self.program, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", str(self.directory), "--protected-mode",
+                 "no", "--loglevel", "warning"], stdout=out, stderr=out)
+        deadline = time.monotonic() + 10
+        while not _answers_ping(self.port):
+            if proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {proc.returncode}: "
+                                   + log.read_text(errors="replace")[-400:])
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not answer within 10 s")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        """Kill the server at once (SIGKILL); what it held is gone."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+
 @contextlib.contextmanager
-def redis_server(binary: str | None = None) -> Iterator[str]:
-    """Start ``redis-server`` (the program ``binary`` names, else the one on PATH); yield
-    its URL.
+def redis_process(binary: str | None = None) -> Iterator[RedisProcess]:
+    """A started ``RedisProcess`` (the program ``binary`` names, else ``redis-server`` on
+    PATH), killed when the ``with`` block ends.
 
     Raises ``RuntimeError`` with what to do when no binary is found or the server does
     not answer within 10 s.
@@ -45,23 +81,16 @@ def redis_server(binary: str | None = None) -> Iterator[str]:
                            "(scripts/install_redis.sh on Debian/Ubuntu) or leave the Redis "
                            "configuration out with --configs")
     with tempfile.TemporaryDirectory(prefix="kvoffload-e2e-redis-") as directory:
-        port = free_port()
-        log = Path(directory) / "redis-server.log"
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(
-                [path, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                 "--appendonly", "no", "--dir", directory, "--protected-mode", "no",
-                 "--loglevel", "warning"], stdout=out, stderr=out)
+        server = RedisProcess(path, Path(directory))
         try:
-            deadline = time.monotonic() + 10
-            while not _answers_ping(port):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {proc.returncode}: "
-                                       + log.read_text(errors="replace")[-400:])
-                if time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not answer within 10 s")
-                time.sleep(0.02)
-            yield f"redis://127.0.0.1:{port}/0"
+            server.start()
+            yield server
         finally:
-            proc.kill()
-            proc.wait()
+            server.kill()
+
+
+@contextlib.contextmanager
+def redis_server(binary: str | None = None) -> Iterator[str]:
+    """Start ``redis-server`` (as ``redis_process``); yield its URL."""
+    with redis_process(binary) as server:
+        yield server.url

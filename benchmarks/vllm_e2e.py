@@ -40,7 +40,6 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_progress import Progress
 from e2e_engine import (
     CONFIGURATIONS,
     ENGINE_CACHE_REQUESTS,
@@ -137,58 +137,6 @@ def host_sizes(args: argparse.Namespace, spec: ModelSpec, shape: WorkloadShape,
     small = (int(1.25 * prompt_kv) if args.small_host_memory == "auto"
              else parse_size(args.small_host_memory, "--small-host-memory", minimum=1))
     return big, small
-
-
-class Progress:
-    """A rich progress bar on stderr when it is a terminal; plain lines otherwise."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total = total
-        self.enabled = enabled
-        self._bar: Any = None
-        self._task: Any = None
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[Progress]:
-        if self.enabled and sys.stderr.isatty():
-            try:
-                from rich.console import Console
-                from rich.progress import (
-                    BarColumn,
-                    MofNCompleteColumn,
-                    TextColumn,
-                    TimeElapsedColumn,
-                    TimeRemainingColumn,
-                )
-                from rich.progress import (
-                    Progress as RichProgress,
-                )
-            except ImportError:
-                yield self
-                return
-            with RichProgress(TextColumn("{task.description}"), BarColumn(),
-                              MofNCompleteColumn(), TimeElapsedColumn(),
-                              TimeRemainingColumn(), console=Console(stderr=True)) as bar:
-                self._bar = bar
-                self._task = bar.add_task("starting", total=self.total)
-                yield self
-                self._bar = None
-            return
-        yield self
-
-    def describe(self, text: str) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, description=text)
-
-    def advance(self) -> None:
-        if self._bar is not None:
-            self._bar.advance(self._task)
-
-    def note(self, text: str) -> None:
-        if self._bar is not None:
-            self._bar.console.print(text)
-        elif self.enabled:
-            print(text, file=sys.stderr, flush=True)
 
 
 def run_model(model: BuiltModel, configs: list[Configuration], settings: RunSettings,

@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.integrations.vllm.compat import check_engine_features, runner_writes_before_flush
+from kvoffload.integrations.vllm.cpu_cores import engine_advice
 from kvoffload.integrations.vllm.metadata import KVOffloadMetadata
 from kvoffload.integrations.vllm.options import ConnectorOptions
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
@@ -85,6 +86,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.warning("kvoffload: kv_load_failure_policy is %r: a failed load fails "
                                "its request. Set it to 'recompute' to recompute instead.",
                                policy)
+            advice = engine_advice(vllm_config)
+            if advice is not None:
+                logger.warning("kvoffload: %s", advice)
             events = vllm_config.kv_events_config
             self.scheduler_side = SchedulerSide(
                 self.offload_config,
