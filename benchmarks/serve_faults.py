@@ -223,7 +223,7 @@ def main(args: argparse.Namespace) -> int:
                                    disk, None)
         assert transfer is not None
         extra = transfer["kv_connector_extra_config"]
-        extra |= {"tiers": ["disk", "remote"], "remote_url": redis.url,
+        extra |= {"tiers": ["host", "disk", "remote"], "remote_url": redis.url,
                   "disk_capacity": f"{max(1, args.fault_disk_size * 3 // 4)}MiB"}
         log = FaultLog()
         if not mounted:
@@ -270,7 +270,9 @@ def report(args: argparse.Namespace, reference: ClientRun, faulty: ClientRun,
         "differing_outputs": differ, "pinned_slots_at_end":
             metrics.total("vllm:kvoffload_host_pinned_slots"),
         "running_at_end": metrics.total("vllm:num_requests_running"),
-        "loads_by_tier": metrics.by_label("vllm:kvoffload_tier_blocks_loaded_total", "tier"),
+        **{name: metrics.by_label(f"vllm:kvoffload_{name}_total", "tier") for name in
+           ("tier_blocks_loaded", "tier_blocks_written", "tier_write_failures",
+            "tier_read_failures")},
         **counters}
     problems = []
     if faulty.failed:

@@ -264,9 +264,10 @@ def transfer_config(config: str, host_bytes: tuple[int, int], policy: str | None
     if policy is not None:
         extra["eviction_policy"] = policy
     if config == "disk":
-        extra |= {"tiers": ["disk"], "disk_path": str(disk_dir), "disk_capacity": "8GiB"}
+        extra |= {"tiers": ["host", "disk"], "disk_path": str(disk_dir),
+                  "disk_capacity": "8GiB"}
     if config == "redis":
-        extra |= {"tiers": ["remote"], "remote_url": redis_url}
+        extra |= {"tiers": ["host", "remote"], "remote_url": redis_url}
     return {"kv_connector": "KVOffloadConnector",
             "kv_connector_module_path": "kvoffload.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",

@@ -48,18 +48,21 @@ def test_stats_are_increments_and_aggregate() -> None:
     collector = StatsCollector()
     stats = PlannerStats(lookups=2, lookup_hit_tokens=64, blocks_loaded={0: 2})
     collector.add_transfer(TransferStats(loaded_bytes=8192, load_seconds=0.5))
-    first = collector.take(stats, usage, {"host": 2})
+    loads = {"tier_blocks_loaded": {"host": 2}}
+    first = collector.take(stats, usage, loads)
     assert first is not None
     assert first.data["counters"] == {"lookups": 2, "hit_tokens": 64, "loaded_bytes": 8192,
                                       "load_seconds": 0.5}
     assert first.data["group_counters"] == {"blocks_loaded": {"0": 2}}
     assert first.data["tier_counters"] == {"tier_blocks_loaded": {"host": 2}}
-    assert collector.take(stats, usage, {"host": 2}) is None  # nothing moved since
+    assert collector.take(stats, usage, loads) is None  # nothing moved since
     stats.lookups += 3
     stats.cold_stored_keys += 7
-    second = collector.take(stats, usage, {"host": 2, "disk": 5})
+    second = collector.take(stats, usage, {"tier_blocks_loaded": {"host": 2, "disk": 5},
+                                           "tier_write_failures": {"disk": 1}})
     assert second is not None and second.data["counters"] == {"lookups": 3, "cold_keys": 7}
-    assert second.data["tier_counters"] == {"tier_blocks_loaded": {"disk": 5}}
+    assert second.data["tier_counters"] == {"tier_blocks_loaded": {"disk": 5},
+                                            "tier_write_failures": {"disk": 1}}
     total = KVOffloadStats().aggregate(first).aggregate(second)
     assert isinstance(total, KVOffloadStats)
     reduced = total.reduce()

@@ -282,14 +282,20 @@ class SchedulerSide:
         return self.planner.has_pending_work() or bool(self._resolved)
 
     def take_stats(self) -> KVOffloadStats | None:
-        return self._stats.take(self.planner.stats, self.tier.usage(), self._loaded_by_tier())
+        return self._stats.take(self.planner.stats, self.tier.usage(), self._by_tier())
 
-    def _loaded_by_tier(self) -> dict[str, int]:
-        """Cumulative blocks loaded, by the tier that held them (all "host" without lower
-        tiers)."""
-        if isinstance(self.tier, CascadeTier):
-            return self.tier.stats.loaded_blocks
-        return {"host": sum(self.planner.stats.blocks_loaded.values())}
+    def _by_tier(self) -> dict[str, dict[str, int]]:
+        """Cumulative per-tier counters (``stats.TIER_COUNTERS``): blocks loaded by the
+        tier that held them (all "host" without lower tiers), lower-tier writes, failed
+        writes and reads."""
+        if not isinstance(self.tier, CascadeTier):
+            return {"tier_blocks_loaded": {"host": sum(self.planner.stats.blocks_loaded
+                                                       .values())}}
+        stats = self.tier.stats
+        return {"tier_blocks_loaded": stats.loaded_blocks,
+                "tier_blocks_written": stats.demoted,
+                "tier_write_failures": stats.demote_failed,
+                "tier_read_failures": stats.promote_failed}
 
     def shutdown(self) -> None:
         self.planner.shutdown()

@@ -54,6 +54,11 @@ GROUP_COUNTERS: dict[str, str] = {
 TIER_COUNTERS: dict[str, str] = {
     "tier_blocks_loaded": "Blocks loaded into the engine, by the tier that held them when "
                           "the request asked (host, or the lower tier they came from).",
+    "tier_blocks_written": "Blocks written to a lower tier (disk, remote), by tier.",
+    "tier_write_failures": "Writes to a lower tier that failed (the block stays a miss "
+                           "there), by tier.",
+    "tier_read_failures": "Reads from a lower tier that failed (the block is a miss; "
+                          "vLLM computes it), by tier.",
 }
 GAUGES: dict[str, str] = {
     "host_capacity_slots": "Host tier capacity in offloaded blocks.",
@@ -126,7 +131,7 @@ class StatsCollector:
     def __init__(self) -> None:
         self._last: dict[str, int] = {}
         self._last_groups: dict[str, dict[int, int]] = {}
-        self._last_tiers: dict[str, int] = {}
+        self._last_tiers: dict[tuple[str, str], int] = {}
         self._transfer = TransferStats()
 
     def add_transfer(self, stats: TransferStats) -> None:
@@ -139,10 +144,10 @@ class StatsCollector:
             load_seconds=t.load_seconds + stats.load_seconds)
 
     def take(self, planner: PlannerStats, usage: TierUsage,
-             loaded_by_tier: Mapping[str, int]) -> KVOffloadStats | None:
+             by_tier: Mapping[str, Mapping[str, int]]) -> KVOffloadStats | None:
         """The increments since the previous call, or None when no counter moved.
 
-        ``loaded_by_tier``: cumulative blocks loaded, by the tier that served them.
+        ``by_tier``: cumulative ``TIER_COUNTERS`` values, ``{name: {tier: count}}``.
         """
         now: dict[str, int] = {
             "lookups": planner.lookups,
@@ -178,13 +183,14 @@ class StatsCollector:
                 if delta:
                     group_counters.setdefault(name, {})[str(group)] = delta
                 last[group] = value
-        tier_loads: dict[str, int] = {}
-        for tier, value in loaded_by_tier.items():
-            delta = value - self._last_tiers.get(tier, 0)
-            if delta:
-                tier_loads[tier] = delta
-            self._last_tiers[tier] = value
-        if not counters and not group_counters and not tier_loads:
+        tier_counters: dict[str, dict[str, int]] = {}
+        for name, per_tier in by_tier.items():
+            for tier, value in per_tier.items():
+                delta = value - self._last_tiers.get((name, tier), 0)
+                if delta:
+                    tier_counters.setdefault(name, {})[tier] = delta
+                self._last_tiers[(name, tier)] = value
+        if not counters and not group_counters and not tier_counters:
             return None
         return KVOffloadStats(data={
             "counters": counters,
@@ -194,7 +200,7 @@ class StatsCollector:
             "group_counters": group_counters,
             "group_gauges": {"host_bytes": {str(g): b for g, b in
                                             usage.bytes_by_group.items()}},
-            "tier_counters": {"tier_blocks_loaded": tier_loads} if tier_loads else {},
+            "tier_counters": tier_counters,
         })
 
 
