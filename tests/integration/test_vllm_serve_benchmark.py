@@ -10,6 +10,7 @@ and that kvoffload served loads. No time is asserted: the benchmark prints its r
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -138,3 +139,24 @@ def test_a_short_run_against_the_server_matches_and_hits(
     assert runs["host"]["loads_by_tier"].get("host", 0) > 0
     assert runs["host"]["differing_outputs"] == []
     assert runs["host"]["cached_share"] > runs["none"]["cached_share"]
+
+
+@pytest.mark.vllm
+@requires_vllm
+@pytest.mark.skipif(os.environ.get("KVOFFLOAD_SERVE_FAULTS") != "1",
+                    reason="about 4 minutes: set KVOFFLOAD_SERVE_FAULTS=1 to run the faults "
+                           "under load (vllm_serve.py --faults --quick)")
+def test_faults_under_load_leave_outputs_right_and_nothing_pinned(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``vllm_serve.py --faults --quick``: Redis killed and restarted, the disk filled,
+    clients hanging up, while vLLM's client runs; no failure, equal outputs, no pin."""
+    import vllm_serve
+
+    assert vllm_serve.main(["--faults", "--quick", "--json", "--workdir",
+                            str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["problems"] == []
+    assert report["failed_requests"] == 0 and report["differing_outputs"] == []
+    assert report["pinned_slots_at_end"] == 0 and report["running_at_end"] == 0
+    assert report["aborted_streams"] > 0
+    assert any("Redis killed" in event for event in report["faults"])
