@@ -11,7 +11,7 @@ from a seed of that id: requests that share hash ids share those tokens.
 * ``chat_trace``: sessions of a few turns over shared documents (each document read by
   two sessions); a turn's prompt is the session's whole history, so a returning session
   and the second reader of a document can be served from a cache.
-* ``mooncake_excerpt``: the first requests of a Mooncake trace, output lengths capped so
+* ``mooncake_excerpt``: whole conversations of a Mooncake trace, output lengths capped so
   that two CPU cores can decode them.
 """
 
@@ -115,29 +115,41 @@ def chat_trace(shape: ChatShape, chunk_tokens: int, seed: int = 0) -> list[dict[
     return records
 
 
-def mooncake_excerpt(trace: Path, requests: int, chunk_tokens: int,
-                     output_tokens: int) -> list[dict[str, object]]:
-    """The first ``requests`` records of a Mooncake trace, scaled to ``chunk_tokens``
-    tokens per hash id (``input_length`` cut to that many tokens a hash id) and
-    ``output_length`` capped at ``output_tokens``."""
-    records: list[dict[str, object]] = []
+def mooncake_excerpt(trace: Path, requests: int, chunk_tokens: int, output_tokens: int,
+                     *, max_chunks: int = 40, scan: int = 4000) -> list[dict[str, object]]:
+    """Whole conversations of a Mooncake trace, ``requests`` requests in all, in trace
+    order, scaled to ``chunk_tokens`` tokens per hash id (``input_length`` cut to that
+    many tokens a hash id) and ``output_length`` capped at ``output_tokens``.
+
+    A conversation is the requests (among the first ``scan``) that share their first
+    hash id after the system prompt's; those of two requests or more whose prompts have
+    at most ``max_chunks`` hash ids are taken in order of their first request. The
+    trace's first requests alone share little but the system prompt (4 % of hash ids
+    among the first 64): its reuse comes from conversations that return minutes later.
+    """
+    conversations: dict[int, list[dict[str, object]]] = {}
     with open(trace, encoding="utf-8") as lines:
-        for line in lines:
-            if len(records) >= requests:
+        for index, line in enumerate(lines):
+            if index >= scan:
                 break
             if not line.strip():
                 continue
             entry = json.loads(line)
             ids = [int(h) for h in entry["hash_ids"]]
-            records.append({"timestamp": entry["timestamp"],
-                            "input_length": min(int(entry["input_length"]),
-                                                len(ids) * chunk_tokens),
-                            "output_length": max(1, min(int(entry["output_length"]),
-                                                        output_tokens)),
-                            "hash_ids": ids})
-    if not records:
-        raise ValueError(f"{trace} holds no request")
-    return records
+            key = ids[1] if len(ids) > 1 else -1 - index
+            conversations.setdefault(key, []).append(
+                {"timestamp": entry["timestamp"],
+                 "input_length": min(int(entry["input_length"]), len(ids) * chunk_tokens),
+                 "output_length": max(1, min(int(entry["output_length"]), output_tokens)),
+                 "hash_ids": ids})
+    chosen: list[dict[str, object]] = []
+    for turns in conversations.values():
+        fits = all(len(t["hash_ids"]) <= max_chunks for t in turns)
+        if len(turns) >= 2 and fits and len(chosen) + len(turns) <= requests:
+            chosen.extend(turns)
+    if not chosen:
+        raise ValueError(f"{trace} holds no conversation of two requests or more")
+    return sorted(chosen, key=lambda r: float(str(r["timestamp"])))
 
 
 def write_trace(records: list[dict[str, object]], path: Path) -> Path:

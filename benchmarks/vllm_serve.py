@@ -17,7 +17,8 @@ hash id expanded to ``--chunk-tokens`` tokens; every load gets prompts of its ow
 server's second load finds nothing of its first):
 
   chat      sessions of a few turns over documents each read by two sessions
-  mooncake  the first requests of the shared Mooncake conversation trace, answers capped
+  mooncake  whole conversations of the shared Mooncake conversation trace (those of two
+            requests or more, in trace order), answers capped
 
 Models are made here with random weights: ``llama`` (8 layers, hidden 512: a prefill
 costs real time) and ``tiny`` (2 layers, hidden 64: the engine's step is cheap, so the
@@ -152,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--turns", type=int, default=3, metavar="N",
                         help="turns per chat session (default 3)")
     parser.add_argument("--mooncake-requests", type=int, default=64, metavar="N",
-                        help="requests replayed from the Mooncake trace (default 64)")
+                        help="requests replayed from the Mooncake trace, whole "
+                             "conversations (default 64)")
     parser.add_argument("--chunk-tokens", type=int, default=64, metavar="N",
                         help="tokens per trace hash id (default 64; Mooncake's own is 512, "
                              "which two CPU cores cannot prefill at any useful rate)")

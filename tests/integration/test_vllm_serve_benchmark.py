@@ -44,14 +44,21 @@ def test_chat_sessions_share_documents_in_pairs_and_resend_their_history() -> No
     assert longest_request(records) == max(len(r["hash_ids"]) for r in records) * 16 + 32
 
 
-def test_the_mooncake_excerpt_scales_chunks_and_caps_answers(tmp_path: Path) -> None:
-    trace = write_trace([{"timestamp": 0, "input_length": 1500, "output_length": 400,
-                          "hash_ids": [0, 1, 2]},
-                         {"timestamp": 5, "input_length": 100, "output_length": 3,
-                          "hash_ids": [0]}], tmp_path / "t.jsonl")
-    records = mooncake_excerpt(trace, requests=5, chunk_tokens=64, output_tokens=16)
-    assert [(r["input_length"], r["output_length"]) for r in records] == [(192, 16), (64, 3)]
-    assert mooncake_excerpt(trace, requests=1, chunk_tokens=64, output_tokens=16) == records[:1]
+def test_the_mooncake_excerpt_keeps_whole_conversations_scaled(tmp_path: Path) -> None:
+    trace = write_trace([
+        {"timestamp": 0, "input_length": 1500, "output_length": 400, "hash_ids": [0, 5, 6]},
+        {"timestamp": 1, "input_length": 900, "output_length": 9, "hash_ids": [0, 9]},
+        {"timestamp": 2, "input_length": 100, "output_length": 3, "hash_ids": [0, 7, 1, 2]},
+        {"timestamp": 4, "input_length": 9000, "output_length": 3, "hash_ids": [0, 5, 8]},
+        {"timestamp": 5, "input_length": 100, "output_length": 3, "hash_ids": [0, 7, 1, 3]},
+    ], tmp_path / "t.jsonl")
+    records = mooncake_excerpt(trace, requests=5, chunk_tokens=64, output_tokens=16,
+                               max_chunks=3)
+    # [0, 9] returns never; the conversation of [0, 7, ...] has prompts over 3 chunks.
+    assert [r["hash_ids"] for r in records] == [[0, 5, 6], [0, 5, 8]]
+    assert [(r["input_length"], r["output_length"]) for r in records] == [(192, 16), (192, 3)]
+    with pytest.raises(ValueError, match="no conversation"):
+        mooncake_excerpt(trace, requests=1, chunk_tokens=64, output_tokens=16)
 
 
 def test_metrics_parse_sum_by_label_and_difference() -> None:
