@@ -75,9 +75,9 @@ class ChatShape:
     ``output_tokens`` tokens. Turns go out round by round: every session's first turn,
     then every session's second, so a session returns after the others have run."""
 
-    sessions: int = 16
-    turns: int = 3
-    document_chunks: int = 31
+    sessions: int = 32
+    turns: int = 2
+    document_chunks: int = 24
     turn_chunks: int = 1
     output_tokens: int = 32
     system_chunks: int = 2

@@ -22,8 +22,9 @@ server's second load finds nothing of its first):
 
 Models are made here with random weights: ``llama`` (8 layers, hidden 512: a prefill
 costs real time) and ``tiny`` (2 layers, hidden 64: the engine's step is cheap, so the
-connector's and the server's own work show). vLLM's own cache holds about 1.25 requests
-per request in flight.
+connector's and the server's own work show). Every configuration at every load gets a
+server of its own, vLLM's own cache sized for 1.25 longest requests per request in flight:
+enough to run them, too small to keep what the workload comes back to.
 
 Printed for every run: request throughput, TTFT p50/p90/p99 and ITL p50 as ratios to the
 run without offloading at the same load in the same invocation (above 1 is better), the
@@ -92,7 +93,7 @@ ENGINE_CACHE_PER_REQUEST_IN_FLIGHT = 1.25
 MIN_HOST_MEMORY = 64 << 20
 HASH_ID_STRIDE = 10_000_000
 """Added to every hash id of a load's trace, once per load before it: loads share no
-prompt token."""
+prompt token (a Redis tier outlives the servers of one invocation)."""
 
 
 @dataclass(frozen=True)
@@ -148,10 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="the CI smoke run: tiny model, chat workload of 16 sessions, "
                              "concurrency 4, configurations none and host")
-    parser.add_argument("--sessions", type=int, default=16, metavar="N",
-                        help="chat sessions (default 16; two share each document)")
-    parser.add_argument("--turns", type=int, default=3, metavar="N",
-                        help="turns per chat session (default 3)")
+    parser.add_argument("--sessions", type=int, default=32, metavar="N",
+                        help="chat sessions (default 32; two share each document)")
+    parser.add_argument("--turns", type=int, default=2, metavar="N",
+                        help="turns per chat session (default 2)")
+    parser.add_argument("--document-chunks", type=int, default=24, metavar="N",
+                        help="hash ids (of --chunk-tokens tokens) per chat document "
+                             "(default 24)")
     parser.add_argument("--mooncake-requests", type=int, default=64, metavar="N",
                         help="requests replayed from the Mooncake trace, whole "
                              "conversations (default 64)")
@@ -197,6 +201,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                     output_tokens=16, policy=args.policy, busy=args.busy,
                     reserve_core=not args.vllm_reservation)
     for flag, value in (("--sessions", args.sessions), ("--turns", args.turns),
+                        ("--document-chunks", args.document_chunks),
                         ("--chunk-tokens", args.chunk_tokens),
                         ("--output-tokens", args.output_tokens)):
         if not 1 <= value <= 4096:
@@ -208,6 +213,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 workloads=_names(args.workloads, WORKLOADS, "--workloads"),
                 loads=_loads(args.concurrency),
                 chat=ChatShape(sessions=args.sessions, turns=args.turns,
+                               document_chunks=args.document_chunks,
                                output_tokens=args.output_tokens),
                 mooncake_requests=args.mooncake_requests, chunk_tokens=args.chunk_tokens,
                 output_tokens=args.output_tokens, policy=args.policy, busy=args.busy,
@@ -291,41 +297,49 @@ def busy_processes(count: int) -> Iterator[None]:
 
 def run_model(plan: Plan, spec: ModelSpec, work: Path, redis_url: str | None,
               progress: Progress) -> list[RunFigures]:
-    """Every configuration of ``plan`` on ``spec``; one server per configuration, the
-    workloads and loads run against it one after another."""
+    """Every configuration of ``plan`` on ``spec`` at every load: one server per
+    configuration and load (vLLM's own cache sized for that load), the workloads run
+    against it one after another."""
     model = build_model(spec, work / "models")
     add_word_tokenizer(model.path)
     traces = make_traces(plan, work / "traces" / spec.name)
     longest = max(longest_request(_records(p)) for p in traces.values())
-    settings = ServerSettings(
-        model_dir=model.path, max_model_len=longest, step_tokens=spec.step_tokens,
-        max_num_seqs=max(plan.loads), reserve_core=plan.reserve_core,
-        engine_cache_bytes=spec.engine_cache_bytes(
-            longest, ENGINE_CACHE_PER_REQUEST_IN_FLIGHT * max(plan.loads)))
     hosts = host_sizes(spec, traces, plan.chunk_tokens)
     logs = work / "logs" / spec.name
     logs.mkdir(parents=True, exist_ok=True)
     results = []
-    for config in plan.configs:
-        progress.describe(f"{spec.name}: {config}: starting the server")
-        transfer = transfer_config(config, hosts, plan.policy,
-                                   work / "disk" / spec.name / config, redis_url)
-        port = free_port()
-        with running_server(server_command(settings, port, transfer), port,
-                            logs / f"server-{config}.log",
-                            settings.environment()) as server:
-            for (workload, load), trace in traces.items():
-                progress.describe(f"{spec.name}: {config}: {workload} at concurrency {load}")
-                before = server.metrics()
-                run = run_client(client_command(
-                    server, model.path, trace, chunk_tokens=plan.chunk_tokens,
-                    concurrency=load, num_prompts=len(_records(trace)),
-                    result=work / "results" / f"{spec.name}-{config}-{workload}-{load}.json"),
-                    logs / f"client-{config}-{workload}-{load}.log")
-                results.append(figures(config, workload, load, run,
-                                       server.metrics().minus(before)))
-                progress.advance()
-    return results
+    for load in plan.loads:
+        settings = ServerSettings(
+            model_dir=model.path, max_model_len=longest, step_tokens=spec.step_tokens,
+            max_num_seqs=load, reserve_core=plan.reserve_core,
+            engine_cache_bytes=spec.engine_cache_bytes(
+                longest, ENGINE_CACHE_PER_REQUEST_IN_FLIGHT * load))
+        for config in plan.configs:
+            progress.describe(f"{spec.name}: {config} at concurrency {load}: starting")
+            transfer = transfer_config(config, hosts, plan.policy,
+                                       work / "disk" / spec.name / f"{config}-{load}",
+                                       redis_url)
+            port = free_port()
+            with running_server(server_command(settings, port, transfer), port,
+                                logs / f"server-{config}-{load}.log",
+                                settings.environment()) as server:
+                for workload in plan.workloads:
+                    progress.describe(f"{spec.name}: {config}: {workload} at concurrency "
+                                      f"{load}")
+                    trace = traces[(workload, load)]
+                    before = server.metrics()
+                    name = f"{spec.name}-{config}-{workload}-{load}"
+                    run = run_client(client_command(
+                        server, model.path, trace, chunk_tokens=plan.chunk_tokens,
+                        concurrency=load, num_prompts=len(_records(trace)),
+                        result=work / "results" / f"{name}.json"),
+                        logs / f"client-{name}.log")
+                    results.append(figures(config, workload, load, run,
+                                           server.metrics().minus(before)))
+                    progress.advance()
+    order = {c: i for i, c in enumerate(plan.configs)}
+    return sorted(results, key=lambda r: (plan.workloads.index(r.workload),
+                                          plan.loads.index(r.concurrency), order[r.config]))
 
 
 def main(argv: list[str] | None = None) -> int:
