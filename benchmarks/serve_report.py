@@ -30,6 +30,7 @@ class RunFigures:
     ttft_p50_ms: float
     ttft_p90_ms: float
     ttft_p99_ms: float
+    revisit_ttft_p50_ms: float
     itl_p50_ms: float
     itl_p99_ms: float
     cached_share: float
@@ -38,10 +39,35 @@ class RunFigures:
     outputs: tuple[str, ...]
 
 
-def figures(config: str, workload: str, concurrency: int, run: ClientRun,
-            delta: Metrics) -> RunFigures:
-    """Sum up ``run`` and the server's counters over it (``delta``)."""
+def revisits(records: Sequence[dict[str, Any]]) -> list[bool]:
+    """For each request of a trace, whether at least half of its prompt's hash ids are a
+    prefix some earlier request sent (a returning session, a document read again)."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for record in records:
+        ids = tuple(int(h) for h in record["hash_ids"])
+        known = 0
+        while known < len(ids) and ids[:known + 1] in seen:
+            known += 1
+        out.append(bool(ids) and 2 * known >= len(ids))
+        seen.update(ids[:n] for n in range(1, len(ids) + 1))
+    return out
+
+
+def median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def figures(config: str, workload: str, concurrency: int, run: ClientRun, *,
+            delta: Metrics, revisit: Sequence[bool]) -> RunFigures:
+    """Sum up ``run`` and the server's counters over it (``delta``); ``revisit`` marks
+    the trace's requests that return to an earlier prefix (``revisits``)."""
     r = run.result
+    ttfts = [float(t) for t in r.get("ttfts", [])]
     sources = delta.by_label("vllm:prompt_tokens_by_source_total", "source")
     prompt = sum(sources.values())
     computed = sources.get("local_compute", 0.0)
@@ -52,7 +78,10 @@ def figures(config: str, workload: str, concurrency: int, run: ClientRun,
         requests=int(r["completed"]), failed=int(r["failed"]),
         duration_s=float(r["duration"]), request_throughput=float(r["request_throughput"]),
         ttft_p50_ms=float(r["p50_ttft_ms"]), ttft_p90_ms=float(r["p90_ttft_ms"]),
-        ttft_p99_ms=float(r["p99_ttft_ms"]), itl_p50_ms=float(r["p50_itl_ms"]),
+        ttft_p99_ms=float(r["p99_ttft_ms"]),
+        revisit_ttft_p50_ms=1000 * median([t for t, again in zip(ttfts, revisit, strict=False)
+                                           if again and t > 0]),
+        itl_p50_ms=float(r["p50_itl_ms"]),
         itl_p99_ms=float(r["p99_itl_ms"]),
         cached_share=(prompt - computed) / prompt if prompt else 0.0,
         loaded_share=loaded / prompt if prompt else 0.0,
@@ -73,6 +102,7 @@ class Ratios:
     ttft_p50: float
     ttft_p90: float
     ttft_p99: float
+    revisit_ttft_p50: float
     itl_p50: float
 
 
@@ -81,6 +111,7 @@ def ratios(base: RunFigures, run: RunFigures) -> Ratios:
                   ttft_p50=_ratio(run.ttft_p50_ms, base.ttft_p50_ms),
                   ttft_p90=_ratio(run.ttft_p90_ms, base.ttft_p90_ms),
                   ttft_p99=_ratio(run.ttft_p99_ms, base.ttft_p99_ms),
+                  revisit_ttft_p50=_ratio(run.revisit_ttft_p50_ms, base.revisit_ttft_p50_ms),
                   itl_p50=_ratio(run.itl_p50_ms, base.itl_p50_ms))
 
 
@@ -125,7 +156,7 @@ def _tiers(loads: dict[str, float]) -> str:
 
 
 HEADER = ("model", "workload", "conc.", "config", "req/s", "throughput", "TTFT p50",
-          "TTFT p90", "TTFT p99", "ITL p50", "cached", "loads by tier")
+          "TTFT p90", "TTFT p99", "revisit TTFT p50", "ITL p50", "cached", "loads by tier")
 
 
 def table_rows(model: str, runs: Sequence[RunFigures]) -> list[tuple[str, ...]]:
@@ -136,11 +167,13 @@ def table_rows(model: str, runs: Sequence[RunFigures]) -> list[tuple[str, ...]]:
         base = bases.get((run.workload, run.concurrency))
         if base is None or run is base:
             cells = (f"{run.ttft_p50_ms:.0f} ms", f"{run.ttft_p90_ms:.0f} ms",
-                     f"{run.ttft_p99_ms:.0f} ms", f"{run.itl_p50_ms:.1f} ms")
+                     f"{run.ttft_p99_ms:.0f} ms", f"{run.revisit_ttft_p50_ms:.0f} ms",
+                     f"{run.itl_p50_ms:.1f} ms")
             throughput = "1.00x"
         else:
             q = ratios(base, run)
-            cells = (_x(q.ttft_p50), _x(q.ttft_p90), _x(q.ttft_p99), _x(q.itl_p50))
+            cells = (_x(q.ttft_p50), _x(q.ttft_p90), _x(q.ttft_p99), _x(q.revisit_ttft_p50),
+                     _x(q.itl_p50))
             throughput = _x(q.throughput)
         rows.append((model, run.workload, str(run.concurrency), run.config,
                      f"{run.request_throughput:.2f}", throughput, *cells,

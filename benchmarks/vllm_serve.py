@@ -65,6 +65,7 @@ from serve_report import (
     figures,
     markdown_table,
     problems,
+    revisits,
     run_json,
     table_rows,
 )
@@ -335,7 +336,8 @@ def run_model(plan: Plan, spec: ModelSpec, work: Path, redis_url: str | None,
                         result=work / "results" / f"{name}.json"),
                         logs / f"client-{name}.log")
                     results.append(figures(config, workload, load, run,
-                                           server.metrics().minus(before)))
+                                           delta=server.metrics().minus(before),
+                                           revisit=revisits(_records(trace))))
                     progress.advance()
     order = {c: i for i, c in enumerate(plan.configs)}
     return sorted(results, key=lambda r: (plan.workloads.index(r.workload),
@@ -380,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=1))
     else:
         print(markdown_table(rows))
-        print(f"\nRatios to 'none' at the same load: above 1 is better ({', '.join(HEADER[5:10])}"
+        print(f"\nRatios to 'none' at the same load: above 1 is better ({', '.join(HEADER[5:11])}"
               f"). Busy processes beside the server: {plan.busy}.")
         for line in found:
             print("PROBLEM: " + line)

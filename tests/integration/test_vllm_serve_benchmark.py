@@ -20,7 +20,7 @@ from integration.markers import requires_vllm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from serve_report import RunFigures, problems
+from serve_report import RunFigures, problems, revisits
 from serve_runs import Metrics
 from serve_setup import ChatShape, chat_trace, longest_request, mooncake_excerpt, write_trace
 
@@ -61,6 +61,12 @@ def test_the_mooncake_excerpt_keeps_whole_conversations_scaled(tmp_path: Path) -
         mooncake_excerpt(trace, requests=1, chunk_tokens=64, output_tokens=16)
 
 
+def test_a_revisit_returns_to_at_least_half_its_prompt() -> None:
+    records = [{"hash_ids": [0, 1, 2, 3]}, {"hash_ids": [0, 1, 2, 3, 4]},
+               {"hash_ids": [0, 5, 6, 7]}, {"hash_ids": [0, 1, 8, 9]}, {"hash_ids": [0, 5]}]
+    assert revisits(records) == [False, True, False, True, True]
+
+
 def test_metrics_parse_sum_by_label_and_difference() -> None:
     before = Metrics.parse(
         'vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} 10\n')
@@ -82,7 +88,8 @@ def _run(config: str, outputs: tuple[str, ...], loaded: float = 0.5,
          failed: int = 0) -> RunFigures:
     return RunFigures(config=config, workload="chat", concurrency=4, requests=len(outputs),
                       failed=failed, duration_s=1.0, request_throughput=2.0,
-                      ttft_p50_ms=10, ttft_p90_ms=20, ttft_p99_ms=30, itl_p50_ms=1,
+                      ttft_p50_ms=10, ttft_p90_ms=20, ttft_p99_ms=30,
+                      revisit_ttft_p50_ms=5, itl_p50_ms=1,
                       itl_p99_ms=2, cached_share=0.5, loaded_share=loaded,
                       loads_by_tier={"host": 3}, outputs=outputs)
 
