@@ -16,7 +16,8 @@ Workloads (Mooncake-format traces replayed by the client's ``timed_trace`` datas
 hash id expanded to ``--chunk-tokens`` tokens; every load gets prompts of its own, so a
 server's second load finds nothing of its first):
 
-  chat      sessions of a few turns over documents each read by two sessions
+  chat      sessions of four turns over documents each read by two sessions, four
+            sessions per request in flight (16 at concurrency 4, 32 at 8)
   mooncake  whole conversations of the shared Mooncake conversation trace (those of two
             requests or more, in trace order), answers capped
 
@@ -33,7 +34,7 @@ loads. The script exits 1 when a request fails, when a greedy output differs fro
 without offloading, or when an offloading run loads nothing.
 
 Examples:
-  python benchmarks/vllm_serve.py                      # both models, two loads (~25 min)
+  python benchmarks/vllm_serve.py                      # both models, two loads (~40 min)
   python benchmarks/vllm_serve.py --quick              # the CI smoke run (~3 min)
   python benchmarks/vllm_serve.py --models tiny --busy 2 --configs none,host
   python benchmarks/vllm_serve.py --models tiny --policy lru --json > tiny-lru.json
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -91,6 +93,7 @@ WORKLOADS = ("chat", "mooncake")
 TRACE = Path(os.environ.get("KVOFFLOAD_TRACE", Path(__file__).resolve().parents[2] / "shared"
                             / "traces" / "mooncake_conversation_trace.jsonl"))
 ENGINE_CACHE_PER_REQUEST_IN_FLIGHT = 1.25
+SESSIONS_PER_REQUEST_IN_FLIGHT = 4
 MIN_HOST_MEMORY = 64 << 20
 HASH_ID_STRIDE = 10_000_000
 """Added to every hash id of a load's trace, once per load before it: loads share no
@@ -106,6 +109,10 @@ class Plan:
     workloads: tuple[str, ...]
     loads: tuple[int, ...]
     chat: ChatShape
+    """The chat workload; its ``sessions`` apply to every load when
+    ``fixed_sessions``, else each load gets ``SESSIONS_PER_REQUEST_IN_FLIGHT`` per
+    request in flight (``chat_shape``)."""
+    fixed_sessions: bool
     mooncake_requests: int
     chunk_tokens: int
     output_tokens: int
@@ -150,13 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="the CI smoke run: tiny model, chat workload of 16 sessions, "
                              "concurrency 4, configurations none and host")
-    parser.add_argument("--sessions", type=int, default=32, metavar="N",
-                        help="chat sessions (default 32; two share each document)")
-    parser.add_argument("--turns", type=int, default=2, metavar="N",
-                        help="turns per chat session (default 2)")
-    parser.add_argument("--document-chunks", type=int, default=24, metavar="N",
+    parser.add_argument("--sessions", type=int, default=None, metavar="N",
+                        help="chat sessions at every load (default: "
+                             f"{SESSIONS_PER_REQUEST_IN_FLIGHT} per request in flight; two "
+                             "share each document)")
+    parser.add_argument("--turns", type=int, default=4, metavar="N",
+                        help="turns per chat session (default 4)")
+    parser.add_argument("--document-chunks", type=int, default=32, metavar="N",
                         help="hash ids (of --chunk-tokens tokens) per chat document "
-                             "(default 24)")
+                             "(default 32: 2,048 tokens)")
     parser.add_argument("--mooncake-requests", type=int, default=64, metavar="N",
                         help="requests replayed from the Mooncake trace, whole "
                              "conversations (default 64)")
@@ -198,10 +207,13 @@ def make_plan(args: argparse.Namespace) -> Plan:
         return Plan(models=(SERVE_MODELS["tiny"],), configs=("none", "host"),
                     workloads=("chat",), loads=(4,),
                     chat=ChatShape(sessions=16, turns=2, document_chunks=16),
+                    fixed_sessions=True,
                     mooncake_requests=0, chunk_tokens=args.chunk_tokens,
                     output_tokens=16, policy=args.policy, busy=args.busy,
                     reserve_core=not args.vllm_reservation)
-    for flag, value in (("--sessions", args.sessions), ("--turns", args.turns),
+    sessions = args.sessions
+    for flag, value in (("--sessions", 1 if sessions is None else sessions),
+                        ("--turns", args.turns),
                         ("--document-chunks", args.document_chunks),
                         ("--chunk-tokens", args.chunk_tokens),
                         ("--output-tokens", args.output_tokens)):
@@ -213,9 +225,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 configs=("none", *(c for c in configs if c != "none")),
                 workloads=_names(args.workloads, WORKLOADS, "--workloads"),
                 loads=_loads(args.concurrency),
-                chat=ChatShape(sessions=args.sessions, turns=args.turns,
-                               document_chunks=args.document_chunks,
+                chat=ChatShape(sessions=sessions or SESSIONS_PER_REQUEST_IN_FLIGHT,
+                               turns=args.turns, document_chunks=args.document_chunks,
                                output_tokens=args.output_tokens),
+                fixed_sessions=sessions is not None,
                 mooncake_requests=args.mooncake_requests, chunk_tokens=args.chunk_tokens,
                 output_tokens=args.output_tokens, policy=args.policy, busy=args.busy,
                 reserve_core=not args.vllm_reservation)
@@ -225,19 +238,26 @@ def _offset(records: list[dict[str, Any]], by: int) -> list[dict[str, Any]]:
     return [{**r, "hash_ids": [h + by for h in r["hash_ids"]]} for r in records]
 
 
+def chat_shape(plan: Plan, load: int) -> ChatShape:
+    """The chat workload at ``load`` requests in flight."""
+    if plan.fixed_sessions:
+        return plan.chat
+    return dataclasses.replace(plan.chat, sessions=SESSIONS_PER_REQUEST_IN_FLIGHT * load)
+
+
 def make_traces(plan: Plan, directory: Path) -> dict[tuple[str, int], Path]:
     """One trace file per (workload, load), hash ids offset so that loads share none."""
     traces = {}
     for w, workload in enumerate(plan.workloads):
-        if workload == "chat":
-            records = chat_trace(plan.chat, plan.chunk_tokens)
-        else:
-            if not TRACE.is_file():
-                raise SystemExit(f"the mooncake workload reads {TRACE}, which is missing; "
-                                 "leave it out with --workloads chat")
-            records = mooncake_excerpt(TRACE, plan.mooncake_requests, plan.chunk_tokens,
-                                       plan.output_tokens)
+        if workload == "mooncake" and not TRACE.is_file():
+            raise SystemExit(f"the mooncake workload reads {TRACE}, which is missing; "
+                             "leave it out with --workloads chat")
         for i, load in enumerate(plan.loads):
+            if workload == "chat":
+                records = chat_trace(chat_shape(plan, load), plan.chunk_tokens)
+            else:
+                records = mooncake_excerpt(TRACE, plan.mooncake_requests,
+                                           plan.chunk_tokens, plan.output_tokens)
             shifted = _offset(records, (w * len(plan.loads) + i) * HASH_ID_STRIDE)
             traces[(workload, load)] = write_trace(shifted,
                                                    directory / f"{workload}-{load}.jsonl")

@@ -110,13 +110,24 @@ def test_the_guard_reports_differing_outputs_failures_and_missing_hits() -> None
     (["--configs", "cloud"], "--configs: unknown cloud"),
     (["--concurrency", "four"], "--concurrency"),
     (["--concurrency", "0"], "--concurrency"),
-    (["--turns", "0"], "--turns")])
+    (["--turns", "0"], "--turns"),
+    (["--sessions", "0"], "--sessions")])
 def test_bad_arguments_stop_with_what_to_change(argv: list[str], said: str) -> None:
     import vllm_serve
 
     with pytest.raises(SystemExit) as stop:
         vllm_serve.make_plan(vllm_serve.build_parser().parse_args(argv))
     assert said in str(stop.value.code)
+
+
+def test_chat_sessions_follow_the_load_unless_given() -> None:
+    import vllm_serve
+
+    parse = vllm_serve.build_parser().parse_args
+    plan = vllm_serve.make_plan(parse(["--concurrency", "4,8"]))
+    assert [vllm_serve.chat_shape(plan, load).sessions for load in plan.loads] == [16, 32]
+    fixed = vllm_serve.make_plan(parse(["--concurrency", "4,8", "--sessions", "6"]))
+    assert [vllm_serve.chat_shape(fixed, load).sessions for load in fixed.loads] == [6, 6]
 
 
 @requires_vllm
