@@ -430,6 +430,7 @@ class Planner:
         for st in self._requests.values():
             st.jobs.clear()
             st.planned = None
+            st.store_due = 0
             for gs in st.groups:
                 gs.next_stored = 0
         self._policy.reset(list(self._requests.values()))

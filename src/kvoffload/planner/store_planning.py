@@ -62,11 +62,15 @@ class StorePlanner:
     def plan(self, st: RequestState, offloadable: int) -> PlannedStore | None:
         """A store of the request's blocks complete at ``offloadable`` tokens, or None
         (nothing new, nothing admitted, everything present, or no room: retried)."""
+        if offloadable < st.store_due:
+            return None  # no block completed since the last store (the common decode step)
         limits = [min(offloadable // g.offloaded_block_size - g.key_lag_blocks, len(gs.keys),
                       len(gs.block_ids) // g.factor)
                   for g, gs in zip(self._groups, st.groups, strict=True)]
         if all(limit <= gs.next_stored for limit, gs in zip(limits, st.groups, strict=True)):
-            return None  # no block completed since the last store (the common decode step)
+            st.store_due = min((gs.next_stored + g.key_lag_blocks + 1) * g.offloaded_block_size
+                               for g, gs in zip(self._groups, st.groups, strict=True))
+            return None
         selection = self._policy.select(st, offloadable)
         candidates = self._candidates(st, limits, selection)
         keys = [st.groups[g].keys[k] for g, entries in enumerate(candidates)
