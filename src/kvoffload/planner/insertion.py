@@ -124,6 +124,16 @@ class ShadowDirectory:
         ones if ``cold`` (except those in ``normal``), making room first in eviction
         order. Keys held already, and keys larger than the budget, are left."""
         held_normal, held_cold, held_demoted = self._normal, self._cold, self._demoted
+        fresh = dict(keys)
+        if (len(fresh) == len(keys) and held_normal.keys().isdisjoint(fresh)
+                and held_cold.keys().isdisjoint(fresh) and held_demoted.keys().isdisjoint(fresh)
+                and (not cold or normal.isdisjoint(fresh))):
+            total = sum(fresh.values())
+            if self._used + total <= self.budget:
+                # All new, and room for all: what the loop below does, without a step per key.
+                (held_cold if cold else held_normal).update(fresh)
+                self._used += total
+                return
         budget = self.budget
         for key, charge in keys:
             if (key in held_normal or key in held_cold or key in held_demoted
