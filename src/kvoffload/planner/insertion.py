@@ -41,7 +41,7 @@ import zlib
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import takewhile
+from itertools import filterfalse, takewhile
 
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.eviction.base import NORMAL_SHARE, cold_goes_first
@@ -124,14 +124,15 @@ class ShadowDirectory:
         ones if ``cold`` (except those in ``normal``), making room first in eviction
         order. Keys held already, and keys larger than the budget, are left."""
         held_normal, held_cold, held_demoted = self._normal, self._cold, self._demoted
-        fresh = dict(keys)
-        if (len(fresh) == len(keys) and held_normal.keys().isdisjoint(fresh)
-                and held_cold.keys().isdisjoint(fresh) and held_demoted.keys().isdisjoint(fresh)
-                and (not cold or normal.isdisjoint(fresh))):
-            total = sum(fresh.values())
-            if self._used + total <= self.budget:
-                # All new, and room for all: what the loop below does, without a step per key.
-                (held_cold if cold else held_normal).update(fresh)
+        charges = dict(keys)
+        if len(charges) == len(keys):  # no key repeated
+            new = list(filterfalse(held_demoted.__contains__, filterfalse(
+                held_cold.__contains__, filterfalse(held_normal.__contains__, charges))))
+            new_charges = list(map(charges.__getitem__, new))
+            total = sum(new_charges)
+            if self._used + total <= self.budget and (not cold or normal.isdisjoint(new)):
+                # Room for every new key: what the loop below does, without a step per key.
+                (held_cold if cold else held_normal).update(zip(new, new_charges, strict=True))
                 self._used += total
                 return
         budget = self.budget
