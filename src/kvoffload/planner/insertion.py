@@ -154,11 +154,16 @@ class ShadowDirectory:
     def demote(self, keys: Sequence[OffloadKey]) -> None:
         """Held keys are evicted before any other, in the order given (a key demoted
         already goes to the end of that order)."""
+        normal, cold, demoted = self._normal, self._cold, self._demoted
         for key in keys:
-            for segment in (self._normal, self._cold, self._demoted):
-                if key in segment:
-                    self._demoted[key] = segment.pop(key)
-                    break
+            charge = normal.pop(key, None)
+            if charge is None:
+                charge = cold.pop(key, None)
+                if charge is None:
+                    charge = demoted.pop(key, None)
+                    if charge is None:
+                        continue
+            demoted[key] = charge
 
     def lookup(self, keys: Sequence[OffloadKey], start: int) -> int:
         """How many of ``keys[start:]`` are held in a row; the held keys of that prefix

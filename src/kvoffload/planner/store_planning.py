@@ -106,14 +106,19 @@ class StorePlanner:
                 candidates.append([(k, list(range(k * f, (k + 1) * f)))
                                    for k in range(first, limit)])
                 continue
-            entries = []
-            windowed = g.window_blocks is not None
-            blocks = useful_blocks(g, alignment, first, limit) if windowed else range(first, limit)
-            for k in blocks:
-                positions = store_positions(g, gs, k, alignment, states)
-                if positions and (not windowed or selection.admit(g, k, gs.keys[k])):
-                    entries.append((k, positions))
-            candidates.append(entries)
+            if g.window_blocks is None:
+                candidates.append([(k, positions) for k in range(first, limit)
+                                   if (positions := store_positions(g, gs, k, alignment,
+                                                                    states))])
+                continue
+            found = [(k, positions) for k in useful_blocks(g, alignment, first, limit)
+                     if (positions := store_positions(g, gs, k, alignment, states))]
+            if found:
+                keys = gs.keys
+                admitted = selection.admit_blocks(g, [k for k, _ in found],
+                                                  [keys[k] for k, _ in found])
+                found = [entry for entry, ok in zip(found, admitted, strict=True) if ok]
+            candidates.append(found)
         return candidates
 
     def _planned(self, st: RequestState, limits: list[int], candidates: Candidates,
