@@ -171,15 +171,13 @@ class ValuePolicy(DictStatePolicy):
         if len(keys) != len(states):
             raise InvariantError(f"value: {len(keys)} keys but {len(states)} states")
         entries = self._entries
-        if not entries.keys().isdisjoint(keys):
+        if not entries.keys().isdisjoint(keys) or len(set(keys)) < len(keys):
             raise InvariantError("value: insert of a key already present")
         dirty = self._dirty
         weight = self.weight
         clock, seq = self._clock, self._seq
         try:
             for key, state in zip(keys, states, strict=True):
-                if key in entries:
-                    raise InvariantError(f"value: insert of a key already present ({key.hex()})")
                 clock += 1
                 seq += 1
                 entry = (state if type(state) is ValueEntry
@@ -318,15 +316,16 @@ class ValuePolicy(DictStatePolicy):
         get = self._entries.get
         dirty = self._dirty
         seq = self._seq
+        total, count = self._density_sum, self._density_count
         share = 1.0 if density < 0 else None  # the relative density when not a ratio
         for key in keys:
             entry = get(key)
             if entry is None or not density > entry.density:
                 continue
             if entry.density < 0:
-                self._density_sum += density
-                self._density_count += 1
-                reference = self._density_sum / self._density_count
+                total += density
+                count += 1
+                reference = total / count
             entry.density = density
             if entry.prio != DEMOTED:
                 seq += 1
@@ -335,6 +334,7 @@ class ValuePolicy(DictStatePolicy):
                 entry.seq = seq
                 dirty[key] = entry
         self._seq = seq
+        self._density_sum, self._density_count = total, count
         return reference
 
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> Victims | None:
