@@ -41,7 +41,7 @@ import zlib
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import filterfalse, takewhile
+from itertools import filterfalse, islice, takewhile
 
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.eviction.base import NORMAL_SHARE, cold_goes_first
@@ -177,17 +177,23 @@ class ShadowDirectory:
             deque(map(normal.move_to_end,
                       filter(normal.__contains__, reversed(keys[:start + found]))), maxlen=0)
             return found
+        # Held keys in a row, a run of one kind at a time (no Python step per key).
+        rest = keys[start:]
         found = 0
-        for key in keys[start:]:
-            if key not in normal and key not in cold and key not in demoted:
+        while found < len(rest):
+            key = rest[found]
+            kind = (normal if key in normal else cold if key in cold
+                    else demoted if key in demoted else None)
+            if kind is None:
                 break
-            found += 1
-        move = normal.move_to_end
-        for key in reversed(keys[:start + found]):
-            if key in normal:
-                move(key)
-            elif key in cold:
-                normal[key] = cold.pop(key)
+            found += len(list(takewhile(kind.__contains__, islice(rest, found, None))))
+        # Every held normal or cold key of the prefix ends most recent, the first one last:
+        # cold ones join the normal keys, then all of them move to the end in that order.
+        prefix = keys[:start + found][::-1]
+        warmed = list(dict.fromkeys(filter(cold.__contains__, prefix)))  # a key once
+        if warmed:
+            normal.update(zip(warmed, map(cold.pop, warmed), strict=True))
+        deque(map(normal.move_to_end, filter(normal.__contains__, prefix)), maxlen=0)
         return found
 
 
