@@ -71,12 +71,14 @@ class AdmissionAudit:
         self.checked = 0
         self.resumed = 0
         """Blocks stored for a resume point."""
-        self._refused: tuple[int, int, Sequence[BlockHash]] = (-1, -1, ())
-        self._refused_prompt = 0
+        self._verdicts: dict[tuple[int, int], tuple[Admit, Sequence[BlockHash], int]] = {}
+        """(group, block) -> the last verdict on it, with the request's hashes and prompt."""
         admit = self.admission.admit
         self.has_room: Callable[[], bool] = self.admission._has_room
         self.admission.admit = self._admit  # type: ignore[method-assign]
         self._admit_inner = admit
+        self._admit_blocks_inner = self.admission.admit_blocks
+        self.admission.admit_blocks = self._admit_blocks  # type: ignore[method-assign]
         self._resume_inner = self.admission.admit_for_resume
         self.admission.admit_for_resume = self._admit_for_resume  # type: ignore[method-assign]
         store = engine.tier.prepare_store
@@ -105,6 +107,25 @@ class AdmissionAudit:
                num_prompt_tokens: int, continues: bool | None = None) -> Admit:
         room = self.has_room()
         result = self._admit_inner(group, block, hashes, num_prompt_tokens, continues)
+        self._check(group, block, hashes, num_prompt_tokens, continues, room=room,
+                        result=result)
+        return result
+
+    def _admit_blocks(self, group: ResolvedGroup, blocks: Sequence[int],
+                      hashes: Sequence[BlockHash], num_prompt_tokens: int,
+                      continues: bool | None = None) -> list[Admit]:
+        room = self.has_room()
+        results = self._admit_blocks_inner(group, blocks, hashes, num_prompt_tokens, continues)
+        assert len(results) == len(blocks)
+        for block, result in zip(blocks, results, strict=True):
+            self._check(group, block, hashes, num_prompt_tokens, continues, room=room,
+                        result=result)
+        return results
+
+    def _check(self, group: ResolvedGroup, block: int, hashes: Sequence[BlockHash],
+               num_prompt_tokens: int, continues: bool | None, *, room: bool,
+               result: Admit) -> None:
+        """One verdict against the rule (``room``: whether the tier had room before)."""
         points = list(_hit_points(group, block, self.alignment))
         likely = any(self._likely(p, hashes, num_prompt_tokens, continues) for p in points)
         expected = Admit.YES if likely else Admit.SPARE_ROOM if room else Admit.NO
@@ -114,25 +135,23 @@ class AdmissionAudit:
         if result:
             assert points, f"group {group.index} block {block}: no aligned hit can use it"
             self._record(group, block, hashes)
-        self._refused = (group.index, block, hashes)
-        self._refused_prompt = num_prompt_tokens
+        self._verdicts[(group.index, block)] = (result, hashes, num_prompt_tokens)
         self.checked += 1
-        return result
 
     def _admit_for_resume(self, group: ResolvedGroup, block: int, point: int) -> bool:
         """A resume point is an aligned point of a prefill still inside the prompt; a
         block stored for it must be in that point's window (or be its state)."""
         result = self._resume_inner(group, block, point)
         if result:
-            refused_group, refused_block, hashes = self._refused
-            prompt = self._refused_prompt
+            verdict = self._verdicts.get((group.index, block))
+            assert verdict is not None and verdict[0] is not Admit.YES, \
+                "asked for a resume without being refused first"
+            _, hashes, prompt = verdict
             assert 0 < point < prompt - 1, f"resume point {point} outside the prompt"
             assert point % self.alignment == 0, f"resume point {point} not aligned"
             assert point in _hit_points(group, block, self.alignment), (
                 f"group {group.index} block {block} stored for a resume at {point}, "
                 "whose window does not need it")
-            assert (refused_group, refused_block) == (group.index, block), \
-                "asked for a resume without being refused first"
             self.resumed += 1
             self._record(group, block, hashes)
         return result

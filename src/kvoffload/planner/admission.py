@@ -123,6 +123,13 @@ class AdmissionPolicy(ABC):
         ``continues`` is the request's hint (module doc: hints), None for none.
         """
 
+    def admit_blocks(self, group: ResolvedGroup, blocks: Sequence[int],
+                     hashes: Sequence[BlockHash], num_prompt_tokens: int,
+                     continues: bool | None = None) -> list[Admit]:
+        """``admit`` of each of ``blocks`` in turn (a policy may answer them in one pass)."""
+        return [self.admit(group, block, hashes, num_prompt_tokens, continues)
+                for block in blocks]
+
     def learn_miss(self, hashes: Sequence[BlockHash], point_tokens: int) -> None:
         """A lookup could have hit at ``point_tokens`` but a window or state was missing."""
         del hashes, point_tokens
@@ -384,6 +391,29 @@ class HitPointAdmission(AdmissionPolicy):
                                continues):
             return Admit.YES
         return Admit.SPARE_ROOM if self._has_room() else Admit.NO
+
+    def admit_blocks(self, group: ResolvedGroup, blocks: Sequence[int],
+                     hashes: Sequence[BlockHash], num_prompt_tokens: int,
+                     continues: bool | None = None) -> list[Admit]:
+        """``admit`` of each of ``blocks`` in turn, in one call: the same verdicts, and the
+        same learned points refreshed in the same order (nothing they read changes
+        between the blocks of one store, the tier's room included)."""
+        obs = group.offloaded_block_size
+        reach = ((group.window_blocks or 1) - 1) * obs  # ``_points``: last minus first
+        alignment = self._alignment
+        any_hit_point = self._any_hit_point
+        otherwise: Admit | None = None
+        verdicts: list[Admit] = []
+        for block in blocks:
+            first = (block + 1) * obs
+            points = range(first + -first % alignment, first + reach + 1, alignment)
+            if any_hit_point(points, hashes, num_prompt_tokens, continues):
+                verdicts.append(Admit.YES)
+                continue
+            if otherwise is None:
+                otherwise = Admit.SPARE_ROOM if self._has_room() else Admit.NO
+            verdicts.append(otherwise)
+        return verdicts
 
     def record_prompt_end(self, hashes: Sequence[BlockHash], num_prompt_tokens: int) -> None:
         """Mark the prompt's last ``max_granule_points`` granule multiples with their depth,

@@ -7,7 +7,7 @@ the workers wait for them before anything else touches the block.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from kvoffload.errors import InvariantError
 from kvoffload.jobs import NULL_BLOCK_ID, JobId
@@ -34,10 +34,12 @@ class Fence:
             if not jobs:
                 del self._jobs_by_block[block]
 
-    def jobs_using(self, block_ids: Iterable[int]) -> set[JobId]:
+    def jobs_using(self, block_ids: Collection[int]) -> set[JobId]:
         """Every fenced job that uses any of ``block_ids``."""
         found: set[JobId] = set()
         table = self._jobs_by_block
+        if table.keys().isdisjoint(block_ids):
+            return found  # the usual case: no fenced block among them (no step per block)
         for block in block_ids:
             jobs = table.get(block)
             if jobs:

@@ -41,7 +41,7 @@ import zlib
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import takewhile
+from itertools import filterfalse, islice, takewhile
 
 from kvoffload.keys import OffloadKey
 from kvoffload.tiers.eviction.base import NORMAL_SHARE, cold_goes_first
@@ -124,6 +124,17 @@ class ShadowDirectory:
         ones if ``cold`` (except those in ``normal``), making room first in eviction
         order. Keys held already, and keys larger than the budget, are left."""
         held_normal, held_cold, held_demoted = self._normal, self._cold, self._demoted
+        charges = dict(keys)
+        if len(charges) == len(keys):  # no key repeated
+            new = list(filterfalse(held_demoted.__contains__, filterfalse(
+                held_cold.__contains__, filterfalse(held_normal.__contains__, charges))))
+            new_charges = list(map(charges.__getitem__, new))
+            total = sum(new_charges)
+            if self._used + total <= self.budget and (not cold or normal.isdisjoint(new)):
+                # Room for every new key: what the loop below does, without a step per key.
+                (held_cold if cold else held_normal).update(zip(new, new_charges, strict=True))
+                self._used += total
+                return
         budget = self.budget
         for key, charge in keys:
             if (key in held_normal or key in held_cold or key in held_demoted
@@ -143,11 +154,16 @@ class ShadowDirectory:
     def demote(self, keys: Sequence[OffloadKey]) -> None:
         """Held keys are evicted before any other, in the order given (a key demoted
         already goes to the end of that order)."""
+        normal, cold, demoted = self._normal, self._cold, self._demoted
         for key in keys:
-            for segment in (self._normal, self._cold, self._demoted):
-                if key in segment:
-                    self._demoted[key] = segment.pop(key)
-                    break
+            charge = normal.pop(key, None)
+            if charge is None:
+                charge = cold.pop(key, None)
+                if charge is None:
+                    charge = demoted.pop(key, None)
+                    if charge is None:
+                        continue
+            demoted[key] = charge
 
     def lookup(self, keys: Sequence[OffloadKey], start: int) -> int:
         """How many of ``keys[start:]`` are held in a row; the held keys of that prefix
@@ -161,17 +177,23 @@ class ShadowDirectory:
             deque(map(normal.move_to_end,
                       filter(normal.__contains__, reversed(keys[:start + found]))), maxlen=0)
             return found
+        # Held keys in a row, a run of one kind at a time (no Python step per key).
+        rest = keys[start:]
         found = 0
-        for key in keys[start:]:
-            if key not in normal and key not in cold and key not in demoted:
+        while found < len(rest):
+            key = rest[found]
+            kind = (normal if key in normal else cold if key in cold
+                    else demoted if key in demoted else None)
+            if kind is None:
                 break
-            found += 1
-        move = normal.move_to_end
-        for key in reversed(keys[:start + found]):
-            if key in normal:
-                move(key)
-            elif key in cold:
-                normal[key] = cold.pop(key)
+            found += len(list(takewhile(kind.__contains__, islice(rest, found, None))))
+        # Every held normal or cold key of the prefix ends most recent, the first one last:
+        # cold ones join the normal keys, then all of them move to the end in that order.
+        prefix = keys[:start + found][::-1]
+        warmed = list(dict.fromkeys(filter(cold.__contains__, prefix)))  # a key once
+        if warmed:
+            normal.update(zip(warmed, map(cold.pop, warmed), strict=True))
+        deque(map(normal.move_to_end, filter(normal.__contains__, prefix)), maxlen=0)
         return found
 
 

@@ -247,7 +247,9 @@ class Planner:
 
     def _schedule_request(self, sched: ScheduledRequest) -> TransferJob | None:
         request = sched.request
-        st = self._live_state(request)
+        st = self._requests.get(request.request_id)  # ``_live_state``, its usual case inline
+        if st is None or st.finished:
+            st = self._live_state(request)
         if len(sched.new_block_ids) != len(self._groups):
             raise ValueError(f"request {request.request_id!r}: new_block_ids has "
                              f"{len(sched.new_block_ids)} groups, expected {len(self._groups)}")
@@ -256,7 +258,8 @@ class Planner:
                                  "is in flight; wait for finished_loads")
         if sched.resumed:
             st.reset_table()
-        self._lookups.refresh_keys(st)
+        if len(request.block_hashes) != st.hashes_keyed:  # else every key exists already
+            self._lookups.refresh_keys(st)
         for gs, ids in zip(st.groups, sched.new_block_ids, strict=True):
             if ids:
                 gs.block_ids.extend(ids)
@@ -273,7 +276,10 @@ class Planner:
             alignment = self._alignment
             st.state_ends.update(end for end in (offloadable, *sched.state_ends)
                                  if 0 < end <= offloadable and end % alignment == 0)
-        planned = self._stores.plan(st, st.controls.store_end(offloadable))
+        end = st.controls.store_end(offloadable)
+        if end < st.store_due:
+            return None  # no block completed since the last store (``StorePlanner.plan``)
+        planned = self._stores.plan(st, end)
         if planned is None:
             return None
         rid = request.request_id
@@ -430,6 +436,7 @@ class Planner:
         for st in self._requests.values():
             st.jobs.clear()
             st.planned = None
+            st.store_due = 0
             for gs in st.groups:
                 gs.next_stored = 0
         self._policy.reset(list(self._requests.values()))

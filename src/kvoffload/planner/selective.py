@@ -66,6 +66,20 @@ class _HitPointSelection(StoreSelection):
     def admit(self, group: ResolvedGroup, block: int, key: OffloadKey) -> bool:
         verdict = self._admission.admit(group, block, self._hashes, self._prompt,
                                         self._continues)
+        return self._take(group, block, key, verdict)
+
+    def admit_blocks(self, group: ResolvedGroup, blocks: Sequence[int],
+                     keys: Sequence[OffloadKey]) -> list[bool]:
+        verdicts = self._admission.admit_blocks(group, blocks, self._hashes, self._prompt,
+                                                self._continues)
+        take = self._take
+        return [verdict is Admit.YES or take(group, block, key, verdict)
+                for block, key, verdict in zip(blocks, keys, verdicts, strict=True)]
+
+    def _take(self, group: ResolvedGroup, block: int, key: OffloadKey,
+              verdict: Admit) -> bool:
+        """Whether the block is stored given the admission's ``verdict``, recording it as
+        provisional or spare when that is why."""
         if verdict is Admit.YES:
             return True
         if self.resume and self._admission.admit_for_resume(group, block, self.resume):

@@ -62,11 +62,15 @@ class StorePlanner:
     def plan(self, st: RequestState, offloadable: int) -> PlannedStore | None:
         """A store of the request's blocks complete at ``offloadable`` tokens, or None
         (nothing new, nothing admitted, everything present, or no room: retried)."""
+        if offloadable < st.store_due:
+            return None  # no block completed since the last store (the common decode step)
         limits = [min(offloadable // g.offloaded_block_size - g.key_lag_blocks, len(gs.keys),
                       len(gs.block_ids) // g.factor)
                   for g, gs in zip(self._groups, st.groups, strict=True)]
         if all(limit <= gs.next_stored for limit, gs in zip(limits, st.groups, strict=True)):
-            return None  # no block completed since the last store (the common decode step)
+            st.store_due = min((gs.next_stored + g.key_lag_blocks + 1) * g.offloaded_block_size
+                               for g, gs in zip(self._groups, st.groups, strict=True))
+            return None
         selection = self._policy.select(st, offloadable)
         candidates = self._candidates(st, limits, selection)
         keys = [st.groups[g].keys[k] for g, entries in enumerate(candidates)
@@ -102,14 +106,19 @@ class StorePlanner:
                 candidates.append([(k, list(range(k * f, (k + 1) * f)))
                                    for k in range(first, limit)])
                 continue
-            entries = []
-            windowed = g.window_blocks is not None
-            blocks = useful_blocks(g, alignment, first, limit) if windowed else range(first, limit)
-            for k in blocks:
-                positions = store_positions(g, gs, k, alignment, states)
-                if positions and (not windowed or selection.admit(g, k, gs.keys[k])):
-                    entries.append((k, positions))
-            candidates.append(entries)
+            if g.window_blocks is None:
+                candidates.append([(k, positions) for k in range(first, limit)
+                                   if (positions := store_positions(g, gs, k, alignment,
+                                                                    states))])
+                continue
+            found = [(k, positions) for k in useful_blocks(g, alignment, first, limit)
+                     if (positions := store_positions(g, gs, k, alignment, states))]
+            if found:
+                keys = gs.keys
+                admitted = selection.admit_blocks(g, [k for k, _ in found],
+                                                  [keys[k] for k, _ in found])
+                found = [entry for entry, ok in zip(found, admitted, strict=True) if ok]
+            candidates.append(found)
         return candidates
 
     def _planned(self, st: RequestState, limits: list[int], candidates: Candidates,

@@ -65,7 +65,8 @@ class StoreSelection:
     """Which window and Mamba blocks one planned store takes (this one: all of them).
 
     ``admit`` is asked once per candidate block of a window or Mamba group, in group then
-    block order; a policy's selection may record why it said yes, for ``stored``.
+    block order (through ``admit_blocks``, once per group); a policy's selection may
+    record why it said yes, for ``stored``.
     """
 
     def admit(self, group: ResolvedGroup, block: int, key: OffloadKey) -> bool:
@@ -73,6 +74,12 @@ class StoreSelection:
         ``group`` is stored."""
         del group, block, key
         return True
+
+    def admit_blocks(self, group: ResolvedGroup, blocks: Sequence[int],
+                     keys: Sequence[OffloadKey]) -> list[bool]:
+        """``admit`` of each of ``blocks`` (keys ``keys``) in turn: how a store asks."""
+        return [self.admit(group, block, key)
+                for block, key in zip(blocks, keys, strict=True)]
 
 
 ADMIT_ALL = StoreSelection()

@@ -151,6 +151,12 @@ class PrefixValuer:
                 continue
             anchors = group_keys[anchor_group.index]
             obs, anchor_obs = g.offloaded_block_size, anchor_group.offloaded_block_size
+            if obs == anchor_obs and min(blocks) >= 0 and max(blocks) < len(anchors):
+                # Block ``k`` ends where anchor block ``k`` does: the loop below, no step
+                # per block.
+                out.append(ValueRun(keys, saved, nbytes, list(map(anchors.__getitem__,
+                                                                   blocks))))
+                continue
             links: list[OffloadKey | None] = []
             for k in blocks:
                 end = (k + 1) * obs

@@ -334,7 +334,7 @@ class HostTier(Tier):
 
         if not (swap and victims):
             slots = space.slots.allocate(len(new))
-            states = writing_states(slots, groups, victims)
+            states = writing_states(slots, groups, victims, policy.new_state)
             if groups is None:
                 space.keys_per_group[0] += len(new)
             else:

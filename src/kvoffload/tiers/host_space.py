@@ -192,11 +192,12 @@ class HostSpace:
 _STATE = itemgetter(1)
 
 
-def writing_states(slots: list[int], groups: list[int] | None,
-                   victims: Victims) -> list[BlockState]:
+def writing_states(slots: list[int], groups: list[int] | None, victims: Victims,
+                   make: Callable[..., BlockState] = BlockState) -> list[BlockState]:
     """A "being written" state for each new key (slot and group in order, ``groups`` None:
     all group 0). The states of this store's victims are detached (nothing refers to
-    them any more) and are reused first, so a full tier makes no object per key."""
+    them any more) and are reused first, so a full tier makes no object per key; the
+    others are made by ``make`` (the policy's ``EvictionPolicy.new_state``)."""
     states: list[BlockState] = []
     for (_, state), slot, group in zip(victims, slots, groups or repeat(0), strict=False):
         state.slot = slot
@@ -206,9 +207,9 @@ def writing_states(slots: list[int], groups: list[int] | None,
     rest = slots[len(states):]
     if rest:
         if groups is None:
-            states.extend(map(BlockState, rest))
+            states.extend(map(make, rest))
         else:
-            states.extend(map(BlockState, rest, repeat(WRITING), groups[len(states):]))
+            states.extend(map(make, rest, repeat(WRITING), groups[len(states):]))
     return states
 
 

@@ -124,6 +124,11 @@ class EvictionPolicy(ABC):
 
     name: ClassVar[str] = ""
 
+    new_state: ClassVar[Callable[..., BlockState]] = BlockState
+    """Makes the state of a key about to be inserted, as ``BlockState(slot, ref, group)``
+    does: the tier builds its new keys' states with it, so that a policy that keeps more
+    per key (a ``BlockState`` subclass) keeps one object per key."""
+
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"policy capacity must be >= 1, got {capacity}")

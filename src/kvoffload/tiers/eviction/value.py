@@ -34,7 +34,8 @@ marks the key *dirty*: its heap entry is pushed when victims are next looked for
 key changed several times between evictions (inserted, cooled, valued; touched by every
 lookup of its prefix) is pushed once, and a tier that never evicts never pushes. The
 heaps are rebuilt when stale entries would outnumber live ones, or when most keys are
-dirty, so their size stays linear in the keys held.
+dirty, so their size stays linear in the keys held. A key's record is its ``BlockState``
+itself (``value_entry.ValueEntry``): one object per key.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import repeat
+from typing import cast
 
 from kvoffload.errors import InvariantError
 from kvoffload.keys import OffloadKey
@@ -50,53 +51,19 @@ from kvoffload.tiers.eviction.anchors import AnchorLinks
 from kvoffload.tiers.eviction.base import (
     NORMAL_SHARE,
     BlockState,
-    EvictionPolicy,
+    DictStatePolicy,
     ValueHint,
     ValueRun,
     Victims,
     cold_goes_first,
 )
+from kvoffload.tiers.eviction.value_entry import DEMOTED, Heap, ValueEntry, live_top
 
 DEFAULT_WEIGHT = 0.25
 """Value against recency (``ValuePolicy.weight``), chosen on the sweeps in docs/policy.md."""
 
-_DEMOTED = float("-inf")
-"""Priority of a demoted key: below every live key."""
 
-_Heap = list[tuple[float, int, OffloadKey]]
-"""``(priority, sequence, key)`` entries, lowest first."""
-
-
-class _Entry:
-    __slots__ = ("cold", "density", "hinted", "inserted", "low", "prio", "seq", "stamp",
-                 "state")
-
-    def __init__(self, state: BlockState, stamp: int) -> None:
-        self.state = state
-        self.cold = False  # inserted cold and not used since
-        self.hinted = False  # demoted by a hint (a touch undoes it), not for a lost anchor
-        self.low = False  # cold or demoted: its live heap entry is in the low heap
-        self.density = -1.0  # not valued yet
-        self.prio = 0.0
-        self.seq = 0  # the live heap entry's sequence number
-        self.stamp = stamp  # the clock at the last insertion or touch
-        self.inserted = stamp  # the clock at insertion
-
-
-def _live_top(heap: _Heap, entries: dict[OffloadKey, _Entry],
-              ) -> tuple[float, int, OffloadKey] | None:
-    """The heap's lowest live entry, one whose sequence is its key's current one in
-    ``entries`` (stale entries above it are popped)."""
-    while heap:
-        item = heap[0]
-        entry = entries.get(item[2])
-        if entry is not None and entry.seq == item[1]:
-            return item
-        heapq.heappop(heap)
-    return None
-
-
-class ValuePolicy(EvictionPolicy):
+class ValuePolicy(DictStatePolicy):
     """Recency plus weighted value per byte, with anchor-consistent demotion (module doc).
 
     Args:
@@ -112,17 +79,18 @@ class ValuePolicy(EvictionPolicy):
 
     def __init__(self, capacity: int, weight: float = DEFAULT_WEIGHT,
                  normal_share: float = NORMAL_SHARE) -> None:
-        super().__init__(capacity)
+        self._entries: dict[OffloadKey, ValueEntry] = {}
+        """Every present key's entry, which is its state (``get``, ``state_of``)."""
+        super().__init__(capacity, cast("dict[OffloadKey, BlockState]", self._entries))
         if weight < 0:
             raise ValueError(f"value weight must be >= 0, got {weight}")
         if not 0 < normal_share <= 1:
             raise ValueError(f"value normal_share must be in (0, 1], got {normal_share}")
         self.weight = weight
         self.normal_share = normal_share
-        self._entries: dict[OffloadKey, _Entry] = {}
-        self._heap: _Heap = []  # normal keys
-        self._low_heap: _Heap = []  # cold and demoted keys
-        self._dirty: dict[OffloadKey, _Entry] = {}  # changed since the heaps were read
+        self._heap: Heap = []  # normal keys
+        self._low_heap: Heap = []  # cold and demoted keys
+        self._dirty: dict[OffloadKey, ValueEntry] = {}  # changed since the heaps were read
         self._num_low = 0
         self._seq = 0
         self._clock = 0
@@ -137,17 +105,17 @@ class ValuePolicy(EvictionPolicy):
         """Mean density of the hints seen so far (1.0 before any)."""
         return self._density_sum / self._density_count if self._density_count else 1.0
 
-    def _priority(self, entry: _Entry) -> float:
+    def _priority(self, entry: ValueEntry) -> float:
         relative = 1.0 if entry.density < 0 else entry.density / self.reference_density
         return entry.stamp + self.weight * len(self._entries) * relative
 
-    def _push(self, key: OffloadKey, entry: _Entry, prio: float) -> None:
+    def _push(self, key: OffloadKey, entry: ValueEntry, prio: float) -> None:
         """Give ``key`` priority ``prio`` and the next sequence; its heap entry waits in
         ``_dirty`` until ``_flush``."""
         self._seq += 1
         entry.prio = prio
         entry.seq = self._seq
-        low = entry.cold or prio == _DEMOTED
+        low = entry.cold or prio == DEMOTED
         self._num_low += low - entry.low
         entry.low = low
         self._dirty[key] = entry
@@ -179,23 +147,22 @@ class ValuePolicy(EvictionPolicy):
 
     # -- EvictionPolicy -----------------------------------------------------------------
 
-    def get(self, key: OffloadKey) -> BlockState | None:
-        entry = self._entries.get(key)
-        return None if entry is None else entry.state
-
-    def __len__(self) -> int:
-        return len(self._entries)
+    new_state = ValueEntry
 
     def is_cold(self, key: OffloadKey) -> bool:
         """Whether ``key`` is held cold (inserted cold, not used since, not demoted)."""
         entry = self._entries.get(key)
-        return entry is not None and entry.cold and entry.prio != _DEMOTED
+        return entry is not None and entry.cold and entry.prio != DEMOTED
 
     def insert(self, key: OffloadKey, state: BlockState) -> None:
         if key in self._entries:
             raise InvariantError(f"value: insert of a key already present ({key.hex()})")
         self._clock += 1
-        entry = _Entry(state, self._clock)
+        entry = (state if type(state) is ValueEntry
+                 else ValueEntry(state.slot, state.ref, state.group))
+        entry.cold = entry.hinted = entry.low = False
+        entry.density = -1.0
+        entry.stamp = entry.inserted = self._clock
         self._entries[key] = entry
         self._push(key, entry, self._priority(entry))
 
@@ -204,18 +171,21 @@ class ValuePolicy(EvictionPolicy):
         if len(keys) != len(states):
             raise InvariantError(f"value: {len(keys)} keys but {len(states)} states")
         entries = self._entries
-        if not entries.keys().isdisjoint(keys):
+        if not entries.keys().isdisjoint(keys) or len(set(keys)) < len(keys):
             raise InvariantError("value: insert of a key already present")
         dirty = self._dirty
         weight = self.weight
         clock, seq = self._clock, self._seq
         try:
             for key, state in zip(keys, states, strict=True):
-                if key in entries:
-                    raise InvariantError(f"value: insert of a key already present ({key.hex()})")
                 clock += 1
                 seq += 1
-                entry = entries[key] = _Entry(state, clock)
+                entry = (state if type(state) is ValueEntry
+                         else ValueEntry(state.slot, state.ref, state.group))
+                entries[key] = entry
+                entry.cold = entry.hinted = entry.low = False
+                entry.density = -1.0
+                entry.stamp = entry.inserted = clock
                 # ``_priority`` of an entry not valued yet (relative density 1.0).
                 entry.prio = clock + weight * len(entries) * 1.0
                 entry.seq = seq
@@ -230,7 +200,7 @@ class ValuePolicy(EvictionPolicy):
         self._num_low -= entry.low
         self._dirty.pop(key, None)
         self._forget(key)
-        return entry.state
+        return entry
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Present keys become most recent, ``keys[0]`` last, including keys demoted by a
@@ -239,40 +209,42 @@ class ValuePolicy(EvictionPolicy):
         get = entries.get
         dirty = self._dirty
         # What ``_priority`` and ``_push`` do per key, inlined: the number of keys and the
-        # reference density do not change during a touch.
+        # reference density do not change during a touch. A key that is neither cold nor
+        # demoted (``low`` unset) has nothing of either to clear; a touched key is normal.
         scale = self.weight * len(entries)
         reference = self.reference_density
-        clock, seq, num_low = self._clock, self._seq, self._num_low
+        clock, num_low = self._clock, self._num_low
+        ahead = self._seq - clock  # each touched key takes the next clock and sequence
         for key in reversed(keys):
             entry = get(key)
-            if entry is None or (entry.prio == _DEMOTED and not entry.hinted):
+            if entry is None:
                 continue
+            if entry.low:
+                if entry.prio == DEMOTED and not entry.hinted:
+                    continue
+                num_low -= 1
+                entry.low = entry.cold = entry.hinted = False
             clock += 1
-            seq += 1
             entry.stamp = clock
-            entry.cold = entry.hinted = False
             density = entry.density
-            prio = entry.prio = clock + scale * (1.0 if density < 0 else density / reference)
-            entry.seq = seq
-            low = prio == _DEMOTED
-            num_low += low - entry.low
-            entry.low = low
+            entry.prio = clock + (scale if density < 0 else scale * (density / reference))
+            entry.seq = clock + ahead
             dirty[key] = entry
-        self._clock, self._seq, self._num_low = clock, seq, num_low
+        self._clock, self._seq, self._num_low = clock, clock + ahead, num_low
 
     def warm(self, keys: Sequence[OffloadKey]) -> None:
         """Present cold keys are touched (normal again); the others are left."""
         entries = self._entries
         self.touch([key for key in keys if (entry := entries.get(key)) is not None
-                    and entry.cold and entry.prio != _DEMOTED])
+                    and entry.cold and entry.prio != DEMOTED])
 
     def demote(self, keys: Sequence[OffloadKey]) -> None:
         """Present keys go before every other key (in the order given) until touched."""
         for key in keys:
             entry = self._entries.get(key)
             if entry is not None:
-                entry.hinted = entry.prio != _DEMOTED or entry.hinted
-                self._push(key, entry, _DEMOTED)
+                entry.hinted = entry.prio != DEMOTED or entry.hinted
+                self._push(key, entry, DEMOTED)
 
     def cool(self, keys: Sequence[OffloadKey]) -> int:
         """Present keys not touched since their insertion become cold (evicted before
@@ -282,7 +254,7 @@ class ValuePolicy(EvictionPolicy):
         cooled = 0
         for key in keys:
             entry = self._entries.get(key)
-            if (entry is not None and not entry.cold and entry.prio != _DEMOTED
+            if (entry is not None and not entry.cold and entry.prio != DEMOTED
                     and entry.stamp == entry.inserted):
                 entry.cold = True
                 self._push(key, entry, self._priority(entry))
@@ -297,21 +269,23 @@ class ValuePolicy(EvictionPolicy):
         get = entries.get
         dirty = self._dirty
         anchors = self._anchors
-        # ``_priority`` inlined: the number of keys does not change here, the reference
-        # density only when a key is valued for the first time.
+        # ``_priority`` and ``_push`` inlined: the number of keys does not change here, the
+        # reference density only when a key is valued for the first time. A key that is
+        # not demoted keeps its heap (``low`` is its ``cold``).
         scale = self.weight * len(entries)
         reference = self.reference_density
-        links: Iterable[OffloadKey | None]
         for item in values:
             if isinstance(item, ValueRun):
-                keys, saved, nbytes = item.keys, item.saved, item.nbytes
-                links = repeat(None) if item.anchors is None else item.anchors
+                keys, saved, nbytes, links = item.keys, item.saved, item.nbytes, item.anchors
             else:
                 keys, saved, nbytes, links = (item.key,), item.saved, item.nbytes, (item.anchor,)
             if nbytes <= 0:
                 continue
             density = saved / nbytes
-            for key, anchor in zip(keys, links, strict=False):  # links may be repeat(None)
+            if links is None:
+                reference = self._value_run(keys, density, scale, reference)
+                continue
+            for key, anchor in zip(keys, links, strict=False):
                 entry = get(key)
                 if entry is None:
                     continue
@@ -321,23 +295,47 @@ class ValuePolicy(EvictionPolicy):
                         self._density_count += 1
                         reference = self._density_sum / self._density_count
                     entry.density = density
-                    if entry.prio != _DEMOTED:
-                        # ``_push`` inlined.
+                    if entry.prio != DEMOTED:
                         self._seq += 1
                         entry.prio = entry.stamp + scale * (
                             1.0 if density < 0 else density / reference)
                         entry.seq = self._seq
-                        low = entry.cold or entry.prio == _DEMOTED
-                        self._num_low += low - entry.low
-                        entry.low = low
                         dirty[key] = entry
                 if anchor is not None and anchor != key and key not in anchors:
                     if anchor not in entries:
                         # Its anchor is gone already: this key can serve no hit (for good).
                         entry.hinted = False
-                        self._push(key, entry, _DEMOTED)
+                        self._push(key, entry, DEMOTED)
                         continue
                     anchors.link(key, anchor)
+
+    def _value_run(self, keys: Iterable[OffloadKey], density: float, scale: float,
+                   reference: float) -> float:
+        """Give ``density`` to the present ``keys`` worth less (``set_values`` without
+        anchors); return the reference density after."""
+        get = self._entries.get
+        dirty = self._dirty
+        seq = self._seq
+        total, count = self._density_sum, self._density_count
+        share = 1.0 if density < 0 else None  # the relative density when not a ratio
+        for key in keys:
+            entry = get(key)
+            if entry is None or not density > entry.density:
+                continue
+            if entry.density < 0:
+                total += density
+                count += 1
+                reference = total / count
+            entry.density = density
+            if entry.prio != DEMOTED:
+                seq += 1
+                entry.prio = entry.stamp + scale * (
+                    share if share is not None else density / reference)
+                entry.seq = seq
+                dirty[key] = entry
+        self._seq = seq
+        self._density_sum, self._density_count = total, count
+        return reference
 
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> Victims | None:
         if n < 0:
@@ -363,7 +361,7 @@ class ValuePolicy(EvictionPolicy):
         self._flush()
         entries = self._entries
         victims: Victims = []
-        popped: list[tuple[_Heap, tuple[float, int, OffloadKey]]] = []
+        popped: list[tuple[Heap, tuple[float, int, OffloadKey]]] = []
         freed = 0
         total = len(entries)
         normal = total - self._num_low
@@ -377,9 +375,9 @@ class ValuePolicy(EvictionPolicy):
             popped.append((heap, item))
             key = item[2]
             entry = entries[key]
-            if entry.state.ref != 0 or key in protected:
+            if entry.ref != 0 or key in protected:
                 continue
-            victims.append((key, entry.state))
+            victims.append((key, entry))
             total -= 1
             normal -= not entry.low
             if size_of is not None:
@@ -395,11 +393,11 @@ class ValuePolicy(EvictionPolicy):
             self._forget(key)
         return victims
 
-    def _next_heap(self, normal: int, total: int) -> _Heap | None:
+    def _next_heap(self, normal: int, total: int) -> Heap | None:
         """The heap whose top is evicted next (``None``: both empty), given ``normal`` of
         ``total`` keys left are normal."""
-        low = _live_top(self._low_heap, self._entries)
-        high = _live_top(self._heap, self._entries)
+        low = live_top(self._low_heap, self._entries)
+        high = live_top(self._heap, self._entries)
         if low is None:
             return self._heap if high is not None else None
         return self._low_heap if self._low_first(low[0], high is not None, normal,
@@ -411,7 +409,7 @@ class ValuePolicy(EvictionPolicy):
         ``low_priority``) rather than the lowest normal one, ``normal`` of ``total`` keys
         left being normal: demoted keys first, then normal keys while they are more
         than ``normal_share`` of the keys, cold keys otherwise."""
-        return (not has_normal or low_priority == _DEMOTED
+        return (not has_normal or low_priority == DEMOTED
                 or cold_goes_first(normal, total, self.normal_share))
 
     def _forget(self, key: OffloadKey) -> None:
@@ -421,12 +419,12 @@ class ValuePolicy(EvictionPolicy):
             entry = self._entries.get(dep)
             if entry is not None:
                 entry.hinted = False
-                self._push(dep, entry, _DEMOTED)
+                self._push(dep, entry, DEMOTED)
 
     def items(self) -> Iterator[tuple[OffloadKey, BlockState]]:
         """Every key in the order evictions would take them if none were pinned (a pinned
         key is passed over, but still counts in the share of normal keys)."""
-        def by_priority(low: bool) -> list[tuple[OffloadKey, _Entry]]:
+        def by_priority(low: bool) -> list[tuple[OffloadKey, ValueEntry]]:
             return sorted(((k, e) for k, e in self._entries.items() if e.low == low),
                           key=lambda kv: (kv[1].prio, kv[1].seq), reverse=True)
 
@@ -439,7 +437,7 @@ class ValuePolicy(EvictionPolicy):
             key, entry = low.pop() if take_low else high.pop()
             normal -= not take_low
             total -= 1
-            yield key, entry.state
+            yield key, entry
 
     def clear(self) -> None:
         self._entries.clear()
@@ -466,6 +464,9 @@ class ValuePolicy(EvictionPolicy):
                     if e.low == low and k not in self._dirty}
             if not live <= set(self._low_heap if low else self._heap):
                 raise InvariantError("value: a key has no live heap entry")
+        if any(e.low != (e.cold or e.prio == DEMOTED) or (e.hinted and e.prio != DEMOTED)
+               for e in self._entries.values()):
+            raise InvariantError("value: a key's heap does not follow its kind")
         if self._num_low != sum(e.low for e in self._entries.values()):
             raise InvariantError("value: the count of cold and demoted keys is off")
         self._anchors.check_integrity(self._entries)
