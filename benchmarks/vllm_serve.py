@@ -35,7 +35,7 @@ without offloading, or when an offloading run loads nothing.
 
 Examples:
   python benchmarks/vllm_serve.py                      # both models, two loads (~40 min)
-  python benchmarks/vllm_serve.py --quick              # the CI smoke run (~3 min)
+  python benchmarks/vllm_serve.py --quick              # the CI smoke run (~2 min)
   python benchmarks/vllm_serve.py --models tiny --busy 2 --configs none,host
   python benchmarks/vllm_serve.py --models tiny --policy lru --json > tiny-lru.json
   python benchmarks/vllm_serve.py --faults             # faults under load (serve_faults.py)
@@ -212,8 +212,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
                     output_tokens=16, policy=args.policy, busy=args.busy,
                     reserve_core=not args.vllm_reservation)
     sessions = args.sessions
-    for flag, value in (("--sessions", 1 if sessions is None else sessions),
-                        ("--turns", args.turns),
+    given_sessions = () if sessions is None else (("--sessions", sessions),)
+    for flag, value in (*given_sessions, ("--turns", args.turns),
                         ("--document-chunks", args.document_chunks),
                         ("--chunk-tokens", args.chunk_tokens),
                         ("--output-tokens", args.output_tokens)):

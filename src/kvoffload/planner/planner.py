@@ -276,10 +276,7 @@ class Planner:
             alignment = self._alignment
             st.state_ends.update(end for end in (offloadable, *sched.state_ends)
                                  if 0 < end <= offloadable and end % alignment == 0)
-        end = st.controls.store_end(offloadable)
-        if end < st.store_due:
-            return None  # no block completed since the last store (``StorePlanner.plan``)
-        planned = self._stores.plan(st, end)
+        planned = self._stores.plan(st, st.controls.store_end(offloadable))
         if planned is None:
             return None
         rid = request.request_id

@@ -107,12 +107,12 @@ class RequestState:
     num_local_tokens: int = 0
     looked_up: bool = False
     hashes_keyed: int = 0
+    """Block hashes the request had when its keys were last refreshed
+    (``PrefixLookup.refresh_keys``; keys are only ever appended)."""
     store_due: int = 0
     """No group completes a block its store progress has not passed before this many
     tokens are offloadable (``StorePlanner.plan``; a lower bound: progress only grows,
     and ``Planner.reset_cache``, which sets it back, zeroes this too)."""
-    """Block hashes the request had when its keys were last refreshed
-    (``PrefixLookup.refresh_keys``; keys are only ever appended)."""
     deferred_steps: int = 0
     """"Ask again later" answers in a row (0: the lookup is not deferred)."""
     deferred_since: float = 0.0

@@ -63,6 +63,18 @@ DEFAULT_WEIGHT = 0.25
 """Value against recency (``ValuePolicy.weight``), chosen on the sweeps in docs/policy.md."""
 
 
+def _fresh_entry(state: BlockState, clock: int) -> ValueEntry:
+    """The entry of a key inserted at ``clock``: ``state`` itself when it is a
+    ``ValueEntry`` (made by ``new_state`` or detached by an eviction), else a copy of it;
+    normal, not valued yet."""
+    entry = (state if type(state) is ValueEntry
+             else ValueEntry(state.slot, state.ref, state.group))
+    entry.cold = entry.hinted = entry.low = False
+    entry.density = -1.0
+    entry.stamp = entry.inserted = clock
+    return entry
+
+
 class ValuePolicy(DictStatePolicy):
     """Recency plus weighted value per byte, with anchor-consistent demotion (module doc).
 
@@ -158,12 +170,7 @@ class ValuePolicy(DictStatePolicy):
         if key in self._entries:
             raise InvariantError(f"value: insert of a key already present ({key.hex()})")
         self._clock += 1
-        entry = (state if type(state) is ValueEntry
-                 else ValueEntry(state.slot, state.ref, state.group))
-        entry.cold = entry.hinted = entry.low = False
-        entry.density = -1.0
-        entry.stamp = entry.inserted = self._clock
-        self._entries[key] = entry
+        entry = self._entries[key] = _fresh_entry(state, self._clock)
         self._push(key, entry, self._priority(entry))
 
     def insert_all(self, keys: Sequence[OffloadKey], states: Sequence[BlockState]) -> None:
@@ -180,12 +187,7 @@ class ValuePolicy(DictStatePolicy):
             for key, state in zip(keys, states, strict=True):
                 clock += 1
                 seq += 1
-                entry = (state if type(state) is ValueEntry
-                         else ValueEntry(state.slot, state.ref, state.group))
-                entries[key] = entry
-                entry.cold = entry.hinted = entry.low = False
-                entry.density = -1.0
-                entry.stamp = entry.inserted = clock
+                entry = entries[key] = _fresh_entry(state, clock)
                 # ``_priority`` of an entry not valued yet (relative density 1.0).
                 entry.prio = clock + weight * len(entries) * 1.0
                 entry.seq = seq
