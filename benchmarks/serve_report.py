@@ -37,6 +37,10 @@ class RunFigures:
     loaded_share: float
     loads_by_tier: dict[str, float]
     outputs: tuple[str, ...]
+    flush_wait_s: float = 0.0
+    """Seconds the server's steps waited, before their forward pass, for transfer jobs
+    still using engine blocks vLLM handed out again (``vllm:kvoffload_flush_wait_seconds``,
+    summed over ranks)."""
 
 
 def revisits(records: Sequence[dict[str, Any]]) -> list[bool]:
@@ -86,7 +90,8 @@ def figures(config: str, workload: str, concurrency: int, run: ClientRun, *,
         cached_share=(prompt - computed) / prompt if prompt else 0.0,
         loaded_share=loaded / prompt if prompt else 0.0,
         loads_by_tier={t: n for t, n in tiers.items() if n > 0},
-        outputs=tuple(run.outputs))
+        outputs=tuple(run.outputs),
+        flush_wait_s=delta.total("vllm:kvoffload_flush_wait_seconds_total"))
 
 
 def _ratio(base: float, value: float) -> float:
@@ -156,7 +161,8 @@ def _tiers(loads: dict[str, float]) -> str:
 
 
 HEADER = ("model", "workload", "conc.", "config", "req/s", "throughput", "TTFT p50",
-          "TTFT p90", "TTFT p99", "revisit TTFT p50", "ITL p50", "cached", "loads by tier")
+          "TTFT p90", "TTFT p99", "revisit TTFT p50", "ITL p50", "cached", "loads by tier",
+          "flush wait")
 
 
 def table_rows(model: str, runs: Sequence[RunFigures]) -> list[tuple[str, ...]]:
@@ -177,7 +183,8 @@ def table_rows(model: str, runs: Sequence[RunFigures]) -> list[tuple[str, ...]]:
             throughput = _x(q.throughput)
         rows.append((model, run.workload, str(run.concurrency), run.config,
                      f"{run.request_throughput:.2f}", throughput, *cells,
-                     f"{run.cached_share:.0%}", _tiers(run.loads_by_tier)))
+                     f"{run.cached_share:.0%}", _tiers(run.loads_by_tier),
+                     f"{run.flush_wait_s:.2f} s" if run.config != "none" else "-"))
     return rows
 
 

@@ -170,6 +170,12 @@ class TransferStats:
     loaded_bytes: int = 0
     store_seconds: float = 0.0
     load_seconds: float = 0.0
+    flushed_jobs: int = 0
+    """Jobs of earlier steps a step's plan flushed (engine blocks handed out again while
+    a job still used them)."""
+    flush_wait_seconds: float = 0.0
+    """Seconds steps waited for those jobs before the forward pass (the engine's step
+    is held up that long)."""
 
 
 @dataclass(frozen=True)

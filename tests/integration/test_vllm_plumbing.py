@@ -48,11 +48,13 @@ def test_stats_are_increments_and_aggregate() -> None:
     collector = StatsCollector()
     stats = PlannerStats(lookups=2, lookup_hit_tokens=64, blocks_loaded={0: 2})
     collector.add_transfer(TransferStats(loaded_bytes=8192, load_seconds=0.5))
+    collector.add_transfer(TransferStats(flushed_jobs=2, flush_wait_seconds=0.25))
     loads = {"tier_blocks_loaded": {"host": 2}}
     first = collector.take(stats, usage, loads)
     assert first is not None
     assert first.data["counters"] == {"lookups": 2, "hit_tokens": 64, "loaded_bytes": 8192,
-                                      "load_seconds": 0.5}
+                                      "load_seconds": 0.5, "flushed_jobs": 2,
+                                      "flush_wait_seconds": 0.25}
     assert first.data["group_counters"] == {"blocks_loaded": {"0": 2}}
     assert first.data["tier_counters"] == {"tier_blocks_loaded": {"host": 2}}
     assert collector.take(stats, usage, loads) is None  # nothing moved since

@@ -127,6 +127,33 @@ def test_same_step_store_in_flush_waits_for_the_forward_pass() -> None:
     side.shutdown()
 
 
+def test_a_flush_of_an_earlier_store_is_counted_with_its_wait_in_the_next_report() -> None:
+    from kvoffload.integrations.vllm.metadata import KVOffloadMetadata
+    from kvoffload.jobs import Direction, GroupTransfer, JobId, StepPlan, TransferJob
+
+    side, _ = _side()
+    store = TransferJob(JobId(0), Direction.STORE, "r", (GroupTransfer(1, (2, 3), 0, (0, 1)),))
+    _run_step(side, KVOffloadMetadata(StepPlan(stores=(store,))))
+    # Next step: vLLM handed block 2 out again; the plan flushes the store first.
+    flushing = KVOffloadMetadata(StepPlan(flush=(JobId(0),)))
+    _run_step(side, flushing)
+    side.transfer_results(flushing)
+    worker_meta = side.take_worker_meta()
+    assert worker_meta is not None
+    # The flush waited for the store: it is done, and reported with the wait.
+    assert JobId(0) in {j for r in worker_meta.reports for j in r.finished}
+    stats = [r.stats for r in worker_meta.reports]
+    assert sum(s.flushed_jobs for s in stats) == 1
+    assert sum(s.flush_wait_seconds for s in stats) >= 0.0
+    assert side.same_step_flushes == 0
+    # Counted once: nothing flushed since.
+    _run_step(side, KVOffloadMetadata(StepPlan()))
+    side.transfer_results(None)
+    later = side.take_worker_meta()
+    assert later is None or all(r.stats.flushed_jobs == 0 for r in later.reports)
+    side.shutdown()
+
+
 def test_loads_resolved_without_a_job_are_reported_once() -> None:
     from kvoffload.integrations.vllm.metadata import KVOffloadMetadata
 

@@ -4,7 +4,9 @@ Each run draws a hybrid layout (1-4 groups mixing full attention, sliding window
 block_size_factor 1-4, 1-4 workers, a small host capacity and engine pool), then a random
 sequence of engine events: new requests sharing prefixes, steps with chunked prefill and
 decode, preemptions, aborts, worker reports that come late, reordered, split across ranks
-or failed, and cache resets. Requests carry random client hints (``continues``: none, true
+or failed, and cache resets. A run either lists every scheduled request in each step or
+leaves out those whose step needs nothing of the planner (``Planner.step_is_idle``, as
+the vLLM adapter does). Requests carry random client hints (``continues``: none, true
 or false; a session id from a small set, so that later requests find theirs seen), which
 may change what is stored but never what a hit loads. The simulated engine checks every
 rule after every step (``support.sim_engine``): loaded and read blocks hold exactly the
@@ -54,9 +56,12 @@ def layouts(draw: st.DrawFn) -> OffloadConfig:
 class PlannerMachine(RuleBasedStateMachine):
     engine: SimEngine
 
-    @initialize(config=layouts(), pool=st.integers(12, 80), seed=st.integers(0, 2**16))
-    def setup(self, config: OffloadConfig, pool: int, seed: int) -> None:
-        self.engine = SimEngine(config, num_blocks=pool, seed=seed)
+    @initialize(config=layouts(), pool=st.integers(12, 80), seed=st.integers(0, 2**16),
+                leave_out_idle=st.booleans())
+    def setup(self, config: OffloadConfig, pool: int, seed: int,
+              leave_out_idle: bool = True) -> None:
+        self.engine = SimEngine(config, num_blocks=pool, seed=seed,
+                                leave_out_idle=leave_out_idle)
         self.rng = random.Random(seed)
         self.prefixes = [[self.rng.randrange(50) for _ in range(40)] for _ in range(3)]
 

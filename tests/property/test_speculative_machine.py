@@ -45,13 +45,14 @@ def speculative_layouts(draw: st.DrawFn) -> tuple[OffloadConfig, int]:
 
 class SpeculativeMachine(PlannerMachine):
     @initialize(layout=speculative_layouts(), pool=st.integers(16, 80),
-                seed=st.integers(0, 2**16))
+                seed=st.integers(0, 2**16), leave_out_idle=st.booleans())
     def setup(self, layout: tuple[OffloadConfig, int], pool: int,  # type: ignore[override]
-              seed: int) -> None:
+              seed: int, leave_out_idle: bool = True) -> None:
         config, spec_tokens = layout
         super().setup(config, pool, seed)
         self.engine = SimEngine(config, num_blocks=pool, seed=seed,
-                                speculative_tokens=spec_tokens)
+                                speculative_tokens=spec_tokens,
+                                leave_out_idle=leave_out_idle)
         self.accepted = [spec_tokens]
 
     @rule(accepted=st.lists(st.integers(0, 4), min_size=1, max_size=6),

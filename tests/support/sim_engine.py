@@ -170,8 +170,12 @@ class SimEngine:
 
     def __init__(self, config: OffloadConfig, num_blocks: int, seed: int = 0,
                  real: RealBackendFactory | None = None, *,
-                 policy: CachePolicy | None = None, speculative_tokens: int = 0) -> None:
+                 policy: CachePolicy | None = None, speculative_tokens: int = 0,
+                 leave_out_idle: bool = True) -> None:
         self.config = config
+        self.leave_out_idle = leave_out_idle
+        """Leave requests whose step needs nothing of the planner out of the step
+        (``Planner.step_is_idle``), as the vLLM adapter does; False lists every one."""
         self.speculative_tokens = speculative_tokens
         """Draft tokens scheduled with every decoding request's next token (0: none)."""
         self.accept: Callable[[int], int] = lambda k: k
@@ -204,6 +208,14 @@ class SimEngine:
         self.recomputed_loads = 0
         self.rng = random.Random(seed)
         self._hit_writes: list[tuple[SimRequest, int]] = []
+
+    def _idle(self, sched: ScheduledRequest) -> bool:
+        """Whether ``sched`` is left out of the planner's step (``leave_out_idle``)."""
+        request = sched.request
+        return (self.leave_out_idle and not sched.resumed and not any(sched.new_block_ids)
+                and self.planner.step_is_idle(request.request_id, min(
+                    sched.num_computed_tokens + sched.num_scheduled_tokens,
+                    request.num_tokens)))
 
     # -------------------------------------------------------------- blocks
 
@@ -464,8 +476,8 @@ class SimEngine:
             req.send_full_table = False
             req.resumed = False
             scheduled.append((req, sched, n + drafts))
-        plan = self.planner.build_step_plan(StepInput(tuple(s for _, s, _ in scheduled),
-                                                      tuple(preempted)))
+        plan = self.planner.build_step_plan(StepInput(
+            tuple(s for _, s, _ in scheduled if not self._idle(s)), tuple(preempted)))
         self._check_plan(plan)
         self.workers.begin(plan)
         for req, local in self._hit_writes:

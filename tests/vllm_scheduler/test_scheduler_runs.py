@@ -66,3 +66,34 @@ def test_a_hybrid_layout_through_preemptions(root: Path) -> None:
         assert eng.side.planner.num_jobs == 0
         for i in range(len(batch)):
             assert eng.outputs[f"a{i}"] == eng.outputs[f"b{i}"]
+
+
+@pytest.mark.parametrize("layout", ["full", "hybrid"])
+def test_decode_steps_inside_a_block_are_left_out_and_every_decoded_block_is_stored(
+        root: Path, layout: str) -> None:
+    prompt = kit.prompts(1, tail=(40, 41))[0]
+    with kit.engine(root, kit.Layout(layout)) as eng:
+        step_input = eng.side.step_input
+        listed: list[bool] = []
+
+        def recording(so: object) -> object:
+            step = step_input(so)
+            listed.append(any(s.request.request_id == "a" for s in step.scheduled))
+            return step
+
+        eng.side.step_input = recording
+        kit.feed(eng, [("a", prompt)], max_tokens=70)
+        out = eng.outputs["a"]
+        assert len(out) == 70
+        # One prefill and 69 decode steps; the planner sees the prefill and, per block
+        # boundary, the step that completes a block and the one that allocates the next.
+        assert len(listed) >= 70 and sum(listed) <= 1 + 2 * (70 // kit.BLOCK + 1)
+        computed = len(prompt) + len(out) - 1  # the last token's KV is never computed
+        full = next(g.index for g in eng.side.config.resolved if g.window_blocks is None)
+        # Every complete block is stored, decode ones too.
+        assert eng.side.planner.stats.blocks_stored[full] == computed // kit.BLOCK
+        # Served back after vLLM's own cache is dropped: the runner checks every position.
+        assert eng.scheduler.reset_prefix_cache()
+        kit.feed(eng, [("b", prompt + out)], max_tokens=4)
+        assert sum(eng.side.planner.stats.blocks_loaded.values()) > 0
+        assert eng.first_computed["b"] == computed // kit.BLOCK * kit.BLOCK

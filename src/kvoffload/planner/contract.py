@@ -138,7 +138,11 @@ class StepInput:
     """One engine step, as the planner needs it.
 
     Attributes:
-        scheduled: the requests that run this step.
+        scheduled: the requests that run this step. A request scheduled with no new
+            blocks, not resumed and with no ``state_ends`` may be left out when
+            ``Planner.step_is_idle`` says the step needs nothing of it (a decode step
+            between two block boundaries: the usual case); an engine with nothing to
+            save may list every request.
         preempted: ids of requests preempted this step (their blocks are freed now).
         other_allocations: block ids the engine allocated this step outside ``scheduled``
             (e.g. for another connector's load); they are fenced like any allocation.

@@ -36,13 +36,7 @@ from typing import TYPE_CHECKING
 
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
-from kvoffload.jobs import (
-    Direction,
-    JobId,
-    StepPlan,
-    TransferJob,
-    WorkerReport,
-)
+from kvoffload.jobs import Direction, JobId, StepPlan, TransferJob, WorkerReport
 from kvoffload.metrics import PlannerStats
 from kvoffload.planner.contract import (
     LoadFailure,
@@ -244,6 +238,19 @@ class Planner:
         planned = self._jobs.take_plan(stores)
         return StepPlan(flush=planned.flush, stores=tuple(stores), loads=planned.loads,
                         tier_flush=tier_work.flush, tier_jobs=tier_work.jobs)
+
+    def step_is_idle(self, request_id: str, offloadable: int) -> bool:
+        """Whether live request ``request_id``, scheduled with no new blocks, not resumed,
+        no ``state_ends``, ``offloadable`` tokens (computed plus scheduled, capped at its
+        length) at the step's end, needs nothing of this step: no block completes before
+        its next store is due, no Mamba state is kept at step ends, no load is in flight.
+        The engine may then leave it out of ``StepInput.scheduled``; the next step that
+        lists it brings its keys and freed positions up to date before a store reads them.
+        """
+        st = self._requests.get(request_id)
+        return (st is not None and offloadable < st.store_due and not st.finished
+                and not self._stores.step_end_states
+                and not any(self._jobs[j].direction is Direction.LOAD for j in st.jobs))
 
     def _schedule_request(self, sched: ScheduledRequest) -> TransferJob | None:
         request = sched.request
@@ -479,14 +486,10 @@ class Planner:
         """
         st = self._requests.get(request.request_id)
         if st is None:
-            return self._new_state(request)
-        if st.finished:
+            st = self._requests[request.request_id] = RequestState(
+                request, [GroupState() for _ in self._groups])
+        elif st.finished:
             raise ValueError(f"request {request.request_id!r} already finished; "
                              "request ids must be unique")
-        return st
-
-    def _new_state(self, request: RequestInfo) -> RequestState:
-        st = RequestState(request, [GroupState() for _ in self._groups])
-        self._requests[request.request_id] = st
         return st
 

@@ -16,7 +16,9 @@ the planner through its public contract exactly as an engine adapter would:
    first allocation failure stops admission for the step.
 3. ``build_step_plan`` with every scheduled request (the whole block table on its first
    schedule after admission or preemption, then the newly appended ids, and the freed
-   window prefix) and the preempted ids.
+   window prefix) and the preempted ids; a request with no new blocks whose step needs
+   nothing of the planner (``Planner.step_is_idle``: a decode step inside a block) is
+   left out, as the vLLM adapter does.
 4. The executor (the worker's ``begin_step``) waits for the plan's flushes and submits its
    loads; the forward pass writes the scheduled tokens' KV (bytes mode); ``end_step``
    submits the stores, which read what the forward pass wrote.
@@ -221,8 +223,8 @@ class ReferenceEngine:
             config.max_num_batched_tokens * config.decode_tokens_per_step)
         plan = StepPlan()
         if self.planner is not None:
-            plan = self.planner.build_step_plan(
-                StepInput(tuple(e.sched for e in entries), tuple(preempted)))
+            plan = self.planner.build_step_plan(StepInput(
+                tuple(e.sched for e in entries if not self._idle(e)), tuple(preempted)))
         start = self._begin(plan, entries)
         flops, iterations = self._forward(entries)
         end = start + (self.timing.step_seconds(flops, iterations) if entries else 0.0)
@@ -243,6 +245,14 @@ class ReferenceEngine:
         if self._recorder.sample_due():
             self.take_sample()
         return active
+
+    def _idle(self, entry: StepEntry) -> bool:
+        """Whether ``entry`` is left out of the planner's step (``Planner.step_is_idle``)."""
+        sched = entry.sched
+        assert self.planner is not None
+        return (not sched.resumed and not any(sched.new_block_ids)
+                and self.planner.step_is_idle(entry.request.request_id, min(
+                    entry.start + entry.count, entry.request.num_tokens)))
 
     def _begin(self, plan: StepPlan, entries: list[StepEntry]) -> float:
         """Start the step's transfers (the worker's ``begin_step``); return when the step

@@ -6,7 +6,9 @@ adds is the mapping of vLLM's per-step ``SchedulerOutput`` onto ``StepInput`` an
 planner's outcomes back onto vLLM's expectations:
 
 * every scheduled request becomes a ``ScheduledRequest``; new and resumed requests carry
-  their whole block table, running ones the blocks appended this step;
+  their whole block table, running ones the blocks appended this step; a running request
+  with no new blocks whose step needs nothing of the planner (``Planner.step_is_idle``:
+  a decode step inside a block) is left out, so a step costs little per such request;
 * for sliding-window and Mamba groups, ``num_freed_blocks`` is read from vLLM's block
   table: the position of the last null block + 1 (vLLM replaces blocks it frees with the
   null block), so the planner never stores from a position whose id may be reused;
@@ -188,10 +190,17 @@ class SchedulerSide:
         # named in ``resumed_req_ids``; 0.34 drops the field and re-sends every resumed
         # request in ``scheduled_new_reqs`` with its whole table (handled above).
         resumed_ids = getattr(cached, "resumed_req_ids", ())
+        idle = self.planner.step_is_idle
         for i, rid in enumerate(cached.req_ids):
             ids = cached.new_block_ids[i]
+            request = self._requests[rid]
+            if ((ids is None or not any(ids)) and rid not in resumed_ids
+                    and rid not in checkpoints
+                    and idle(rid, min(cached.num_computed_tokens[i] + num_tokens[rid],
+                                      request.num_tokens))):
+                continue  # a decode step inside a block: nothing to plan
             scheduled.append(ScheduledRequest(
-                request=self._requests[rid],
+                request=request,
                 new_block_ids=self._empty_ids if ids is None else tuple(map(tuple, ids)),
                 num_computed_tokens=cached.num_computed_tokens[i],
                 num_scheduled_tokens=num_tokens[rid], resumed=rid in resumed_ids,

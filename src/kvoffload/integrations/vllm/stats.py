@@ -46,6 +46,9 @@ COUNTERS: dict[str, str] = {
     "stored_bytes": "Bytes copied engine -> host, summed over ranks.",
     "load_seconds": "Seconds spent in loads, summed over ranks.",
     "store_seconds": "Seconds spent in stores, summed over ranks.",
+    "flushed_jobs": "Jobs of earlier steps a step waited for before its forward pass "
+                    "(vLLM handed out again a block they still used), summed over ranks.",
+    "flush_wait_seconds": "Seconds steps waited for those jobs, summed over ranks.",
 }
 GROUP_COUNTERS: dict[str, str] = {
     "blocks_loaded": "Engine blocks loaded, per KV-cache group.",
@@ -141,7 +144,9 @@ class StatsCollector:
             stored_bytes=t.stored_bytes + stats.stored_bytes,
             loaded_bytes=t.loaded_bytes + stats.loaded_bytes,
             store_seconds=t.store_seconds + stats.store_seconds,
-            load_seconds=t.load_seconds + stats.load_seconds)
+            load_seconds=t.load_seconds + stats.load_seconds,
+            flushed_jobs=t.flushed_jobs + stats.flushed_jobs,
+            flush_wait_seconds=t.flush_wait_seconds + stats.flush_wait_seconds)
 
     def take(self, planner: PlannerStats, usage: TierUsage,
              by_tier: Mapping[str, Mapping[str, int]]) -> KVOffloadStats | None:
@@ -170,7 +175,8 @@ class StatsCollector:
         t, self._transfer = self._transfer, TransferStats()
         moved: tuple[tuple[str, int | float], ...] = (
             ("loaded_bytes", t.loaded_bytes), ("stored_bytes", t.stored_bytes),
-            ("load_seconds", t.load_seconds), ("store_seconds", t.store_seconds))
+            ("load_seconds", t.load_seconds), ("store_seconds", t.store_seconds),
+            ("flushed_jobs", t.flushed_jobs), ("flush_wait_seconds", t.flush_wait_seconds))
         for name, amount in moved:
             if amount:
                 counters[name] = amount

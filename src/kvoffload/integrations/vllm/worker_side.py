@@ -36,7 +36,10 @@ also lists it in ``flush``: its blocks belong to its running request (a store ne
 reads a position vLLM has freed), so another request can only have been handed them as a
 prefix-cache hit, sharing the same contents, never to overwrite them; submitting it
 early would copy blocks the forward pass has not written yet. Such same-step flushes are
-counted in ``same_step_flushes``.
+counted in ``same_step_flushes``. The jobs of earlier steps a flush waits for, and how
+long the step waited, go to the scheduler side with the next report
+(``TransferStats.flushed_jobs``, ``flush_wait_seconds``; exported as
+``vllm:kvoffload_flushed_jobs`` and ``vllm:kvoffload_flush_wait_seconds``).
 
 A load is reported to vLLM as finished receiving when the transfer worker reports it
 (as failed receiving too, when it failed); vLLM then recomputes (with
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -57,7 +61,7 @@ from vllm.v1.kv_cache_interface import group_kernel_blocks
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import LayoutError
 from kvoffload.integrations.vllm.metadata import KVOffloadMetadata, KVOffloadWorkerMetadata
-from kvoffload.jobs import JobId, StepPlan, TransferJob, WorkerReport
+from kvoffload.jobs import JobId, StepPlan, TransferJob, TransferStats, WorkerReport
 from kvoffload.tiers.config import TierConfig
 from kvoffload.worker.backend import TransferBackend
 from kvoffload.worker.layout import CacheLayout, CacheTensorLayout, GroupTensors
@@ -102,6 +106,8 @@ class WorkerSide:
         self.same_step_flushes = 0
         """Stores the plan flushed in the step that created them (submitted after the
         forward pass all the same; see the module docstring)."""
+        self._flushed = TransferStats()
+        """Flushed jobs and the wait for them since the last report (``flush``)."""
         self._loads: dict[JobId, TransferJob] = {}
         self._reports: list[WorkerReport] = []
         # The step being executed and how far: 0 nothing, 1 flushed, 2 loads, 3 stores.
@@ -156,7 +162,13 @@ class WorkerSide:
         this_step = {job.job_id for job in plan.stores}
         earlier = tuple(j for j in plan.flush if j not in this_step)
         self.same_step_flushes += len(plan.flush) - len(earlier)
+        start = time.perf_counter()
         self.worker.execute(dataclasses.replace(plan, flush=earlier, loads=(), stores=()))
+        if earlier:
+            flushed = self._flushed
+            self._flushed = TransferStats(
+                flushed_jobs=flushed.flushed_jobs + len(earlier),
+                flush_wait_seconds=flushed.flush_wait_seconds + time.perf_counter() - start)
 
     def start_loads(self, meta: KVOffloadMetadata) -> None:
         """Submit the plan's loads (after ``flush``, which runs first if vLLM skipped it)."""
@@ -210,9 +222,14 @@ class WorkerSide:
                 finished.add(request_id)
                 if load_failed:
                     failed.add(request_id)
+        if self._flushed.flushed_jobs:
+            report = dataclasses.replace(report, stats=dataclasses.replace(
+                report.stats, flushed_jobs=self._flushed.flushed_jobs,
+                flush_wait_seconds=self._flushed.flush_wait_seconds))
+            self._flushed = TransferStats()
         if report.finished or report.failed or report.stats.stored_bytes \
-                or report.stats.loaded_bytes or report.tier_finished or report.tier_failed \
-                or report.tier_unreachable:
+                or report.stats.loaded_bytes or report.stats.flushed_jobs \
+                or report.tier_finished or report.tier_failed or report.tier_unreachable:
             self._reports.append(report)
         return finished, failed
 
