@@ -41,6 +41,12 @@ class RunFigures:
     """Seconds the server's steps waited, before their forward pass, for transfer jobs
     still using engine blocks vLLM handed out again (``vllm:kvoffload_flush_wait_seconds``,
     summed over ranks)."""
+    loaded_tokens: int = 0
+    """Prompt tokens kvoffload loaded (``external_kv_transfer``)."""
+    load_jobs: int = 0
+    """kvoffload's loads (each makes its request wait for it, at least one engine step)."""
+    deferred_lookups: int = 0
+    """Lookups kvoffload answered "ask again later" (a block the hit needs in flight)."""
 
 
 def revisits(records: Sequence[dict[str, Any]]) -> list[bool]:
@@ -91,7 +97,10 @@ def figures(config: str, workload: str, concurrency: int, run: ClientRun, *,
         loaded_share=loaded / prompt if prompt else 0.0,
         loads_by_tier={t: n for t, n in tiers.items() if n > 0},
         outputs=tuple(run.outputs),
-        flush_wait_s=delta.total("vllm:kvoffload_flush_wait_seconds_total"))
+        flush_wait_s=delta.total("vllm:kvoffload_flush_wait_seconds_total"),
+        loaded_tokens=int(loaded),
+        load_jobs=int(delta.total("vllm:kvoffload_load_jobs_total")),
+        deferred_lookups=int(delta.total("vllm:kvoffload_deferred_lookups_total")))
 
 
 def _ratio(base: float, value: float) -> float:

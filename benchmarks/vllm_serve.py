@@ -29,9 +29,12 @@ enough to run them, too small to keep what the workload comes back to.
 
 Printed for every run: request throughput, TTFT p50/p90/p99 and ITL p50 as ratios to the
 run without offloading at the same load in the same invocation (above 1 is better), the
-share of prompt tokens the server did not compute, and which tier served kvoffload's
-loads. The script exits 1 when a request fails, when a greedy output differs from the run
-without offloading, or when an offloading run loads nothing.
+share of prompt tokens the server did not compute, which tier served kvoffload's loads,
+and how long the server's steps waited before their forward pass for transfers still
+using blocks vLLM handed out again (``flush wait``); ``--json`` adds kvoffload's load
+jobs, loaded tokens and deferred lookups. The script exits 1 when a request fails, when
+a greedy output differs from the run without offloading, or when an offloading run
+loads nothing.
 
 Examples:
   python benchmarks/vllm_serve.py                      # both models, two loads (~40 min)
