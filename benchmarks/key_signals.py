@@ -24,7 +24,9 @@ the block was first stored, seconds since its last access.
     .venv/bin/python benchmarks/key_signals.py --trace my.jsonl --limit 4000
 
 The first and second halves of the trace (by arrival time) are scored separately, so a
-signal that only predicts on one half shows it.
+signal that only predicts on one half shows it. Accesses too near the trace's end for
+their outcome to be known (fewer than H new blocks stored after them and no read) are
+left out of the scores and counted as ``censored``.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ class Access:
     signals: tuple[float, ...]
     second_half: bool
     stored_before: int
-    """New blocks stored before this access (the horizons count from here)."""
+    """New blocks stored up to this access, its own first store included (the horizons
+    count the new blocks stored after it)."""
     predicted: list[float]
     labels: list[bool]
     learned: list[bool]
@@ -167,6 +170,7 @@ class Replay:
             read = block is not None
             if block is None:
                 block = blocks[key] = Block(index, now, now)
+                self.stored += 1  # the horizon counts the blocks stored after this one
             else:
                 self._read(key)
             signals = (float(block.reads), float(depth), float(len(chain) - 1 - depth),
@@ -183,9 +187,7 @@ class Replay:
             self._open[key] = a
             for queue in self._expiring:
                 queue.append(a)
-            if not read:
-                self.stored += 1
-            else:
+            if read:
                 block.reads += 1
             if depth:
                 blocks[chain[depth - 1]].children.add(key)
@@ -239,16 +241,22 @@ def score(run: Replay, horizons: Sequence[int]) -> list[dict[str, object]]:
     """Per horizon and half: the share of accesses read again in time, each signal's AUC
     and the online combination's."""
     out: list[dict[str, object]] = []
+    age, reads = SIGNALS.index("age_requests"), SIGNALS.index("reads")
+    kinds = {"store": lambda a: a.signals[age] == 0,
+             "first_read": lambda a: a.signals[age] > 0 and a.signals[reads] == 0,
+             "later_read": lambda a: a.signals[reads] > 0}
     for h, horizon in enumerate(horizons):
         for half in (False, True):
-            chosen = [a for a in run.accesses if a.second_half == half]
+            # Accesses too near the trace's end to know their outcome are left out.
+            chosen = [a for a in run.accesses if a.second_half == half and a.learned[h]]
             labels = [a.labels[h] for a in chosen]
             row: dict[str, object] = {
                 "horizon_blocks": horizon, "half": "second" if half else "first",
                 "accesses": len(chosen),
+                "censored": sum(1 for a in run.accesses
+                                if a.second_half == half and not a.learned[h]),
                 "read_again": sum(labels) / len(labels) if labels else math.nan}
-            for kind, pick in (("stores", lambda a: a.signals[7] == 0 and a.signals[0] == 0),
-                               ("reads", lambda a: a.signals[0] > 0)):
+            for kind, pick in kinds.items():
                 sub = [a.labels[h] for a in chosen if pick(a)]
                 row[f"read_again_after_{kind}"] = sum(sub) / len(sub) if sub else math.nan
             for s, name in enumerate(SIGNALS):
@@ -262,14 +270,15 @@ def format_rows(rows: Sequence[dict[str, object]], shares: Sequence[float]) -> s
     names = (*SIGNALS, "online")
     lines = ["AUC of each signal for 'read again within the horizon' (0.5: no information; "
              "below 0.5: a lower value predicts the read)",
-             "| horizon | half | accesses | read again | after a first store | after a read | "
-             + " | ".join(names) + " |",
-             "|" + "---|" * (6 + len(names))]
+             "| horizon | half | accesses | read again | after its store | after its first "
+             "read | after a later read | " + " | ".join(names) + " |",
+             "|" + "---|" * (7 + len(names))]
     share_of = dict(zip([r["horizon_blocks"] for r in rows[::2]], shares, strict=False))
     for row in rows:
         cells = [f"{share_of.get(row['horizon_blocks'], 0):.0%}", str(row["half"]),
                  str(row["accesses"]), f"{row['read_again']:.1%}",
-                 f"{row['read_again_after_stores']:.1%}", f"{row['read_again_after_reads']:.1%}",
+                 *(f"{row[f'read_again_after_{k}']:.1%}"
+                   for k in ("store", "first_read", "later_read")),
                  *(f"{row[n]:.2f}" for n in names)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -172,10 +172,10 @@ class TransferStats:
     load_seconds: float = 0.0
     flushed_jobs: int = 0
     """Jobs of earlier steps a step's plan flushed (engine blocks handed out again while
-    a job still used them)."""
+    a job still used them; some may have ended already)."""
     flush_wait_seconds: float = 0.0
-    """Seconds steps waited for those jobs before the forward pass (the engine's step
-    is held up that long)."""
+    """Seconds steps waited for those jobs to end before the forward pass (the engine's
+    step is held up that long)."""
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from integration.markers import requires_vllm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from serve_report import RunFigures, problems, revisits
-from serve_runs import Metrics
+from serve_report import HEADER, RunFigures, figures, problems, revisits, table_rows
+from serve_runs import ClientRun, Metrics
 from serve_setup import ChatShape, chat_trace, longest_request, mooncake_excerpt, write_trace
 
 
@@ -92,6 +92,27 @@ def _run(config: str, outputs: tuple[str, ...], loaded: float = 0.5,
                       revisit_ttft_p50_ms=5, itl_p50_ms=1,
                       itl_p99_ms=2, cached_share=0.5, loaded_share=loaded,
                       loads_by_tier={"host": 3}, outputs=outputs)
+
+
+def test_a_run_reads_kvoffloads_waits_loads_and_deferrals_from_the_server() -> None:
+    result = {"completed": 2, "failed": 0, "duration": 4.0, "request_throughput": 0.5,
+              "p50_ttft_ms": 10, "p90_ttft_ms": 20, "p99_ttft_ms": 30, "p50_itl_ms": 1,
+              "p99_itl_ms": 2, "ttfts": [0.01, 0.02], "generated_texts": ["a", "b"]}
+    delta = Metrics.parse(
+        'vllm:prompt_tokens_by_source_total{source="local_compute"} 40\n'
+        'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"} 60\n'
+        'vllm:kvoffload_flush_wait_seconds_total{engine="0"} 0.25\n'
+        'vllm:kvoffload_load_jobs_total{engine="0"} 3\n'
+        'vllm:kvoffload_deferred_lookups_total{engine="0"} 2\n')
+    run = figures("host", "chat", 4, ClientRun(result, 4.0), delta=delta,
+                  revisit=[False, True])
+    assert (run.flush_wait_s, run.load_jobs, run.loaded_tokens, run.deferred_lookups) == (
+        0.25, 3, 60, 2)
+    base = figures("none", "chat", 4, ClientRun(result, 4.0), delta=Metrics.parse(""),
+                   revisit=[False, True])
+    rows = table_rows("tiny", [base, run])
+    wait = HEADER.index("flush wait")
+    assert [row[wait] for row in rows] == ["-", "0.25 s"]
 
 
 def test_the_guard_reports_differing_outputs_failures_and_missing_hits() -> None:

@@ -8,6 +8,7 @@ bytes, in the order vLLM's hooks call it, and report loads by request.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -132,8 +133,20 @@ def test_a_flush_of_an_earlier_store_is_counted_with_its_wait_in_the_next_report
     from kvoffload.jobs import Direction, GroupTransfer, JobId, StepPlan, TransferJob
 
     side, _ = _side()
+    waited: list[tuple[JobId, ...]] = []
+    wait = side.worker.wait
+
+    def slow_wait(jobs: Any) -> None:  # the copy takes 50 ms longer
+        jobs = tuple(jobs)
+        if jobs:
+            waited.append(jobs)
+            time.sleep(0.05)
+        wait(jobs)
+
+    side.worker.wait = slow_wait
     store = TransferJob(JobId(0), Direction.STORE, "r", (GroupTransfer(1, (2, 3), 0, (0, 1)),))
     _run_step(side, KVOffloadMetadata(StepPlan(stores=(store,))))
+    assert not waited  # nothing flushed: no wait
     # Next step: vLLM handed block 2 out again; the plan flushes the store first.
     flushing = KVOffloadMetadata(StepPlan(flush=(JobId(0),)))
     _run_step(side, flushing)
@@ -144,7 +157,8 @@ def test_a_flush_of_an_earlier_store_is_counted_with_its_wait_in_the_next_report
     assert JobId(0) in {j for r in worker_meta.reports for j in r.finished}
     stats = [r.stats for r in worker_meta.reports]
     assert sum(s.flushed_jobs for s in stats) == 1
-    assert sum(s.flush_wait_seconds for s in stats) >= 0.0
+    assert waited[0] == (JobId(0),)  # timed; the plan's own wait then finds it done
+    assert 0.05 <= sum(s.flush_wait_seconds for s in stats) < 5.0
     assert side.same_step_flushes == 0
     # Counted once: nothing flushed since.
     _run_step(side, KVOffloadMetadata(StepPlan()))

@@ -41,7 +41,13 @@ def test_labels_follow_the_horizon_and_a_shared_prefix_is_predicted(tmp_path: Pa
     labels = [a.labels[0] for a in run.accesses]
     assert labels == [True, False, False, False] * 39 + [False] * 4
     rows = {(r["horizon_blocks"], r["half"]): r for r in score(run, horizons)}
+    # Near the end, too few blocks come after an access to know its outcome: left out.
+    assert rows[(12, "first")]["censored"] == 0
+    assert 4 <= rows[(12, "second")]["censored"] < 20  # type: ignore[operator]
     first = rows[(12, "first")]
+    assert first["read_again_after_store"] == 1 / 61  # block 0's store, of 61 stores
+    assert first["read_again_after_first_read"] == 1.0
+    assert first["read_again_after_later_read"] == 1.0
     assert first["depth"] == 0.0  # shallower is read again: perfectly
     assert first["reads"] > 0.9 and first["online"] > 0.9
     assert set(SIGNALS) <= set(first)

@@ -248,7 +248,8 @@ class Planner:
         lists it brings its keys and freed positions up to date before a store reads them.
         """
         st = self._requests.get(request_id)
-        return (st is not None and offloadable < st.store_due and not st.finished
+        return (st is not None and st.controls.store_end(offloadable) < st.store_due
+                and not st.finished
                 and not self._stores.step_end_states
                 and not any(self._jobs[j].direction is Direction.LOAD for j in st.jobs))
 

@@ -46,9 +46,9 @@ COUNTERS: dict[str, str] = {
     "stored_bytes": "Bytes copied engine -> host, summed over ranks.",
     "load_seconds": "Seconds spent in loads, summed over ranks.",
     "store_seconds": "Seconds spent in stores, summed over ranks.",
-    "flushed_jobs": "Jobs of earlier steps a step waited for before its forward pass "
+    "flushed_jobs": "Jobs of earlier steps a step's plan flushed before its forward pass "
                     "(vLLM handed out again a block they still used), summed over ranks.",
-    "flush_wait_seconds": "Seconds steps waited for those jobs, summed over ranks.",
+    "flush_wait_seconds": "Seconds steps waited for those jobs to end, summed over ranks.",
 }
 GROUP_COUNTERS: dict[str, str] = {
     "blocks_loaded": "Engine blocks loaded, per KV-cache group.",

@@ -162,13 +162,15 @@ class WorkerSide:
         this_step = {job.job_id for job in plan.stores}
         earlier = tuple(j for j in plan.flush if j not in this_step)
         self.same_step_flushes += len(plan.flush) - len(earlier)
-        start = time.perf_counter()
-        self.worker.execute(dataclasses.replace(plan, flush=earlier, loads=(), stores=()))
         if earlier:
+            # Waited for here, timed alone (``execute`` below finds them done).
+            start = time.perf_counter()
+            self.worker.wait(earlier)
             flushed = self._flushed
             self._flushed = TransferStats(
                 flushed_jobs=flushed.flushed_jobs + len(earlier),
                 flush_wait_seconds=flushed.flush_wait_seconds + time.perf_counter() - start)
+        self.worker.execute(dataclasses.replace(plan, flush=earlier, loads=(), stores=()))
 
     def start_loads(self, meta: KVOffloadMetadata) -> None:
         """Submit the plan's loads (after ``flush``, which runs first if vLLM skipped it)."""
