@@ -5,9 +5,10 @@ blocks have come in after it. Whether a block is worth keeping is then whether i
 again before that: this script replays a Mooncake-format trace at block level and asks, at
 every access of a block (its first store and every later read), how well each signal known
 *at that moment* predicts that label. Each signal is scored by its AUC (the chance that a
-block read again in time ranks above one that is not; 0.5 is no information, the direction
-is printed) and so is an online logistic combination of all of them, which predicts each
-access before its label is known and learns from labels only once they are.
+block read again in time ranks above one that is not; 0.5 is no information, below 0.5 a
+lower value predicts the read) and so is an online logistic combination of all of them,
+which predicts each access before its label is known and learns from labels only once
+they are.
 
 Label at horizon H (a share of the trace's distinct blocks): the block is read again by a
 later request before H more new blocks have been stored after this access (what a cache
