@@ -121,6 +121,16 @@ class OnlineLogistic:
             self.weights[i] += LEARNING_RATE * error * x
 
 
+def block_chain(ids: dict[tuple[int, int], int], hash_ids: Sequence[int]) -> list[int]:
+    """The block ids of a prompt's hash ids: one per (parent block, hash id), numbered in
+    ``ids`` as first seen (a hash id names a block only after its whole prefix)."""
+    chain, parent = [], -1
+    for hash_id in hash_ids:
+        parent = ids.setdefault((parent, hash_id), len(ids))
+        chain.append(parent)
+    return chain
+
+
 class Replay:
     """The trace at block level: blocks, accesses, and the models learning online."""
 
@@ -157,11 +167,8 @@ class Replay:
 
     def request(self, index: int, now: float, hash_ids: Sequence[int], second_half: bool,
                 ) -> None:
-        ids, blocks = self.ids, self.blocks
-        chain, parent = [], -1
-        for hash_id in hash_ids:
-            parent = ids.setdefault((parent, hash_id), len(ids))
-            chain.append(parent)
+        blocks = self.blocks
+        chain = block_chain(self.ids, hash_ids)
         if not chain:
             return
         seen = sum(1 for key in chain if key in blocks) / len(chain)
@@ -205,9 +212,7 @@ def replay(path: Path, horizon_shares: Sequence[float], limit: int | None,
         raise TraceError(str(path), 0, "hash_ids", "no requests: nothing to replay")
     chained: dict[tuple[int, int], int] = {}
     for r in records:
-        parent = -1
-        for hash_id in r.hash_ids:
-            parent = chained.setdefault((parent, hash_id), len(chained))
+        block_chain(chained, r.hash_ids)
     distinct = len(chained)
     horizons = [max(1, round(share * distinct)) for share in horizon_shares]
     middle = (records[0].timestamp_ms + records[-1].timestamp_ms) / 2
