@@ -211,11 +211,8 @@ class SimEngine:
 
     def _idle(self, sched: ScheduledRequest) -> bool:
         """Whether ``sched`` is left out of the planner's step (``leave_out_idle``)."""
-        request = sched.request
-        return (self.leave_out_idle and not sched.resumed and not any(sched.new_block_ids)
-                and self.planner.step_is_idle(request.request_id, min(
-                    sched.num_computed_tokens + sched.num_scheduled_tokens,
-                    request.num_tokens)))
+        return (self.leave_out_idle and sched.may_be_idle
+                and self.planner.step_is_idle(sched.request.request_id, sched.offloadable))
 
     # -------------------------------------------------------------- blocks
 

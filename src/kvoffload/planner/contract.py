@@ -132,6 +132,18 @@ class ScheduledRequest:
     num_freed_blocks: tuple[int, ...] | None = None
     state_ends: tuple[int, ...] = ()
 
+    @property
+    def offloadable(self) -> int:
+        """Tokens whose KV exists once this step ran (at most the request's length)."""
+        return min(self.num_computed_tokens + self.num_scheduled_tokens,
+                   self.request.num_tokens)
+
+    @property
+    def may_be_idle(self) -> bool:
+        """No new blocks, not resumed, no ``state_ends``: the step may need nothing of the
+        planner (``Planner.step_is_idle`` says whether it does)."""
+        return not (self.resumed or self.state_ends or any(self.new_block_ids))
+
 
 @dataclass(frozen=True)
 class StepInput:

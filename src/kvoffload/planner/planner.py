@@ -276,8 +276,7 @@ class Planner:
         if freed is not None:
             for gs, n in zip(st.groups, freed, strict=True):
                 gs.num_freed = max(gs.num_freed, n)
-        offloadable = min(sched.num_computed_tokens + sched.num_scheduled_tokens,
-                          request.num_tokens)
+        offloadable = sched.offloadable
         if self._stores.step_end_states:
             # A Mamba state exists only where a step ends or the engine checkpoints
             # (module docstring of state.py).

@@ -250,9 +250,8 @@ class ReferenceEngine:
         """Whether ``entry`` is left out of the planner's step (``Planner.step_is_idle``)."""
         sched = entry.sched
         assert self.planner is not None
-        return (not sched.resumed and not any(sched.new_block_ids)
-                and self.planner.step_is_idle(entry.request.request_id, min(
-                    entry.start + entry.count, entry.request.num_tokens)))
+        return sched.may_be_idle and self.planner.step_is_idle(entry.request.request_id,
+                                                               sched.offloadable)
 
     def _begin(self, plan: StepPlan, entries: list[StepEntry]) -> float:
         """Start the step's transfers (the worker's ``begin_step``); return when the step
