@@ -9,7 +9,7 @@ from __future__ import annotations
 from kvoffload.config import GroupKind, GroupSpec, OffloadConfig
 from kvoffload.jobs import WorkerReport
 from kvoffload.keys import BlockHash, BlockHasher, OffloadKey, make_offload_key
-from kvoffload.planner.contract import ScheduledRequest, StepInput
+from kvoffload.planner.contract import RequestControls, ScheduledRequest, StepInput
 from kvoffload.planner.insertion import (
     DECAY,
     HOT_EVERY,
@@ -297,3 +297,62 @@ def test_the_directories_evict_first_what_the_planner_demotes() -> None:
     duel = h.planner.insertion
     assert duel is not None
     assert set(list(duel.lru)[:5]) == demoted == set(list(duel.bimodal)[:5])
+
+
+def hinted(h: Harness, rid: str, tokens: list[int], continues: bool | None,
+           session_id: str | None = None) -> Req:
+    req = Req(h.hasher, rid, tokens)
+    h.planner.set_controls(req, RequestControls(continues=continues, session_id=session_id))
+    return req
+
+
+def test_a_continues_hint_decides_the_insertion_whatever_the_duel_says() -> None:
+    """A request whose client says the conversation ends stores cold even while LRU
+    insertion leads and the request is hot; one that goes on stores normally even while
+    bimodal insertion leads and it is a cold candidate; without a hint the duel decides."""
+    h = Harness(400)
+    h.bimodal_ahead(False)
+    ends = hinted(h, hot_id("e"), list(range(16)), continues=False)
+    h.run(ends, 100)
+    assert full_keys(ends) <= h.cold()
+    h.bimodal_ahead()
+    goes_on = hinted(h, cold_id("g"), list(range(1000, 1016)), continues=True)
+    h.run(goes_on, 200)
+    assert not full_keys(goes_on) & h.cold()
+    learned = hinted(h, cold_id("n"), list(range(2000, 2016)), continues=None)
+    h.run(learned, 300)
+    assert full_keys(learned) <= h.cold()
+
+
+def test_a_later_turn_of_a_known_session_stores_normally() -> None:
+    """A session seen before is taken as continuing (``continues_hint``): its next turn's
+    new blocks are not stored cold while bimodal insertion leads."""
+    h = Harness(400)
+    h.bimodal_ahead()
+    first = hinted(h, cold_id("s1-"), list(range(16)), None, session_id="chat-1")
+    h.run(first, 100)
+    assert full_keys(first) <= h.cold()  # the first turn is learned: a cold candidate
+    second = hinted(h, cold_id("s2-"), [*range(16), *range(500, 516)], None,
+                    session_id="chat-1")
+    assert h.run(second, 200) == 16
+    assert not full_keys(second) & h.cold()
+
+
+def test_hints_keep_the_conversation_that_comes_back() -> None:
+    """Host memory for five requests' blocks (20); a conversation's first turn, then six
+    one-off requests, then its second turn. With the clients' ``continues`` hints the
+    one-offs go in cold and are evicted first, so the second turn hits its whole first
+    turn; the same requests without hints (insertion by the duel, which has seen no
+    lookup to prefer bimodal insertion) evict the first turn before it comes back."""
+    def second_turn_hit(with_hints: bool) -> int:
+        h = Harness(20, window=False)
+        h.bimodal_ahead(False)
+        hint = (lambda c: c) if with_hints else (lambda c: None)
+        h.run(hinted(h, "turn-1", list(range(16)), hint(True)), 100)
+        for i in range(6):
+            h.run(hinted(h, f"once-{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 16)),
+                         hint(False)), 200 + 10 * i)
+        return h.run(hinted(h, "turn-2", [*range(16), *range(90, 94)], hint(False)), 400)
+
+    assert second_turn_hit(with_hints=True) == 16
+    assert second_turn_hit(with_hints=False) == 0

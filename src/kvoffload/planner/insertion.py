@@ -33,6 +33,11 @@ Three rules keep what it costs small:
   directory is clearly ahead (``LEAD``) of the LRU one and of what the tier itself
   served while inserting normally (the directories model neither value ranking nor
   blocks pinned while they are written). A request is hot or cold from its arrival on.
+
+A client's ``continues`` hint overrides the duel for its request
+(``selective.stores_cold``): a conversation that ends stores cold, one that goes on
+stores normally. The directories still model the hint-free choice (a cold candidate is
+bimodal's cold), so the duel keeps measuring insertion, not the hints.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ store, and keeps per request what that decided:
 * **decode blocks** no hit at the end of the turn can use, demoted when the request ends.
 
 Client hints (``RequestControls.continues``, ``session_id``) steer the admission per
-request (``continues_hint``); without them it learns as before.
+request (``continues_hint``); without them it learns as before. Under ``value`` a hint
+also decides the request's insertion (``stores_cold``): cold when the conversation ends,
+normal when it goes on.
 
 With a ``PrefixValuer`` (the ``value`` policy) it also sends value hints (compute saved
 per byte) for every key a request stores, and runs the insertion duel
@@ -180,7 +182,8 @@ class HitPointStorePolicy(StorePolicy):
                             num_computed_tokens // full.offloaded_block_size,
                             hit_end - num_computed_tokens)
         pst.cold_candidate = not is_hot_request(st.request.request_id)
-        pst.stores_cold = pst.cold_candidate and duel.bimodal_ahead
+        pst.stores_cold = stores_cold(self.continues_hint(st), pst.cold_candidate,
+                                      duel.bimodal_ahead)
 
     def touch_skip(self, st: RequestState, finishing: bool) -> AbstractSet[OffloadKey]:
         pst = st.policy
@@ -365,6 +368,19 @@ class HitPointStorePolicy(StorePolicy):
         self._admission.forget_cached()
         super().reset(live)
         self._insertion = self._new_insertion()  # its directories modelled what is gone
+
+
+def stores_cold(continues: bool | None, cold_candidate: bool, bimodal_ahead: bool) -> bool:
+    """Whether a request stores its new blocks cold, given its ``continues`` hint
+    (``HitPointStorePolicy.continues_hint``): a client that says the conversation ends
+    stores them cold (no later turn reads what only this prompt has; a branch that does
+    finds them while they last, and its touch makes them normal), one that says it goes
+    on stores them normally (its next turn reads them), whatever the insertion duel says;
+    without a hint, the duel decides (a cold candidate while bimodal insertion is
+    ahead)."""
+    if continues is not None:
+        return not continues
+    return cold_candidate and bimodal_ahead
 
 
 def hybrid_store_policy(context: StorePolicyContext) -> HitPointStorePolicy:

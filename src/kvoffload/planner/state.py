@@ -43,8 +43,9 @@ class PolicyRequestState:
     cold_candidate: bool = False
     """Bimodal insertion stores this request's blocks cold (not ``is_hot_request``)."""
     stores_cold: bool = False
-    """The request stores its new blocks cold: a cold candidate that arrived while
-    bimodal insertion was ahead."""
+    """The request stores its new blocks cold: its client said the conversation ends, or,
+    without a hint, a cold candidate that arrived while bimodal insertion was ahead
+    (``selective.stores_cold``)."""
     cold_keys: list[OffloadKey] = field(default_factory=list)
     """Keys the request stored cold (bimodal insertion): the touch at its finish leaves
     them cold. Cleared on a preemption, which warms the request's whole prefix."""
