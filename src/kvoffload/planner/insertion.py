@@ -37,7 +37,9 @@ Three rules keep what it costs small:
 A client's ``continues`` hint overrides the duel for its request
 (``selective.stores_cold``): a conversation that ends stores cold, one that goes on
 stores normally. The directories still model the hint-free choice (a cold candidate is
-bimodal's cold), so the duel keeps measuring insertion, not the hints.
+bimodal's cold), so they measure insertion, not the hints; what the tier itself served,
+which bimodal insertion must also beat, includes what the hints kept, so where many
+requests carry hints the duel stores the others cold less readily.
 """
 
 from __future__ import annotations
