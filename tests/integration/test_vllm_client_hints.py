@@ -25,7 +25,9 @@ def test_client_hints_reach_the_policy_and_steer_what_is_kept(
     with 40 tokens of output ends its turn at 224: a request that will not continue has
     the window there demoted (evicted first) when it finishes, one that will continue
     keeps it, like a request without hints while turn ends are still hit points. A later
-    request of a session seen before is taken as continuing; a bad hint is no hint."""
+    request of a session seen before is taken as continuing; a bad hint is no hint. A
+    hinted request's new blocks enter host memory cold when it will not continue and
+    normally when it will (``selective.stores_cold``)."""
     from integration.vllm_kit import engine, random_prompts
     from kvoffload.keys import key_group
     from kvoffload.planner.selective import HitPointStorePolicy
@@ -36,7 +38,7 @@ def test_client_hints_reach_the_policy_and_steer_what_is_kept(
         side = eng.scheduler
         policy = side.planner.store_policy
         assert isinstance(policy, HitPointStorePolicy)
-        seen: dict[str, tuple[Any, bool | None]] = {}
+        seen: dict[str, tuple[Any, bool | None, bool]] = {}
         demoted: dict[str, int] = {}
         windowed = {g.index for g in side.planner.config.resolved
                     if g.window_blocks is not None}
@@ -46,7 +48,8 @@ def test_client_hints_reach_the_policy_and_steer_what_is_kept(
 
         def first_lookup(st: Any, computed: int, hit: int) -> None:
             real_lookup(st, computed, hit)
-            seen[st.request.request_id] = (st.controls, policy.continues_hint(st))
+            seen[st.request.request_id] = (st.controls, policy.continues_hint(st),
+                                           st.policy.stores_cold)
 
         def finished(st: Any) -> None:
             current.append(st.request.request_id)
@@ -76,8 +79,10 @@ def test_client_hints_reach_the_policy_and_steer_what_is_kept(
             eng.generate([prompts[i]], max_tokens=40, kv_transfer_params=params)
             eng.drain()
             (rid,) = set(seen) - before
-            controls, continues = seen[rid]
+            controls, continues, cold = seen[rid]
             assert continues is expected, (params, controls)
+            if expected is not None:
+                assert cold is not expected, (params, cold)
             if "session_id" in params:
                 assert controls.session_id == "chat-1"
             demoted.setdefault(rid, 0)
