@@ -656,10 +656,11 @@ a prefill's resume point. Three rules keep its cost small:
   when it resumes.
 * Which insertion is better depends on capacity, so two *shadow directories* (keys
   only, no data) at the tier's budget run LRU and bimodal insertion side by side on the
-  same stores, demotions, preemptions and lookups. Requests are stored cold only while
-  the bimodal directory would have served clearly more (1.25 times) full-attention
-  tokens over the last few hundred lookups than the LRU one, and than the tier itself
-  served while inserting normally.
+  same stores, demotions, preemptions and lookups. Requests without a `continues` hint
+  are stored cold only while the bimodal directory would have served clearly more (1.25
+  times) full-attention tokens over the last few hundred lookups than the LRU one, and
+  than the tier itself served while inserting normally. A request with one is stored
+  as its hint says ("Hints from clients", below).
 
 **Memory per group in bytes.** Pages differ in size across groups (a Gemma 3 window
 block holds 52 layers, its full-attention block 10; a Nemotron-H Mamba state is about six
@@ -801,9 +802,9 @@ HINTS_SECTION = """## Hints from clients
 A request may say what its client knows (`RequestControls.continues` and `session_id` in
 the library; `conversation_continues` and `session_id` in vLLM's `kv_transfer_params`,
 `docs/vllm.md`). The `hybrid` and `value` policies use a hint where one is given and learn
-as above where none is; `lru` and `arc` ignore hints. A hint changes only what is stored
-and what is demoted, never what a hit loads (the planner state machine test drives random
-hints under every policy and checks every loaded block):
+as above where none is; `lru` and `arc` ignore hints. A hint changes only what is stored,
+how it enters host memory and what is demoted, never what a hit loads (the planner state
+machine test drives random hints under every policy and checks every loaded block):
 
 * `continues=True`: the prompt's end and every point after it are hit points, whatever was
   learned about turn ends: the windows and states at the end of the prompt and of the turn
@@ -815,8 +816,9 @@ hints under every policy and checks every loaded block):
   granule multiples before the prompt's end (a prompt ending on one keeps it) and points
   learned from misses.
 * Under `value`, a hint also sets how the request's new blocks enter host memory, whatever
-  the insertion duel says: cold (evicted before normal blocks, as bimodal insertion stores
-  them) for `continues=False`, since no later turn reads what only this prompt has (a
+  the insertion duel says: cold (evicted before normal blocks unless those are more than
+  90 % of the blocks held, as bimodal insertion stores them) for `continues=False`, since
+  no later turn reads what only this prompt has (a
   branch that does finds them while they last, and its hit makes them normal); normally
   for `continues=True`, since its next turn reads them. Without a hint the duel decides,
   as above.

@@ -22,7 +22,8 @@ class PlannerStats:
     duplicate_reports: int = 0
     abandoned_loads: int = 0
     cold_stored_keys: int = 0
-    """Keys stored cold (bimodal insertion; see ``kvoffload.planner.insertion``)."""
+    """Keys stored cold (bimodal insertion, or a ``continues=False`` hint; see
+    ``kvoffload.planner.insertion``)."""
     blocks_loaded: dict[int, int] = field(default_factory=dict)
     blocks_stored: dict[int, int] = field(default_factory=dict)
 

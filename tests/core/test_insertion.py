@@ -356,3 +356,21 @@ def test_hints_keep_the_conversation_that_comes_back() -> None:
 
     assert second_turn_hit(with_hints=True) == 16
     assert second_turn_hit(with_hints=False) == 0
+
+
+def test_a_hint_set_after_the_first_lookup_counts_for_later_stores() -> None:
+    """``set_controls`` applies to what comes after it: a request looked up without a hint
+    (the duel says normal) whose client then says the conversation ends stores what it
+    computes from then on cold."""
+    h = Harness(400)
+    h.bimodal_ahead(False)
+    req = Req(h.hasher, hot_id("late"), list(range(16)))
+    assert h.planner.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    ids = tuple(range(100, 104))
+    h.planner.update_state_after_alloc(req, (ids,) * h.num_groups, 0)
+    h.compute(req, ids, 0, 8)
+    first = {make_offload_key(hash_, 0) for hash_ in req.block_hashes[:2]}
+    assert first <= set(h.tier) and not first & h.cold()
+    h.planner.set_controls(req, RequestControls(continues=False))
+    h.compute(req, ids, 8, 8)
+    assert full_keys(req) - first <= h.cold() and not first & h.cold()

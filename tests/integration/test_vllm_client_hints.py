@@ -30,7 +30,7 @@ def test_client_hints_reach_the_policy_and_steer_what_is_kept(
     normally when it will (``selective.stores_cold``)."""
     from integration.vllm_kit import engine, random_prompts
     from kvoffload.keys import key_group
-    from kvoffload.planner.selective import HitPointStorePolicy
+    from kvoffload.planner.selective import HitPointStorePolicy, stores_cold
     from kvoffload.tiers.base import TierHints
 
     with engine(tiny_model("gemma3"), block_size=BLOCK,
@@ -48,8 +48,9 @@ def test_client_hints_reach_the_policy_and_steer_what_is_kept(
 
         def first_lookup(st: Any, computed: int, hit: int) -> None:
             real_lookup(st, computed, hit)
-            seen[st.request.request_id] = (st.controls, policy.continues_hint(st),
-                                           st.policy.stores_cold)
+            hint = policy.continues_hint(st)
+            seen[st.request.request_id] = (st.controls, hint,
+                                           stores_cold(hint, st.policy.duel_cold))
 
         def finished(st: Any) -> None:
             current.append(st.request.request_id)

@@ -53,9 +53,11 @@ class RequestControls:
             will not, so only what other requests may share is stored: the prompt's end
             and the points after it are not hit points (their window blocks and states
             are spare while the tier has room, else not stored); full-attention blocks,
-            granule points and points learned from misses stay. Under ``value`` the hint
-            also sets how the request's new blocks enter host memory: cold (evicted
-            first) for False, normally for True, whatever the insertion duel says.
+            granule points and points learned from misses stay. Under ``value`` (with a
+            full-attention group) the hint also sets how the request's new blocks enter
+            host memory: cold for False (evicted before normal blocks unless those are
+            more than ``NORMAL_SHARE`` of what is held), normally for True, whatever the
+            insertion duel says.
             None: the policy learns whether turn ends are hit points and how to insert,
             as without hints.
         session_id: the conversation or agent session the request belongs to. A hit-point

@@ -182,8 +182,7 @@ class HitPointStorePolicy(StorePolicy):
                             num_computed_tokens // full.offloaded_block_size,
                             hit_end - num_computed_tokens)
         pst.cold_candidate = not is_hot_request(st.request.request_id)
-        pst.stores_cold = stores_cold(self.continues_hint(st), pst.cold_candidate,
-                                      duel.bimodal_ahead)
+        pst.duel_cold = pst.cold_candidate and duel.bimodal_ahead
 
     def touch_skip(self, st: RequestState, finishing: bool) -> AbstractSet[OffloadKey]:
         pst = st.policy
@@ -224,9 +223,11 @@ class HitPointStorePolicy(StorePolicy):
                 list(zip(candidates, map(charge.__getitem__, key_groups(candidates)),
                          strict=True)),
                 pst.cold_candidate, normal=resume_keys)
-        if pst.stores_cold:
-            # Bimodal insertion: the newly stored keys go in cold, except the window and
-            # state blocks stored only for the resume point (a preemption reloads them).
+        if self._insertion is not None and stores_cold(self.continues_hint(st),
+                                                       pst.duel_cold):
+            # Cold insertion (bimodal, or a conversation that ends): the newly stored keys
+            # go in cold, except the window and state blocks stored only for the resume
+            # point (a preemption reloads them).
             cold = [key for key in stored if key not in resume_keys]
             pst.cold_keys.extend(cold)
             self._stats.cold_stored_keys += self.tier.hint(TierHints(cool=tuple(cold)))
@@ -370,17 +371,17 @@ class HitPointStorePolicy(StorePolicy):
         self._insertion = self._new_insertion()  # its directories modelled what is gone
 
 
-def stores_cold(continues: bool | None, cold_candidate: bool, bimodal_ahead: bool) -> bool:
-    """Whether a request stores its new blocks cold, given its ``continues`` hint
-    (``HitPointStorePolicy.continues_hint``): a client that says the conversation ends
-    stores them cold (no later turn reads what only this prompt has; a branch that does
-    finds them while they last, and its touch makes them normal), one that says it goes
-    on stores them normally (its next turn reads them), whatever the insertion duel says;
-    without a hint, the duel decides (a cold candidate while bimodal insertion is
-    ahead)."""
+def stores_cold(continues: bool | None, duel_cold: bool) -> bool:
+    """Whether a request's newly stored blocks go in cold (``value``), given its
+    ``continues`` hint (``HitPointStorePolicy.continues_hint``) and the insertion duel's
+    verdict at its first lookup (``PolicyRequestState.duel_cold``): a client that says the
+    conversation ends stores them cold (no later turn reads what only this prompt has; a
+    branch that does finds them while they last, and its hit makes them normal), one that
+    says it goes on stores them normally (its next turn reads them), whatever the duel
+    says; without a hint, the duel decides."""
     if continues is not None:
         return not continues
-    return cold_candidate and bimodal_ahead
+    return duel_cold
 
 
 def hybrid_store_policy(context: StorePolicyContext) -> HitPointStorePolicy:

@@ -42,10 +42,12 @@ class PolicyRequestState:
     (``Admit.SPARE_ROOM``): demoted when it finishes."""
     cold_candidate: bool = False
     """Bimodal insertion stores this request's blocks cold (not ``is_hot_request``)."""
-    stores_cold: bool = False
-    """The request stores its new blocks cold: its client said the conversation ends, or,
-    without a hint, a cold candidate that arrived while bimodal insertion was ahead
-    (``selective.stores_cold``)."""
+    duel_cold: bool = False
+    """The insertion duel's verdict at the request's first lookup: a cold candidate that
+    arrived while bimodal insertion was ahead. Its new blocks go in cold when this holds
+    and it has no ``continues`` hint, or when its hint says it ends
+    (``selective.stores_cold``, applied at each store, so a hint set later counts from
+    then on)."""
     cold_keys: list[OffloadKey] = field(default_factory=list)
     """Keys the request stored cold (bimodal insertion): the touch at its finish leaves
     them cold. Cleared on a preemption, which warms the request's whole prefix."""

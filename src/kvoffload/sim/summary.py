@@ -72,7 +72,7 @@ class RunSummary:
     host memory the tier's slots take (every slot is as large as the largest group's
     offloaded block); ``host_bytes_peak`` counts only the blocks' own bytes.
     ``cold_keys`` counts host blocks stored cold (the value policy's bimodal
-    insertion).
+    insertion, or requests whose ``continues`` hint says they end).
     """
 
     offload: bool

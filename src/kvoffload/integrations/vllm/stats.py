@@ -41,7 +41,7 @@ COUNTERS: dict[str, str] = {
     "failed_stores": "Stores that failed; their host slots were freed.",
     "store_retries": "Stores postponed because the host tier had no evictable room.",
     "cold_keys": "Host blocks stored cold (first to evict) by the value policy's "
-                 "bimodal insertion.",
+                 "bimodal insertion or for a conversation_continues=false hint.",
     "loaded_bytes": "Bytes copied host -> engine, summed over ranks.",
     "stored_bytes": "Bytes copied engine -> host, summed over ranks.",
     "load_seconds": "Seconds spent in loads, summed over ranks.",
