@@ -717,14 +717,14 @@ trace nothing a request carries predicts which first turns come back ("Which pro
 back", below), so no online policy can make that choice, and the hit goal is missed most
 at 5 % of the working set, where that choice is all that counts. A client that knows
 whether its conversation goes on can make it: with a `continues` hint, `value` stores the
-new blocks of a conversation that ends *cold* (evicted first) and those of one that goes
-on normally ("Hints from clients", below). With hints drawn at 90 % accuracy that closes
-much of the gap on the trace (the second distance table): at 5 % of the working set from
-0.27x to 0.61x the oracle's host hit on gpt-oss-20b, 0.72x to 1.02x on gemma3-27b, 0.42x
-to 0.66x on nemotron-h-8b and 0.24x to 0.34x on llama3-8b; at 20 % every preset is at
-0.85x or more. Without hints the choice is left to the insertion duel and recency.
-The rule has no parameter fitted to the trace, and the trace's second half says the same:
-on the 2000 requests after its midpoint in time (`tail -n +5607
+new blocks of a conversation that ends *cold* (first in line for eviction) and those of
+one that goes on normally ("Hints from clients", below). With hints drawn at 90 %
+accuracy that closes much of the gap on the trace (the second distance table): at 5 % of
+the working set from 0.27x to 0.61x the oracle's host hit on gpt-oss-20b, 0.72x to 1.02x
+on gemma3-27b, 0.42x to 0.66x on nemotron-h-8b and 0.24x to 0.34x on llama3-8b; at 20 %
+every preset is at 0.85x or more. Without hints the choice is left to the insertion duel
+and recency. The rule has no parameter fitted to the trace, and the trace's second half
+says the same: on the 2000 requests after its midpoint in time (`tail -n +5607
 mooncake_conversation_trace.jsonl | head -n 2000`, the same sweep), `value` with 90
 %-accurate hints reaches 0.28x (llama3-8b) and 0.49x (gpt-oss-20b) the oracle's host hit
 at 5 % of that slice's working set, 0.52x and 0.80x at 10 %, 0.83x and 0.95x at 20 %,
@@ -818,10 +818,9 @@ machine test drives random hints under every policy and checks every loaded bloc
 * Under `value`, a hint also sets how the request's new blocks enter host memory, whatever
   the insertion duel says: cold (evicted before normal blocks unless those are more than
   90 % of the blocks held, as bimodal insertion stores them) for `continues=False`, since
-  no later turn reads what only this prompt has (a
-  branch that does finds them while they last, and its hit makes them normal); normally
-  for `continues=True`, since its next turn reads them. Without a hint the duel decides,
-  as above.
+  no later turn reads what only this prompt has (a branch that does finds them while they
+  last, and its hit makes them normal); normally for `continues=True`, since its next
+  turn reads them. Without a hint the duel decides, as above.
 * `session_id`: the policy remembers the last 65,536 session ids it saw at a first lookup;
   a request whose session an earlier request had, and which gives no `continues`, is
   taken as `continues=True`. The first request of a session is learned as without hints.

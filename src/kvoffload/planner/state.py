@@ -49,8 +49,9 @@ class PolicyRequestState:
     (``selective.stores_cold``, applied at each store, so a hint set later counts from
     then on)."""
     cold_keys: list[OffloadKey] = field(default_factory=list)
-    """Keys the request stored cold (bimodal insertion): the touch at its finish leaves
-    them cold. Cleared on a preemption, which warms the request's whole prefix."""
+    """Keys the request stored cold (bimodal insertion, or its hint says it ends): the
+    touch at its finish leaves them cold. Cleared on a preemption, which warms the
+    request's whole prefix."""
 
     def forget_stores(self) -> None:
         """The cache was reset: nothing the request stored is left."""
