@@ -47,6 +47,12 @@ class RunFigures:
     """kvoffload's loads (each makes its request wait for it, at least one engine step)."""
     deferred_lookups: int = 0
     """Lookups kvoffload answered "ask again later" (a block the hit needs in flight)."""
+    queue_mean_ms: float = math.nan
+    """Mean time from a request's arrival at the engine to its first scheduling (vLLM's
+    ``vllm:request_queue_time_seconds``): a load kvoffload makes it wait for counts here."""
+    prefill_mean_ms: float = math.nan
+    """Mean time from a request's first scheduling to its first token
+    (``vllm:request_prefill_time_seconds``): the steps its prefill took."""
 
 
 def revisits(records: Sequence[dict[str, Any]]) -> list[bool]:
@@ -100,7 +106,15 @@ def figures(config: str, workload: str, concurrency: int, run: ClientRun, *,
         flush_wait_s=delta.total("vllm:kvoffload_flush_wait_seconds_total"),
         loaded_tokens=int(loaded),
         load_jobs=int(delta.total("vllm:kvoffload_load_jobs_total")),
-        deferred_lookups=int(delta.total("vllm:kvoffload_deferred_lookups_total")))
+        deferred_lookups=int(delta.total("vllm:kvoffload_deferred_lookups_total")),
+        queue_mean_ms=_mean_ms(delta, "vllm:request_queue_time_seconds"),
+        prefill_mean_ms=_mean_ms(delta, "vllm:request_prefill_time_seconds"))
+
+
+def _mean_ms(delta: Metrics, histogram: str) -> float:
+    """Mean of a server histogram over the run, in milliseconds (NaN: no sample)."""
+    count = delta.total(histogram + "_count")
+    return 1000 * delta.total(histogram + "_sum") / count if count > 0 else math.nan
 
 
 def _ratio(base: float, value: float) -> float:

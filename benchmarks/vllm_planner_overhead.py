@@ -17,6 +17,13 @@ hybrid one (sliding window + full attention, like gpt-oss).
 
     .venv/bin/python benchmarks/vllm_planner_overhead.py [--requests 192] [--repeat 5]
     VLLM_TARGET_DEVICE=cpu .venv-vllm034/bin/python benchmarks/vllm_planner_overhead.py
+    .venv/bin/python benchmarks/vllm_planner_overhead.py --profile   # where the time goes
+
+``--profile`` runs each kvoffload connector once per layout under ``cProfile`` instead
+and prints the time spent in each of kvoffload's modules (own time, not counting what a
+function calls), largest first, with each module's difference between ``value`` and
+``lru``: what the default policy's own bookkeeping costs, and where. Profiled time is
+inflated against the plain runs (about 2x); compare its figures with each other only.
 
 Goal: ratio <= 1 for kvoffload-lru (kvoffload costs no more than vLLM's own scheduler side
 doing the same work); kvoffload-value, the default, is printed beside it.
@@ -272,6 +279,50 @@ def run(which: str, layout: str, workload: Workload, model: Path, host_bytes: in
     return RunResult(steps, timer.seconds, step_seconds, timer.loaded_tokens)
 
 
+def profile_by_module(which: str, layout: str, workload: Workload, model: Path,
+                      host_bytes: int) -> tuple[dict[str, float], int]:
+    """One run of ``which`` under ``cProfile``: seconds of own time per kvoffload module
+    (path below ``kvoffload/``), and the run's engine steps."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        result = run(which, layout, workload, model, host_bytes)
+    finally:
+        profiler.disable()
+    by_module: dict[str, float] = {}
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # not in typeshed
+    for (filename, _line, _name), (_cc, _nc, own, _cum, _callers) in stats.items():
+        path = Path(filename).as_posix()
+        if "/kvoffload/" in path:
+            module = path.rsplit("/kvoffload/", 1)[1]
+            by_module[module] = by_module.get(module, 0.0) + own
+    return by_module, result.steps
+
+
+def print_profile(workload: Workload, model: Path, host_bytes: int) -> None:
+    """``--profile``: kvoffload's time per module, ``value`` beside ``lru`` (module doc)."""
+    for layout in ("full", "hybrid"):
+        found: dict[str, dict[str, float]] = {}
+        steps = 0
+        with quiet():  # warm-up: first calls (imports, caches) not in either profile
+            run("kvoffload-value", layout, workload, model, host_bytes)
+        for which in ("kvoffload-lru", "kvoffload-value"):
+            with quiet():
+                found[which], steps = profile_by_module(which, layout, workload, model,
+                                                        host_bytes)
+        lru, value = found["kvoffload-lru"], found["kvoffload-value"]
+        print(f"  {layout}: own time per module in us per step ({steps} steps, profiled), "
+              f"lru {1e6 * sum(lru.values()) / steps:.0f}, "
+              f"value {1e6 * sum(value.values()) / steps:.0f}")
+        print(f"    {'module':44s} {'lru':>8s} {'value':>8s} {'value-lru':>10s}")
+        for module in sorted(set(lru) | set(value), key=lambda m: -value.get(m, 0.0))[:20]:
+            a, b = (1e6 * d.get(module, 0.0) / steps for d in (lru, value))
+            print(f"    {module:44s} {a:8.0f} {b:8.0f} {b - a:10.0f}")
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     logging.disable(logging.WARNING)
@@ -289,9 +340,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=192)
     parser.add_argument("--repeat", type=int, default=5, help="runs per connector (median)")
     parser.add_argument("--host-gib", type=float, default=16.0)
+    parser.add_argument("--profile", action="store_true",
+                        help="one profiled run of each kvoffload connector per layout: own "
+                             "time per kvoffload module, value beside lru (no ratios)")
     args = parser.parse_args(argv)
     workload = make_workload(args.requests)
     host_bytes = int(args.host_gib * (1 << 30))
+    if args.profile:
+        print(f"{args.requests} requests x 2 passes, block {BLOCK}, host {args.host_gib} GiB")
+        with tempfile.TemporaryDirectory() as tmp:
+            print_profile(workload, model_dir(Path(tmp)), host_bytes)
+        return 0
     print(f"{args.requests} requests x 2 passes, {sum(map(len, workload.prompts))} prompt "
           f"tokens per pass, block {BLOCK}, host {args.host_gib} GiB; median of "
           f"{args.repeat} runs")

@@ -32,7 +32,9 @@ run without offloading at the same load in the same invocation (above 1 is bette
 share of prompt tokens the server did not compute, which tier served kvoffload's loads,
 and how long the server's steps waited before their forward pass for transfers still
 using blocks vLLM handed out again (``flush wait``); ``--json`` adds kvoffload's load
-jobs, loaded tokens and deferred lookups. The script exits 1 when a request fails, when
+jobs, loaded tokens and deferred lookups, and the server's mean queue time (arrival to
+first scheduling, a load's wait included) and prefill time (first scheduling to first
+token). The script exits 1 when a request fails, when
 a greedy output differs from the run without offloading, or when an offloading run
 loads nothing.
 

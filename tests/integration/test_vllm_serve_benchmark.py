@@ -10,6 +10,7 @@ and that kvoffload served loads. No time is asserted: the benchmark prints its r
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -103,13 +104,21 @@ def test_a_run_reads_kvoffloads_waits_loads_and_deferrals_from_the_server() -> N
         'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"} 60\n'
         'vllm:kvoffload_flush_wait_seconds_total{engine="0"} 0.25\n'
         'vllm:kvoffload_load_jobs_total{engine="0"} 3\n'
-        'vllm:kvoffload_deferred_lookups_total{engine="0"} 2\n')
+        'vllm:kvoffload_deferred_lookups_total{engine="0"} 2\n'
+        '# TYPE vllm:request_queue_time_seconds histogram\n'
+        'vllm:request_queue_time_seconds_sum{engine="0"} 0.5\n'
+        'vllm:request_queue_time_seconds_count{engine="0"} 2\n'
+        '# TYPE vllm:request_prefill_time_seconds histogram\n'
+        'vllm:request_prefill_time_seconds_sum{engine="0"} 3.0\n'
+        'vllm:request_prefill_time_seconds_count{engine="0"} 2\n')
     run = figures("host", "chat", 4, ClientRun(result, 4.0), delta=delta,
                   revisit=[False, True])
     assert (run.flush_wait_s, run.load_jobs, run.loaded_tokens, run.deferred_lookups) == (
         0.25, 3, 60, 2)
+    assert (run.queue_mean_ms, run.prefill_mean_ms) == (250.0, 1500.0)
     base = figures("none", "chat", 4, ClientRun(result, 4.0), delta=Metrics.parse(""),
                    revisit=[False, True])
+    assert math.isnan(base.queue_mean_ms)  # no request counted: no mean
     rows = table_rows("tiny", [base, run])
     wait = HEADER.index("flush wait")
     assert [row[wait] for row in rows] == ["-", "0.25 s"]
