@@ -151,8 +151,9 @@ class RunResult:
 
 @contextlib.contextmanager
 def engine(model: BuiltModel, config: Configuration, settings: RunSettings,
-           ) -> Iterator[Any]:
-    """A started ``vllm.LLM`` for ``config``; shut down and forgotten at exit."""
+           cache_requests: float = ENGINE_CACHE_REQUESTS) -> Iterator[Any]:
+    """A started ``vllm.LLM`` for ``config``, its own cache sized for ``cache_requests``
+    of the longest requests; shut down and forgotten at exit."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -170,8 +171,7 @@ def engine(model: BuiltModel, config: Configuration, settings: RunSettings,
                   enforce_eager=True, seed=0, max_model_len=max_len,
                   enable_prefix_caching=True, max_num_seqs=4,
                   max_num_batched_tokens=spec.step_tokens,
-                  kv_cache_memory_bytes=spec.engine_cache_bytes(max_len,
-                                                                ENGINE_CACHE_REQUESTS),
+                  kv_cache_memory_bytes=spec.engine_cache_bytes(max_len, cache_requests),
                   disable_log_stats=False, use_tqdm_on_load=False,
                   kv_transfer_config=transfer)
         check_groups(llm, model)
