@@ -41,9 +41,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-# One core for the engine's OpenMP threads with and without a connector, as vLLM reserves
-# it without one (docs/vllm.md, "Cores on a small CPU host").
-os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

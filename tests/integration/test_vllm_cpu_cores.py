@@ -43,10 +43,24 @@ def test_engine_advice_reads_this_process(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.delenv(RESERVED_ENV, raising=False)
     monkeypatch.delenv(BIND_ENV, raising=False)
-    config = SimpleNamespace(parallel_config=SimpleNamespace(local_world_size=1))
+    config = SimpleNamespace(parallel_config=SimpleNamespace(
+        local_world_size=1, distributed_executor_backend="mp"))
     from vllm.platforms import current_platform
 
     expected = current_platform.is_cpu() and len(os.sched_getaffinity(0)) <= 2
     assert (engine_advice(config) is not None) is expected
     monkeypatch.setenv(RESERVED_ENV, "1")
+    assert engine_advice(config) is None
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_no_advice_for_an_engine_in_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's one-process executor binds no OpenMP threads, so reserves no core."""
+    from kvoffload.integrations.vllm.cpu_cores import engine_advice
+
+    monkeypatch.delenv(RESERVED_ENV, raising=False)
+    monkeypatch.delenv(BIND_ENV, raising=False)
+    config = SimpleNamespace(parallel_config=SimpleNamespace(
+        local_world_size=1, distributed_executor_backend="uni"))
     assert engine_advice(config) is None

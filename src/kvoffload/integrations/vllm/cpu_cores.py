@@ -12,7 +12,10 @@ thread that shares it, and steps run several times slower (measured on two cores
 small model: 3.9 requests/s against 12.2 without the connector, 14.9 with it once the
 reservation is set right). ``VLLM_CPU_NUM_OF_RESERVED_CPU`` set to the number of local
 workers restores what vLLM reserves without a connector; ``reservation_advice`` says so
-at start-up where it applies.
+at start-up where it applies. The reservation is made only by vLLM's multiprocess
+executor (``distributed_executor_backend="mp"``, what the server and the CPU backend's
+``LLM`` use); an engine run in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the
+``"uni"`` executor) binds no threads and gets no advice.
 """
 
 from __future__ import annotations
@@ -49,10 +52,13 @@ def reservation_advice(*, on_cpu: bool, cores: int, local_workers: int,
 
 def engine_advice(vllm_config: object) -> str | None:
     """``reservation_advice`` for the running engine (this process's cores and
-    environment, ``vllm_config``'s local world size)."""
+    environment, ``vllm_config``'s local world size); None where the engine's executor
+    binds no OpenMP threads (any but vLLM's multiprocess one: module doc)."""
     from vllm.platforms import current_platform
 
     parallel = getattr(vllm_config, "parallel_config", None)
+    if getattr(parallel, "distributed_executor_backend", "mp") != "mp":
+        return None
     workers = int(getattr(parallel, "local_world_size", 0)
                   or getattr(parallel, "world_size", 1) or 1)
     return reservation_advice(on_cpu=bool(current_platform.is_cpu()),
