@@ -36,31 +36,38 @@ def test_no_advice_off_the_cpu_backend() -> None:
                               env={BIND_ENV: "auto"}) is not None
 
 
-@pytest.mark.vllm
-@requires_vllm
-def test_engine_advice_reads_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvoffload.integrations.vllm.cpu_cores import engine_advice
+def _engine(backend: str) -> SimpleNamespace:
+    """A vLLM config as ``engine_advice`` reads it: one local worker, ``backend``'s
+    executor."""
+    return SimpleNamespace(parallel_config=SimpleNamespace(
+        local_world_size=1, distributed_executor_backend=backend))
 
+
+@pytest.fixture
+def unchosen(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """Neither a reservation nor a thread binding chosen by the operator."""
     monkeypatch.delenv(RESERVED_ENV, raising=False)
     monkeypatch.delenv(BIND_ENV, raising=False)
-    config = SimpleNamespace(parallel_config=SimpleNamespace(
-        local_world_size=1, distributed_executor_backend="mp"))
-    from vllm.platforms import current_platform
-
-    expected = current_platform.is_cpu() and len(os.sched_getaffinity(0)) <= 2
-    assert (engine_advice(config) is not None) is expected
-    monkeypatch.setenv(RESERVED_ENV, "1")
-    assert engine_advice(config) is None
+    return monkeypatch
 
 
 @pytest.mark.vllm
 @requires_vllm
-def test_no_advice_for_an_engine_in_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_advice_reads_this_process(unchosen: pytest.MonkeyPatch) -> None:
+    from vllm.platforms import current_platform
+
+    from kvoffload.integrations.vllm.cpu_cores import engine_advice
+
+    expected = current_platform.is_cpu() and len(os.sched_getaffinity(0)) <= 2
+    assert (engine_advice(_engine("mp")) is not None) is expected
+    unchosen.setenv(RESERVED_ENV, "1")
+    assert engine_advice(_engine("mp")) is None
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_no_advice_for_an_engine_in_one_process(unchosen: pytest.MonkeyPatch) -> None:
     """vLLM's one-process executor binds no OpenMP threads, so reserves no core."""
     from kvoffload.integrations.vllm.cpu_cores import engine_advice
 
-    monkeypatch.delenv(RESERVED_ENV, raising=False)
-    monkeypatch.delenv(BIND_ENV, raising=False)
-    config = SimpleNamespace(parallel_config=SimpleNamespace(
-        local_world_size=1, distributed_executor_backend="uni"))
-    assert engine_advice(config) is None
+    assert engine_advice(_engine("uni")) is None
