@@ -4,9 +4,10 @@ A *revisit* is a prompt whose long prefix (a document) was read before and has l
 vLLM's own prefix cache. Without offloading vLLM computes the whole prompt again; with
 kvoffload it loads the prefix from host memory and computes only the new tokens. This
 script runs vLLM (in this process, the Llama-shaped model of ``vllm_e2e.py``: 8 layers,
-hidden 512, random weights) without and with kvoffload's host tier, reads each document
-once, empties vLLM's own cache, and then sends revisits (each document with a new
-question):
+hidden 512, random weights) without offloading and with each of ``--configs`` (``host``:
+kvoffload's host tier; ``disk``: host memory for about one request, a disk tier behind it,
+so most loads come from disk), reads each document once, empties vLLM's own cache, and
+then sends revisits (each document with a new question):
 
   alone      one revisit, nothing else running
   together   ``--together`` revisits at once (of other documents)
@@ -19,8 +20,8 @@ and the ratio of the mean TTFT without offloading to the one with it. Greedy out
 be equal with and without kvoffload, and kvoffload must have loaded something; else the
 script exits 1.
 
-    python benchmarks/revisit_steps.py                    # about 2 minutes
-    python benchmarks/revisit_steps.py --together 4 --document-tokens 4096 --json
+    python benchmarks/revisit_steps.py                    # about 1 minute
+    python benchmarks/revisit_steps.py --configs host,disk --document-tokens 4096 --json
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ from e2e_models import FIRST_ORDINARY_TOKEN, MODELS, VOCAB, build_model
 from e2e_workload import WorkloadShape
 
 CASES = ("alone", "together")
+OFFLOADING = ("host", "disk")
+"""The kvoffload configurations of ``e2e_engine.CONFIGURATIONS`` this script runs."""
 
 
 @dataclass(frozen=True)
@@ -130,10 +133,11 @@ def run_config(config_name: str, args: argparse.Namespace, root: Path, prompts: 
     shape = WorkloadShape(system_tokens=0, documents=1, document_tokens=args.document_tokens,
                           conversations=1, turns=1, question_tokens=args.question_tokens,
                           answer_tokens=args.answer_tokens)
+    spec = MODELS["llama"]
     settings = RunSettings(shape=shape, host_memory_bytes=8 << 30,
-                           small_host_memory_bytes=1 << 30, policy=None,
-                           disk_root=root / "disk", redis_url=None)
-    model = build_model(MODELS["llama"], root / "model")
+                           small_host_memory_bytes=spec.kv_bytes(shape.longest_request),
+                           policy=None, disk_root=root / "disk", redis_url=None)
+    model = build_model(spec, root / "model")
     read = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
     answer = SamplingParams(temperature=0, max_tokens=args.answer_tokens, ignore_eos=True,
                             detokenize=False)
@@ -193,8 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-tokens", type=int, default=8, help="default 8")
     parser.add_argument("--together", type=int, default=4,
                         help="revisits sent at once in the 'together' case (default 4)")
+    parser.add_argument("--configs", default="host",
+                        help="kvoffload configurations beside vLLM alone, from "
+                             f"{', '.join(OFFLOADING)} (default host)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in OFFLOADING]
+    if unknown or not configs:
+        parser.error(f"--configs: choose from {', '.join(OFFLOADING)} (got {args.configs!r})")
     for flag in ("document_tokens", "question_tokens", "answer_tokens", "together"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
@@ -203,20 +214,24 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[CaseResult]] = {}
     counters: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("none", "host"):
+        for name in ("none", *dict.fromkeys(configs)):
             results[name], counters[name] = run_config(name, args, Path(tmp) / name, prompts)
     problems = []
-    for base, ours in zip(results["none"], results["host"], strict=True):
-        if base.outputs != ours.outputs:
-            problems.append(f"{ours.case}: outputs differ with kvoffload")
-    if not counters["host"].get("hit_tokens"):
-        problems.append("kvoffload loaded nothing")
-    ratios = {b.case: b.mean_ttft_ms / o.mean_ttft_ms
-              for b, o in zip(results["none"], results["host"], strict=True)}
+    ratios: dict[str, dict[str, float]] = {}
+    for name, runs in results.items():
+        if name == "none":
+            continue
+        for base, ours in zip(results["none"], runs, strict=True):
+            if base.outputs != ours.outputs:
+                problems.append(f"{name}, {ours.case}: outputs differ with kvoffload")
+            ratios.setdefault(name, {})[ours.case] = base.mean_ttft_ms / ours.mean_ttft_ms
+        if not counters[name].get("hit_tokens"):
+            problems.append(f"{name}: kvoffload loaded nothing")
     if args.json:
         print(json.dumps({"runs": [{k: v for k, v in asdict(r).items() if k != "outputs"}
                                    for rs in results.values() for r in rs],
-                          "ttft_ratio": ratios, "connector": counters["host"],
+                          "ttft_ratio": ratios,
+                          "connector": {n: c for n, c in counters.items() if n != "none"},
                           "problems": problems}, indent=1))
     else:
         print(f"document {args.document_tokens} tokens, question {args.question_tokens}, "
@@ -228,8 +243,10 @@ def main(argv: list[str] | None = None) -> int:
                 each = ", ".join(f"{t:.0f}" for t in r.ttft_ms)
                 print(f"{r.config:6s} {r.case:9s} {each:28s} {r.steps:5d} "
                       f"{r.empty_ms:7.0f}ms {r.prefill_ms:7.0f}ms {r.decode_ms:7.0f}ms")
-        for case, ratio in ratios.items():
-            print(f"mean TTFT without offloading / with kvoffload, {case}: {ratio:.1f}x")
+        for name, by_case in ratios.items():
+            for case, ratio in by_case.items():
+                print(f"mean TTFT without offloading / with kvoffload ({name}), {case}: "
+                      f"{ratio:.1f}x")
         for problem in problems:
             print(f"PROBLEM: {problem}")
     return 1 if problems else 0
