@@ -45,7 +45,15 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e_engine import CONFIGURATIONS, RunSettings, connector_counters, drain, engine, warm_up
+from e2e_engine import (
+    CONFIGURATIONS,
+    RunSettings,
+    connector_counters,
+    drain,
+    engine,
+    parse_configurations,
+    warm_up,
+)
 from e2e_models import FIRST_ORDINARY_TOKEN, MODELS, VOCAB, build_model
 from e2e_workload import WorkloadShape
 
@@ -161,8 +169,8 @@ def run_config(config_name: str, args: argparse.Namespace, root: Path, prompts: 
                 out = schedule(*a, **k)
                 steps.append(Step(time.perf_counter() - began,
                                   tuple(out.num_scheduled_tokens.values())))
-                if os.environ.get("REVISIT_STEPS_DEBUG"):
-                    print(f"  {case} step at {1000 * steps[-1].at:.0f} ms: "
+                if args.trace:
+                    print(f"  {config_name} {case} step at {1000 * steps[-1].at:.0f} ms: "
                           f"{dict(out.num_scheduled_tokens)} waiting {len(scheduler.waiting)}",
                           file=sys.stderr)
                 return out
@@ -201,10 +209,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="kvoffload configurations beside vLLM alone, from "
                              f"{', '.join(OFFLOADING)} (default host)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--trace", action="store_true",
+                        help="print every engine step to stderr: when it was scheduled, the "
+                             "tokens it scheduled per request, the requests still waiting")
     args = parser.parse_args(argv)
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in OFFLOADING]
-    if unknown or not configs:
+    try:  # the baseline ("none") first, in e2e_engine's order
+        configs = [c.name for c in parse_configurations(args.configs)]
+    except ValueError:
+        configs = []
+    if len(configs) < 2 or not set(configs) <= {"none", *OFFLOADING}:
         parser.error(f"--configs: choose from {', '.join(OFFLOADING)} (got {args.configs!r})")
     for flag in ("document_tokens", "question_tokens", "answer_tokens", "together"):
         if getattr(args, flag) < 1:
@@ -214,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[CaseResult]] = {}
     counters: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("none", *dict.fromkeys(configs)):
+        for name in configs:  # the baseline, "none", first
             results[name], counters[name] = run_config(name, args, Path(tmp) / name, prompts)
     problems = []
     ratios: dict[str, dict[str, float]] = {}

@@ -305,21 +305,22 @@ def profile_by_module(which: str, layout: str, workload: Workload, model: Path,
 def print_profile(workload: Workload, model: Path, host_bytes: int) -> None:
     """``--profile``: kvoffload's time per module, ``value`` beside ``lru`` (module doc)."""
     for layout in ("full", "hybrid"):
-        found: dict[str, dict[str, float]] = {}
-        steps = 0
+        per_step: dict[str, dict[str, float]] = {}  # connector -> module -> us per step
+        steps: dict[str, int] = {}
         with quiet():  # warm-up: first calls (imports, caches) not in either profile
             run("kvoffload-value", layout, workload, model, host_bytes)
         for which in ("kvoffload-lru", "kvoffload-value"):
             with quiet():
-                found[which], steps = profile_by_module(which, layout, workload, model,
-                                                        host_bytes)
-        lru, value = found["kvoffload-lru"], found["kvoffload-value"]
-        print(f"  {layout}: own time per module in us per step ({steps} steps, profiled), "
-              f"lru {1e6 * sum(lru.values()) / steps:.0f}, "
-              f"value {1e6 * sum(value.values()) / steps:.0f}")
+                seconds, steps[which] = profile_by_module(which, layout, workload, model,
+                                                          host_bytes)
+            per_step[which] = {m: 1e6 * s / steps[which] for m, s in seconds.items()}
+        lru, value = per_step["kvoffload-lru"], per_step["kvoffload-value"]
+        print(f"  {layout}: own time per module in us per step (profiled), "
+              f"lru {sum(lru.values()):.0f} over {steps['kvoffload-lru']} steps, "
+              f"value {sum(value.values()):.0f} over {steps['kvoffload-value']} steps")
         print(f"    {'module':44s} {'lru':>8s} {'value':>8s} {'value-lru':>10s}")
         for module in sorted(set(lru) | set(value), key=lambda m: -value.get(m, 0.0))[:20]:
-            a, b = (1e6 * d.get(module, 0.0) / steps for d in (lru, value))
+            a, b = lru.get(module, 0.0), value.get(module, 0.0)
             print(f"    {module:44s} {a:8.0f} {b:8.0f} {b - a:10.0f}")
 
 
