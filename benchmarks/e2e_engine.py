@@ -258,9 +258,13 @@ def connector_counters(llm: Any) -> dict[str, Any]:
                                 "deferral_timeouts": stats.deferral_timeouts,
                                 "failed_loads": stats.failed_loads,
                                 "abandoned_loads": stats.abandoned_loads}
-    loaded = getattr(getattr(side.tier, "stats", None), "loaded_blocks", None)
+    cascade = getattr(side.tier, "stats", None)  # a tier cascade's counters, if any
+    loaded = getattr(cascade, "loaded_blocks", None)
     if isinstance(loaded, dict):
         counters["loaded_blocks_by_tier"] = dict(loaded)
+    no_room = getattr(cascade, "promote_no_room_miss", None)
+    if isinstance(no_room, dict):
+        counters["blocks_without_room"] = sum(no_room.values())
     return counters
 
 

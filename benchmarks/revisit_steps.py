@@ -260,6 +260,16 @@ def main(argv: list[str] | None = None) -> int:
             for case, ratio in by_case.items():
                 print(f"mean TTFT without offloading / with kvoffload ({name}), {case}: "
                       f"{ratio:.1f}x")
+        for name, c in counters.items():
+            if name == "none":
+                continue
+            line = f"kvoffload ({name}), both cases: {c.get('load_jobs', 0)} load jobs"
+            if "loaded_blocks_by_tier" in c:
+                line += f", blocks loaded by tier {c['loaded_blocks_by_tier']}"
+            if "blocks_without_room" in c:
+                line += (f", {c['blocks_without_room']} blocks recomputed for want of a "
+                         "host slot to promote into")
+            print(line)
         for problem in problems:
             print(f"PROBLEM: {problem}")
     return 1 if problems else 0

@@ -79,7 +79,8 @@ def build_offload(config: OffloadConfig, tiers: TierConfig | None = None, *,
             ranks, LRU, like a server's ``maxmemory``) instead of asking a server.
         remote_capacity_bytes: the modelled remote tier's budget (``accounting``).
         prefill_flops: the model's prefill cost (``Planner``).
-        clock: the planner's clock (``Planner``).
+        clock: the planner's clock (``Planner``), also the cascade's (its wait for host
+            room, ``CascadeTier``).
 
     Building a disk tier scans its directory (a restarted engine finds what it stored);
     building a remote tier opens no connection yet.
@@ -90,7 +91,7 @@ def build_offload(config: OffloadConfig, tiers: TierConfig | None = None, *,
     if lower_tiers is None:
         lower_tiers = build_lower_tiers(config, tiers, accounting=accounting,
                                         remote_capacity_bytes=remote_capacity_bytes)
-    tier: Tier = CascadeTier(host, list(lower_tiers)) if lower_tiers else host
+    tier: Tier = CascadeTier(host, list(lower_tiers), clock=clock) if lower_tiers else host
     planner = Planner(config, tier, policy, prefill_flops=prefill_flops, clock=clock)
     return Offload(config, policy, host, tier, planner)
 

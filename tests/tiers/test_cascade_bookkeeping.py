@@ -191,19 +191,96 @@ def test_a_host_tier_alone_rejects_tier_reports() -> None:
         host.update_from_tier_reports([WorkerReport(0, tier_finished=(TierJobId(0),))])
 
 
-def test_promotes_without_a_free_host_slot_answer_miss_once(tmp_path: Path) -> None:
-    tier, _ = cascade(tmp_path, slots=1)
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def full_host_with_a_pinned_key(tmp_path: Path) -> tuple[CascadeTier, Clock]:
+    """One host slot: key 1 in it, pinned by a load; key 0 on disk only."""
+    clock = Clock()
+    cfg = config(slots=1)
+    disk = DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20), "ns")
+    tier = CascadeTier(host_tier(cfg), [disk], room_wait_s=0.5, clock=clock)
     store(tier, key(0))
     store(tier, key(1))
-    report(tier, tier.take_tier_work().jobs)  # key 0 on disk, key 1 in host memory
-    tier.prepare_load([key(1)])  # pinned: nothing can be evicted
-    tier.hint(TierHints(prefetch=(key(0),)))
-    assert only(tier.take_tier_work(), TierOp.PROMOTE) == ()
+    report(tier, tier.take_tier_work().jobs)
+    assert tier.host.ref_count(key(1)) == 0 and tier.lookup(key(0)) is PENDING
+    tier.prepare_load([key(1)])
+    return tier, clock
+
+
+def want(tier: CascadeTier, *keys: OffloadKey) -> tuple[TierJob, ...]:
+    tier.hint(TierHints(prefetch=keys))
+    return only(tier.take_tier_work(), TierOp.PROMOTE)
+
+
+def test_a_promote_without_a_host_slot_waits_while_a_load_holds_one(tmp_path: Path) -> None:
+    tier, clock = full_host_with_a_pinned_key(tmp_path)
+    assert want(tier, key(0)) == ()
     assert tier.stats.promote_no_room == 1
-    assert tier.lookup(key(0)) is MISS  # the request proceeds instead of waiting
+    assert tier.lookup(key(0)) is PENDING  # the request waits for room ...
+    assert tier.answer_wait_s([key(0)]) == 0.5  # ... by time, not by steps
+    assert tier.answer_wait_s([key(1)]) == 0.0
+    clock.now += 0.4
+    assert want(tier, key(0)) == ()
+    assert tier.lookup(key(0)) is PENDING
+    tier.complete_load([key(1)])  # the load finished: its slot can be taken
+    (promote,) = want(tier, key(0))
+    assert promote.key == key(0)
+    assert tier.answer_wait_s([key(0)]) == 0.0  # being promoted: bounded by steps again
+    assert tier.stats.promote_no_room_miss == {}
+    report(tier, (promote,))
+    assert tier.lookup(key(0)) is HIT
+
+
+def test_a_promote_that_waited_room_wait_s_answers_miss_once(tmp_path: Path) -> None:
+    tier, clock = full_host_with_a_pinned_key(tmp_path)
+    assert want(tier, key(0)) == ()
+    clock.now += 0.5
+    assert want(tier, key(0)) == ()
+    assert tier.stats.promote_no_room_miss == {"disk": 1}
+    assert tier.lookup(key(0)) is MISS  # the request proceeds and recomputes
+    assert tier.answer_wait_s([key(0)]) == 0.0
     tier.take_tier_work()
-    assert tier.lookup(key(0)) is PENDING  # and later tries again
+    assert tier.lookup(key(0)) is PENDING  # a later request tries again, with a new wait
+    assert want(tier, key(0)) == ()
+    assert tier.lookup(key(0)) is PENDING
     tier.complete_load([key(1)])
+
+
+def test_a_promote_without_a_host_slot_answers_miss_at_once_when_nothing_will_free(
+        tmp_path: Path) -> None:
+    tier, _ = full_host_with_a_pinned_key(tmp_path)
+    tier.complete_load([key(1)])
+    # key 1 is idle, but the same step's prefetch names it: it may not be evicted, and
+    # no key in host memory is being written or loaded, so no slot will come.
+    assert want(tier, key(0), key(1)) == ()
+    assert tier.lookup(key(0)) is MISS
+    assert tier.stats.promote_no_room_miss == {"disk": 1}
+
+
+def test_a_wait_for_room_ends_when_its_request_stops_asking(tmp_path: Path) -> None:
+    tier, clock = full_host_with_a_pinned_key(tmp_path)
+    assert want(tier, key(0)) == ()
+    tier.take_tier_work()  # no lookup wanted key 0 this step
+    assert tier.answer_wait_s([key(0)]) == 0.0
+    clock.now += 0.5
+    assert want(tier, key(0)) == ()  # asked again: a new wait begins
+    assert tier.lookup(key(0)) is PENDING
+    tier.reset()
+    assert tier.answer_wait_s([key(0)]) == 0.0
+
+
+def test_room_wait_s_must_be_seconds(tmp_path: Path) -> None:
+    cfg = config()
+    disk = DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20), "ns")
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="room_wait_s"):
+            CascadeTier(host_tier(cfg), [disk], room_wait_s=bad)
 
 
 # -- the disk index -------------------------------------------------------------------------

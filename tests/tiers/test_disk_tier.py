@@ -2,9 +2,10 @@
 tier I/O, and a real directory. The engine checks every loaded block byte for byte.
 
 Stories: a prefix pushed out of a small host memory comes back from disk for every group
-kind; an engine process stores, exits, and a new process hits what it stored; a corrupted
-block file is a miss (the hit shrinks to the blocks before it) and is deleted; a full
-file system fails stores cleanly and the engine goes on serving.
+kind, and revisits sent at once come back in turn; an engine process stores, exits, and a
+new process hits what it stored; a corrupted block file is a miss (the hit shrinks to the
+blocks before it) and is deleted; a full file system fails stores cleanly and the engine
+goes on serving.
 """
 
 from __future__ import annotations
@@ -62,6 +63,29 @@ def test_a_prefix_evicted_from_host_memory_comes_back_from_disk(tmp_path: Path) 
         # A second request finds them in host memory now.
         assert engine.run([[*prompt(1, PREFIX), 4, 5, 6]]) == perfect
         assert stats.loaded_blocks["host"] == fa + window + 1
+
+
+def test_revisits_sent_at_once_come_back_from_disk_in_turn(tmp_path: Path) -> None:
+    """Host memory has room for one prefix's hit at a time; four revisits sent at once
+    each wait for room to promote into while the one before loads, instead of all but
+    one recomputing."""
+    config = hybrid_config(host_slots=16)
+    queries = [[*prompt(s, PREFIX), 1, 2, 3] for s in range(1, 5)]
+    (perfect,) = baseline_hits(config, [prompt(1, PREFIX), queries[0]])[1:]
+    with tiered_engine(config, disk_tiers(tmp_path, mode=WriteMode.WRITE_BACK)) as engine:
+        flood(engine, range(1, 6))  # prompts 1 to 4 are pushed out to disk
+        before = engine.sim.hit_tokens
+        requests = [engine.sim.add_request(q, 2) for q in queries]
+        for _ in range(400):
+            if all(r.state == "done" for r in requests):
+                break
+            engine.step(16)
+        assert all(r.state == "done" for r in requests)
+        stats = engine.tier.stats
+        assert stats.promote_no_room > 0  # they did wait for host room
+        assert stats.promote_no_room_miss == {}
+        assert engine.sim.hit_tokens - before == 4 * perfect
+        assert stats.hit_shares() == {"disk": 1.0}
 
 
 def test_a_restarted_engine_process_hits_what_the_last_one_stored(tmp_path: Path) -> None:

@@ -22,9 +22,9 @@ The planner decides every transfer and never moves a byte. Its promises:
   those blocks until ``ReportOutcome.released_loads`` names the job;
 * a deferred lookup ("ask again later") is answered within ``max_deferred_steps`` steps
   (and, when set, ``min_deferral_s`` seconds, whichever comes later); one that waits on
-  answers a lower tier is still asking a server for (``Tier.answer_wait_s``) waits for
-  them up to that many seconds from its first deferral, however many steps pass, and
-  the step bound starts once they came.
+  answers a lower tier is still asking a server for, or on host room for a promote
+  (``Tier.answer_wait_s``), waits up to that many seconds from its first deferral,
+  however many steps pass, and the step bound starts once the wait ended.
 """
 
 from __future__ import annotations

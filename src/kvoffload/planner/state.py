@@ -152,7 +152,8 @@ class RequestState:
         when it may; ``deferred_steps`` is the caller's).
 
         While a lower tier's answers about the keys it waits on are outstanding
-        (``answer_wait_s`` > 0: a server not heard back from yet) it may for
+        (``answer_wait_s`` > 0: a server not heard back from yet, or host memory with
+        no room yet to promote them into) it may for
         ``max(min_s, answer_wait_s)`` seconds since its first deferral, however many
         steps pass (an idle engine steps far faster than a server answers). With nothing
         outstanding (blocks being written or promoted) it may for ``max_steps`` answers

@@ -280,10 +280,10 @@ class Tier(ABC):
     def answer_wait_s(self, keys: Iterable[OffloadKey]) -> float:
         """Seconds a lookup that found ``keys`` PENDING may keep waiting for answers a
         lower tier asked for about them and has not heard back on (the largest such bound:
-        the remote tier's round-trip timeout while its existence check is outstanding);
-        0.0 when no such answer is outstanding -- the keys are being written or promoted,
-        which the planner bounds by steps. Default: 0.0 (no lower tiers). Changes
-        nothing."""
+        the remote tier's round-trip timeout while its existence check is outstanding), or
+        for host room to promote them into (a cascade's ``room_wait_s``); 0.0 when no such
+        wait is outstanding -- the keys are being written or promoted, which the planner
+        bounds by steps. Default: 0.0 (no lower tiers). Changes nothing."""
         del keys
         return 0.0
 

@@ -16,7 +16,12 @@ remote), and turns what happens in host memory into *tier jobs* for the workers:
   lower tier into that slot. When every rank reported it the key becomes readable in host
   memory (HIT at the next lookup); if any rank failed (missing, truncated, corrupt or
   foreign block, I/O error) the slot is freed, the lower tier drops the key, and the
-  lookup after answers MISS -- the engine recomputes, it never gets wrong bytes.
+  lookup after answers MISS -- the engine recomputes, it never gets wrong bytes. A key host
+  memory has no slot for waits for one while keys held there will become evictable (being
+  written, or pinned by loads), for at most ``room_wait_s`` seconds, reported through
+  ``answer_wait_s`` so the planner defers its request by time, not by steps an idle engine
+  spins through in milliseconds; then, or at once when nothing will free, its next lookup
+  answers MISS and the request recomputes.
 * **Demote, write-back.** Keys host memory evicts go to every write-back tier. Their slot
   is about to be written again (by this very plan's stores or promotes), so the ``DEMOTE``
   job is a *snapshot*: the worker copies the slot's bytes before it submits anything else
@@ -40,7 +45,8 @@ report of a job never issued raises ``InvariantError``. The jobs themselves are 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import MappingProxyType
 
 from kvoffload.jobs import TierWork, WorkerReport
@@ -61,7 +67,14 @@ from kvoffload.tiers.host import HostTier
 from kvoffload.tiers.lower import LowerTier
 from kvoffload.tiers.tier_jobs import CascadeStats, TierJobQueue, bump
 
-__all__ = ["HOST", "CascadeStats", "CascadeTier"]
+__all__ = ["HOST", "ROOM_WAIT_S", "CascadeStats", "CascadeTier"]
+
+ROOM_WAIT_S = 1.0
+"""Seconds a wanted key may wait for a host slot (``CascadeTier``'s ``room_wait_s``).
+Room comes when loads in flight finish and unpin their keys, or promotes and stores land:
+one step's transfers, milliseconds on a GPU host and tens of them on a CPU one. The
+bound only ends waits that something stalls (a worker's copies held up); a prefix that
+takes longer to come back than this is better recomputed anyway."""
 
 
 class CascadeTier(Tier):
@@ -76,7 +89,11 @@ class CascadeTier(Tier):
 
     name = "cascade"
 
-    def __init__(self, host: HostTier, lowers: Sequence[LowerTier]) -> None:
+    def __init__(self, host: HostTier, lowers: Sequence[LowerTier], *,
+                 room_wait_s: float = ROOM_WAIT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not room_wait_s >= 0.0:
+            raise ValueError(f"room_wait_s must be 0 or more seconds, got {room_wait_s!r}")
         names = [lt.name for lt in lowers]
         if len(set(names)) != len(names) or HOST in names:
             raise ValueError(f"lower tier names must be unique and not {HOST!r}: {names}")
@@ -89,7 +106,11 @@ class CascadeTier(Tier):
         self._want: dict[OffloadKey, LowerTier] = {}
         self._interest: set[OffloadKey] = set()
         self._no_room: set[OffloadKey] = set()
-        self._no_room_next: set[OffloadKey] = set()
+        """Wanted keys that found no host slot and may not wait: MISS until the next plan."""
+        self._room_wait_s = room_wait_s
+        self._clock = clock
+        self._awaiting_room: dict[OffloadKey, float] = {}
+        """Wanted keys waiting for a host slot, and since when."""
         self._jobs.collect_deletes()
 
     # -- host delegation ----------------------------------------------------------------
@@ -102,6 +123,11 @@ class CascadeTier(Tier):
 
     def __iter__(self) -> Iterator[OffloadKey]:
         return iter(self.host)
+
+    @property
+    def room_wait_s(self) -> float:
+        """Seconds a wanted key may wait for a host slot to be promoted into."""
+        return self._room_wait_s
 
     def lower(self, name: str) -> LowerTier:
         """The lower tier called ``name``."""
@@ -199,11 +225,32 @@ class CascadeTier(Tier):
         """Promote the wanted keys, then hand out every queued tier job (see the module
         docstring). Call once per step plan, after the plan's stores were reserved."""
         wanted, self._want = self._want, {}
-        self._no_room_next.update(self._jobs.promote(wanted, frozenset(self._interest)))
+        no_room = self._jobs.promote(wanted, frozenset(self._interest))
+        self._no_room = self._wait_for_room(no_room)
+        for key in self._no_room:
+            bump(self.stats.promote_no_room_miss, wanted[key].name)
         self._jobs.collect_deletes()
         self._interest = set()
-        self._no_room, self._no_room_next = self._no_room_next, set()
         return self._jobs.take_work()
+
+    def _wait_for_room(self, no_room: Sequence[OffloadKey]) -> set[OffloadKey]:
+        """Of the keys a promote found no slot for, those whose next lookup answers MISS:
+        all of them when no key in host memory is being written or pinned (nothing will
+        free), else those that waited ``room_wait_s``; the rest wait on. A key no request
+        asked for again in this plan is forgotten."""
+        space = self.host.space
+        if not no_room or space.num_writing + space.num_pinned == 0:
+            self._awaiting_room = {}
+            missed = set(no_room)
+        else:
+            now = self._clock()
+            since = self._awaiting_room
+            self._awaiting_room = {key: since.get(key, now) for key in no_room}
+            missed = {key for key, t in self._awaiting_room.items()
+                      if now - t >= self._room_wait_s}
+            for key in missed:
+                del self._awaiting_room[key]
+        return missed
 
     def update_from_tier_reports(self, reports: Sequence[WorkerReport]) -> None:
         """Count tier-job reports per rank; finish jobs every rank reported."""
@@ -215,12 +262,15 @@ class CascadeTier(Tier):
 
     def answer_wait_s(self, keys: Iterable[OffloadKey]) -> float:
         """The largest ``LowerTier.answer_wait_s`` of these keys over the lower tiers
-        (0.0 when no lower tier is still asking about any of them)."""
+        (0.0 when no lower tier is still asking about any of them); at least
+        ``room_wait_s`` where one of them waits for a host slot."""
+        keys = list(keys)
         waits = [lt.answer_wait_s for lt in self.lowers
                  if type(lt).answer_wait_s is not LowerTier.answer_wait_s]
-        if not waits:
-            return 0.0
-        return max((wait(key) for key in keys for wait in waits), default=0.0)
+        answers = max((wait(key) for key in keys for wait in waits), default=0.0)
+        if self._awaiting_room and any(key in self._awaiting_room for key in keys):
+            return max(answers, self._room_wait_s)
+        return answers
 
     @property
     def num_tier_jobs(self) -> int:
@@ -240,7 +290,7 @@ class CascadeTier(Tier):
         self._want.clear()
         self._interest.clear()
         self._no_room.clear()
-        self._no_room_next.clear()
+        self._awaiting_room.clear()
         self._jobs.reset()
 
     def usage(self) -> TierUsage:

@@ -46,7 +46,10 @@ class CascadeStats:
             from for that request). Their shares are the tiers' hit shares.
         loaded_group_blocks: the same, by (tier, group index).
         promoted / promote_failed: promotes that completed, by source tier.
-        promote_no_room: wanted keys host memory had no slot for (answered MISS once).
+        promote_no_room: promotes of wanted keys host memory had no slot for.
+        promote_no_room_miss: of them, the keys whose lookup then answered MISS (nothing
+            in host memory would free, or they waited ``room_wait_s``), by the tier that
+            held them: their requests recomputed what those keys held.
         demoted / demote_failed: demotes that completed, by destination tier.
         worthless_not_demoted: host evictions not written back because the planner had
             demoted the key (no likely hit uses it).
@@ -59,6 +62,7 @@ class CascadeStats:
     promoted: dict[str, int] = field(default_factory=dict)
     promote_failed: dict[str, int] = field(default_factory=dict)
     promote_no_room: int = 0
+    promote_no_room_miss: dict[str, int] = field(default_factory=dict)
     demoted: dict[str, int] = field(default_factory=dict)
     demote_failed: dict[str, int] = field(default_factory=dict)
     worthless_not_demoted: int = 0

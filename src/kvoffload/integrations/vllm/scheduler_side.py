@@ -296,7 +296,7 @@ class SchedulerSide:
     def _by_tier(self) -> dict[str, dict[str, int]]:
         """Cumulative per-tier counters (``stats.TIER_COUNTERS``): blocks loaded by the
         tier that held them (all "host" without lower tiers), lower-tier writes, failed
-        writes and reads."""
+        writes and reads, blocks computed for want of host room to promote them into."""
         if not isinstance(self.tier, CascadeTier):
             return {"tier_blocks_loaded": {"host": sum(self.planner.stats.blocks_loaded
                                                        .values())}}
@@ -304,7 +304,8 @@ class SchedulerSide:
         return {"tier_blocks_loaded": stats.loaded_blocks,
                 "tier_blocks_written": stats.demoted,
                 "tier_write_failures": stats.demote_failed,
-                "tier_read_failures": stats.promote_failed}
+                "tier_read_failures": stats.promote_failed,
+                "tier_blocks_without_room": stats.promote_no_room_miss}
 
     def shutdown(self) -> None:
         self.planner.shutdown()

@@ -62,6 +62,9 @@ TIER_COUNTERS: dict[str, str] = {
                            "there), by tier.",
     "tier_read_failures": "Reads from a lower tier that failed (the block is a miss; "
                           "vLLM computes it), by tier.",
+    "tier_blocks_without_room": "Blocks a lower tier held that vLLM computed because host "
+                                "memory had no slot to bring them up into (too small for the "
+                                "requests loading at once), by tier.",
 }
 GAUGES: dict[str, str] = {
     "host_capacity_slots": "Host tier capacity in offloaded blocks.",
