@@ -263,6 +263,16 @@ def test_a_promote_without_a_host_slot_answers_miss_at_once_when_nothing_will_fr
     assert tier.stats.promote_no_room_miss == {"disk": 1}
 
 
+def test_a_prefetch_larger_than_host_memory_does_not_wait_for_room(tmp_path: Path) -> None:
+    tier, _ = full_host_with_a_pinned_key(tmp_path)
+    # One request's hit of two keys, host memory of one slot: it can never come up whole.
+    assert want(tier, key(0), key(7)) == ()
+    assert tier.lookup(key(0)) is MISS
+    assert tier.answer_wait_s([key(0)]) == 0.0
+    assert tier.stats.promote_no_room_miss == {"disk": 1}
+    tier.complete_load([key(1)])
+
+
 def test_a_wait_for_room_ends_when_its_request_stops_asking(tmp_path: Path) -> None:
     tier, clock = full_host_with_a_pinned_key(tmp_path)
     assert want(tier, key(0)) == ()

@@ -20,8 +20,9 @@ remote), and turns what happens in host memory into *tier jobs* for the workers:
   memory has no slot for waits for one while keys held there will become evictable (being
   written, or pinned by loads), for at most ``room_wait_s`` seconds, reported through
   ``answer_wait_s`` so the planner defers its request by time, not by steps an idle engine
-  spins through in milliseconds; then, or at once when nothing will free, its next lookup
-  answers MISS and the request recomputes.
+  spins through in milliseconds; then, or at once when nothing will free or the request's
+  prefetch is larger than host memory, its next lookup answers MISS and the request
+  recomputes.
 * **Demote, write-back.** Keys host memory evicts go to every write-back tier. Their slot
   is about to be written again (by this very plan's stores or promotes), so the ``DEMOTE``
   job is a *snapshot*: the worker copies the slot's bytes before it submits anything else
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 
 from kvoffload.jobs import TierWork, WorkerReport
@@ -111,6 +113,8 @@ class CascadeTier(Tier):
         self._clock = clock
         self._awaiting_room: dict[OffloadKey, float] = {}
         """Wanted keys waiting for a host slot, and since when."""
+        self._too_big: set[OffloadKey] = set()
+        """Keys of this step's prefetches larger than host memory: they never wait."""
         self._jobs.collect_deletes()
 
     # -- host delegation ----------------------------------------------------------------
@@ -179,8 +183,12 @@ class CascadeTier(Tier):
         """Eviction hints go to host memory (``HostTier.hint``, which keeps demoted keys
         from write-back); then ``prefetch`` hints make every key a lower tier holds and
         host memory lacks *wanted*: the next step plan promotes it (``take_tier_work``),
-        shielding the prefetched keys host memory holds from the evictions it causes."""
+        shielding the prefetched keys host memory holds from the evictions it causes. A
+        prefetch (one request's hit) larger than host memory cannot come up whole: its
+        keys do not wait for room (``take_tier_work``)."""
         cooled = self.host.hint(hints)
+        if len(hints.prefetch) > self.host.capacity:
+            self._too_big.update(hints.prefetch)
         for key in hints.prefetch:
             self._interest.add(key)
             if key in self.host or key in self._want or key in self._no_room:
@@ -226,31 +234,34 @@ class CascadeTier(Tier):
         docstring). Call once per step plan, after the plan's stores were reserved."""
         wanted, self._want = self._want, {}
         no_room = self._jobs.promote(wanted, frozenset(self._interest))
-        self._no_room = self._wait_for_room(no_room)
+        self._no_room = self._wait_for_room(no_room, self._too_big)
+        self._too_big = set()
         for key in self._no_room:
             bump(self.stats.promote_no_room_miss, wanted[key].name)
         self._jobs.collect_deletes()
         self._interest = set()
         return self._jobs.take_work()
 
-    def _wait_for_room(self, no_room: Sequence[OffloadKey]) -> set[OffloadKey]:
+    def _wait_for_room(self, no_room: Sequence[OffloadKey],
+                       too_big: AbstractSet[OffloadKey]) -> set[OffloadKey]:
         """Of the keys a promote found no slot for, those whose next lookup answers MISS:
         all of them when no key in host memory is being written or pinned (nothing will
-        free), else those that waited ``room_wait_s``; the rest wait on. A key no request
-        asked for again in this plan is forgotten."""
+        free), else those of a prefetch larger than host memory (``too_big``) and those
+        that waited ``room_wait_s``; the rest wait on. A key no request asked for again in
+        this plan is forgotten."""
         space = self.host.space
         if not no_room or space.num_writing + space.num_pinned == 0:
             self._awaiting_room = {}
-            missed = set(no_room)
-        else:
-            now = self._clock()
-            since = self._awaiting_room
-            self._awaiting_room = {key: since.get(key, now) for key in no_room}
-            missed = {key for key, t in self._awaiting_room.items()
-                      if now - t >= self._room_wait_s}
-            for key in missed:
-                del self._awaiting_room[key]
-        return missed
+            return set(no_room)
+        now = self._clock()
+        since = self._awaiting_room
+        self._awaiting_room = {key: since.get(key, now) for key in no_room
+                               if key not in too_big}
+        missed = {key for key, t in self._awaiting_room.items()
+                  if now - t >= self._room_wait_s}
+        for key in missed:
+            del self._awaiting_room[key]
+        return set(no_room) - self._awaiting_room.keys()
 
     def update_from_tier_reports(self, reports: Sequence[WorkerReport]) -> None:
         """Count tier-job reports per rank; finish jobs every rank reported."""
@@ -291,6 +302,7 @@ class CascadeTier(Tier):
         self._interest.clear()
         self._no_room.clear()
         self._awaiting_room.clear()
+        self._too_big.clear()
         self._jobs.reset()
 
     def usage(self) -> TierUsage:
