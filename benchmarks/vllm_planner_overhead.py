@@ -337,14 +337,28 @@ def quiet() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=192)
-    parser.add_argument("--repeat", type=int, default=5, help="runs per connector (median)")
-    parser.add_argument("--host-gib", type=float, default=16.0)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=192,
+                        help="synthetic requests per pass; each runs twice, the second pass "
+                             "served by the connector (default 192)")
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="runs per connector and layout; the median is printed "
+                             "(default 5)")
+    parser.add_argument("--host-gib", type=float, default=16.0,
+                        help="host memory of both connectors in GiB (default 16: enough "
+                             "for every block of the default workload, so neither evicts and both "
+                             "do the same work)")
     parser.add_argument("--profile", action="store_true",
                         help="one profiled run of each kvoffload connector per layout: own "
                              "time per kvoffload module, value beside lru (no ratios)")
     args = parser.parse_args(argv)
+    for flag, value in (("--requests", args.requests), ("--repeat", args.repeat)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if not args.host_gib > 0:
+        parser.error(f"--host-gib must be a positive number of GiB, got {args.host_gib}")
     workload = make_workload(args.requests)
     host_bytes = int(args.host_gib * (1 << 30))
     if args.profile:
