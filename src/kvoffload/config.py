@@ -203,9 +203,10 @@ class OffloadConfig:
             reads it (an unknown name raises ``ConfigError`` there).
         max_deferred_steps: a request told "ask again later" this many times in a row gets
             what is readable instead (no request waits forever). Deferrals that wait on
-            a lower tier's outstanding answers (a Redis existence check) are bounded by
-            that tier's call timeout in seconds instead and do not count here
-            (``Planner``, ``Tier.answer_wait_s``).
+            a lower tier's outstanding answers (a Redis existence check), or on host room
+            to promote into, are bounded in seconds instead (that tier's call timeout,
+            the cascade's room wait) and do not count here (``Planner``,
+            ``Tier.answer_wait_s``).
         min_deferral_s: and not before this many (wall-clock) seconds since its first
             "ask again later": an engine with nothing else to do steps every few hundred
             microseconds, faster than a lower tier answers an existence check; 0 (the

@@ -54,6 +54,8 @@ class Offload:
     host: HostTier
     tier: Tier
     planner: Planner
+    clock: Callable[[], float] = time.monotonic
+    """The clock the planner and a cascade measure their waits with."""
 
 
 def build_offload(config: OffloadConfig, tiers: TierConfig | None = None, *,
@@ -93,7 +95,7 @@ def build_offload(config: OffloadConfig, tiers: TierConfig | None = None, *,
                                         remote_capacity_bytes=remote_capacity_bytes)
     tier: Tier = CascadeTier(host, list(lower_tiers), clock=clock) if lower_tiers else host
     planner = Planner(config, tier, policy, prefill_flops=prefill_flops, clock=clock)
-    return Offload(config, policy, host, tier, planner)
+    return Offload(config, policy, host, tier, planner, clock)
 
 
 def disk_index(config: OffloadConfig, disk: DiskTierConfig, ns: str, *,

@@ -199,12 +199,14 @@ class Clock:
         return self.now
 
 
-def full_host_with_a_pinned_key(tmp_path: Path) -> tuple[CascadeTier, Clock]:
+def full_host_with_a_pinned_key(tmp_path: Path, stall_s: float = 0.5,
+                                ) -> tuple[CascadeTier, Clock]:
     """One host slot: key 1 in it, pinned by a load; key 0 on disk only."""
     clock = Clock()
     cfg = config(slots=1)
     disk = DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20), "ns")
-    tier = CascadeTier(host_tier(cfg), [disk], room_wait_s=0.5, clock=clock)
+    tier = CascadeTier(host_tier(cfg), [disk], room_wait_s=0.5, room_stall_s=stall_s,
+                       clock=clock)
     store(tier, key(0))
     store(tier, key(1))
     report(tier, tier.take_tier_work().jobs)
@@ -223,7 +225,8 @@ def test_a_promote_without_a_host_slot_waits_while_a_load_holds_one(tmp_path: Pa
     assert want(tier, key(0)) == ()
     assert tier.stats.promote_no_room == 1
     assert tier.lookup(key(0)) is PENDING  # the request waits for room ...
-    assert tier.answer_wait_s([key(0)]) == 0.5  # ... by time, not by steps
+    assert tier.answer_wait_s([key(0)]) == 1.0  # ... by time (twice the bound: the tier
+    # ends the wait itself), not by steps
     assert tier.answer_wait_s([key(1)]) == 0.0
     clock.now += 0.4
     assert want(tier, key(0)) == ()
@@ -252,6 +255,45 @@ def test_a_promote_that_waited_room_wait_s_answers_miss_once(tmp_path: Path) -> 
     tier.complete_load([key(1)])
 
 
+def test_a_wait_for_room_ends_when_no_promote_gets_a_slot_for_room_stall_s(
+        tmp_path: Path) -> None:
+    tier, clock = full_host_with_a_pinned_key(tmp_path, stall_s=0.25)
+    assert want(tier, key(0)) == ()
+    clock.now += 0.2
+    assert want(tier, key(0)) == ()
+    assert tier.lookup(key(0)) is PENDING
+    clock.now += 0.05  # a quarter second and no promote started: room is not coming
+    assert want(tier, key(0)) == ()
+    assert tier.lookup(key(0)) is MISS
+    assert tier.stats.promote_no_room_miss == {"disk": 1}
+    tier.complete_load([key(1)])
+
+
+def test_a_promote_that_gets_a_slot_extends_the_others_wait(tmp_path: Path) -> None:
+    clock = Clock()
+    cfg = config(slots=2)
+    disk = DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20), "ns")
+    tier = CascadeTier(host_tier(cfg), [disk], room_wait_s=1.0, room_stall_s=0.25,
+                       clock=clock)
+    for k in (key(0), key(5), key(2), key(3)):  # keys 0 and 5 end up on disk only
+        store(tier, k)
+        report(tier, tier.take_tier_work().jobs)
+    tier.prepare_load([key(2), key(3)])  # both host slots pinned by loads
+    assert want(tier, key(0)) == ()
+    clock.now += 0.2
+    tier.complete_load([key(3)])
+    (promote,) = want(tier, key(5), key(0))  # key 5 takes the slot that freed ...
+    assert promote.key == key(5)
+    clock.now += 0.2  # ... so key 0, 0.4 s into its wait, waits on
+    assert want(tier, key(0)) == ()
+    assert tier.lookup(key(0)) is PENDING
+    clock.now += 0.1  # a quarter second since a promote last started
+    assert want(tier, key(0)) == ()
+    assert tier.lookup(key(0)) is MISS
+    report(tier, (promote,))
+    tier.complete_load([key(2)])
+
+
 def test_a_promote_without_a_host_slot_answers_miss_at_once_when_nothing_will_free(
         tmp_path: Path) -> None:
     tier, _ = full_host_with_a_pinned_key(tmp_path)
@@ -273,6 +315,27 @@ def test_a_prefetch_larger_than_host_memory_does_not_wait_for_room(tmp_path: Pat
     tier.complete_load([key(1)])
 
 
+def test_a_prefetch_over_the_byte_budget_does_not_wait_for_room(tmp_path: Path) -> None:
+    groups = (GroupSpec(GroupKind.FULL_ATTENTION, 4, page_bytes=100),
+              GroupSpec(GroupKind.MAMBA, 4, page_bytes=300))
+    cfg = OffloadConfig(groups=groups, hash_block_size=4, host_capacity_bytes=600,
+                        num_workers=2, eviction_policy="lru", host_accounting="bytes")
+    disk = DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20), "ns")
+    tier = CascadeTier(host_tier(cfg), [disk], clock=Clock())
+    hit = (key(10, 1), key(11, 1), key(12))  # 300 + 300 + 100 bytes: six keys' worth of
+    for k in (*hit, key(20, 1), key(21, 1), key(30)):  # slots, but 700 bytes of 600
+        store(tier, k)
+        report(tier, tier.take_tier_work().jobs)
+    assert all(tier.lookup(k) is PENDING for k in hit[:2])  # on disk only
+    tier.prepare_load([key(30)])  # a load in flight: something will free
+    promoted = {job.key for job in want(tier, *hit)}
+    left_out = [k for k in hit if k not in promoted and k not in tier.host]
+    assert left_out  # host memory had no room for the whole hit ...
+    assert all(tier.lookup(k) is MISS for k in left_out)  # ... and never will: no wait
+    assert tier.answer_wait_s(hit) == 0.0
+    tier.complete_load([key(30)])
+
+
 def test_a_wait_for_room_ends_when_its_request_stops_asking(tmp_path: Path) -> None:
     tier, clock = full_host_with_a_pinned_key(tmp_path)
     assert want(tier, key(0)) == ()
@@ -288,9 +351,11 @@ def test_a_wait_for_room_ends_when_its_request_stops_asking(tmp_path: Path) -> N
 def test_room_wait_s_must_be_seconds(tmp_path: Path) -> None:
     cfg = config()
     disk = DiskIndex(cfg, DiskTierConfig(str(tmp_path), 1 << 20), "ns")
-    for bad in (-1.0, float("nan")):
+    for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="room_wait_s"):
             CascadeTier(host_tier(cfg), [disk], room_wait_s=bad)
+        with pytest.raises(ValueError, match="room_stall_s"):
+            CascadeTier(host_tier(cfg), [disk], room_stall_s=bad)
 
 
 # -- the disk index -------------------------------------------------------------------------

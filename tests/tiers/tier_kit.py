@@ -373,7 +373,8 @@ class TieredEngine:
         self.sim.tier = self.any_tier  # type: ignore[assignment]
         self.sim.planner = offload.planner
         if isinstance(self.any_tier, CascadeTier):  # rule 8: a wait for host room is timed
-            self.sim.max_deferral_s = max(self.sim.max_deferral_s, self.any_tier.room_wait_s)
+            self.sim.max_deferral_s = max(self.sim.max_deferral_s,
+                                          self.any_tier.room_deferral_s)
         self.workers = holder["w"]
 
     @property

@@ -325,7 +325,10 @@ def test_the_cli_stops_a_looping_template_within_its_budget(tmp_path: Path,
     started = time.monotonic()
     status, _, err = run_cli("trace", "convert", log, "--model", model, "--chat-template",
                              template, "-o", tmp_path / "out.jsonl", "-q", cwd=tmp_path)
-    one_error_line(status, err, "chat.jsonl:1", "tmpl.jinja", "to render")
+    one_error_line(status, err, "chat.jsonl:1", "tmpl.jinja")
+    # Whichever budget it reaches first stops it: the render time, or on a fast machine
+    # the size of what it wrote.
+    assert "to render" in err or "renders over" in err, err
     assert time.monotonic() - started < 40
 
 

@@ -34,7 +34,7 @@ class HitReach:
             give more than ``end``.
         answer_wait_s: when ``waiting_helps``, ``Tier.answer_wait_s`` of the PENDING keys
             (how long the tier may still take to answer about them; > 0.0 while a lower
-            tier is still asking a server); else 0.0.
+            tier is still asking a server, or a promote waits for host room); else 0.0.
     """
 
     end: int
@@ -130,10 +130,11 @@ class PrefixLookup:
         self.tier.hint(TierHints(prefetch=tuple(self.hit_keys(st, num_computed, hopeful))))
         wait_s = self.tier.answer_wait_s(pending_keys)
         if wait_s > 0.0:
-            # A server is still being asked. The fixpoint looks at one window or Mamba
-            # candidate at a time (the next one only once the last is known absent), so
-            # ask about every block a hit in (end, hopeful] could use now: one round trip
-            # instead of one per candidate.
+            # A server is still being asked (or host room for a promote is awaited; the
+            # probe below then finds answers known already). The fixpoint looks at one
+            # window or Mamba candidate at a time (the next one only once the last is
+            # known absent), so ask about every block a hit in (end, hopeful] could use
+            # now: one round trip instead of one per candidate.
             for g in self._order:
                 if g.window_blocks is None:
                     continue

@@ -73,7 +73,7 @@ from kvoffload.refengine.metrics import EngineMetrics
 from kvoffload.refengine.recording import Recorder
 from kvoffload.refengine.requests import EngineRequest, Status
 from kvoffload.refengine.scheduler import Scheduler, StepEntry
-from kvoffload.refengine.timing import TimingModel, TransferClock
+from kvoffload.refengine.timing import ModelledClock, TimingModel, TransferClock
 from kvoffload.refengine.transfers import TransferTracker
 from kvoffload.tiers.base import Tier
 from kvoffload.tiers.host import HostTier
@@ -85,8 +85,10 @@ if TYPE_CHECKING:  # bytes mode imports torch; accounting mode never does
 
 def offload_for(layout: ModelLayout, config: OffloadConfig, **kwargs: Any) -> Offload:
     """The planner and its tiers for an engine of ``layout``: ``build_offload(config,
-    **kwargs)`` with the layout's prefill cost (for value-aware policies) and no cache
-    events (the reference engine publishes none)."""
+    **kwargs)`` with the layout's prefill cost (for value-aware policies), no cache
+    events (the reference engine publishes none) and, unless ``kwargs`` name one, a
+    ``ModelledClock`` the engine built with it keeps at its own modelled time."""
+    kwargs.setdefault("clock", ModelledClock())
     return build_offload(config, enable_events=False,
                          prefill_flops=layout.preset.prefill_flops, **kwargs)
 
@@ -142,7 +144,10 @@ class ReferenceEngine:
             self.checks = ByteChecks(
                 device, auditor, pool=self.pool, specs=specs, hash_block_size=hash_block_size,
                 factor=factor, metrics=self.metrics)
-        self.clock = 0.0
+        self._time = (offload.clock if offload is not None
+                      and isinstance(offload.clock, ModelledClock) else ModelledClock())
+        """The modelled time, shared with the planner and a cascade built by
+        ``offload_for`` (their waits in seconds are modelled seconds)."""
         self.finished_ids: dict[str, float] = {}
         self._build_parts(factor)
 
@@ -163,6 +168,15 @@ class ReferenceEngine:
             self.pool.avoid = self._transfers.used_by_overdue_job
 
     # ------------------------------------------------------------------ requests
+
+    @property
+    def clock(self) -> float:
+        """The modelled time in seconds."""
+        return self._time.now
+
+    @clock.setter
+    def clock(self, now: float) -> None:
+        self._time.now = now
 
     @property
     def waiting(self) -> deque[EngineRequest]:

@@ -12,7 +12,9 @@ accelerator, not the laptop:
 
 ``TransferClock`` assigns each job its modelled completion time; the engine hands a
 worker's report to the planner only once the clock has passed that time, so the planner
-sees the same completions whether bytes really move (``bytes`` mode) or not.
+sees the same completions whether bytes really move (``bytes`` mode) or not. The planner
+and a tier cascade read the same modelled time (``ModelledClock``) for their waits
+measured in seconds, so those are deterministic too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,17 @@ from dataclasses import dataclass
 
 from kvoffload.errors import ConfigError
 from kvoffload.jobs import Direction
+
+
+class ModelledClock:
+    """The engine's modelled time in seconds, as a clock the planner and a tier cascade
+    call (``kvoffload.offload.build_offload``'s ``clock``); the engine sets ``now``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @dataclass(frozen=True)

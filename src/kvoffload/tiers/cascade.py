@@ -18,11 +18,11 @@ remote), and turns what happens in host memory into *tier jobs* for the workers:
   foreign block, I/O error) the slot is freed, the lower tier drops the key, and the
   lookup after answers MISS -- the engine recomputes, it never gets wrong bytes. A key host
   memory has no slot for waits for one while keys held there will become evictable (being
-  written, or pinned by loads), for at most ``room_wait_s`` seconds, reported through
-  ``answer_wait_s`` so the planner defers its request by time, not by steps an idle engine
-  spins through in milliseconds; then, or at once when nothing will free or the request's
-  prefetch is larger than host memory, its next lookup answers MISS and the request
-  recomputes.
+  written, or pinned by loads), for at most ``room_wait_s`` seconds, and ``room_stall_s``
+  seconds in which no promote got a slot, reported through ``answer_wait_s`` so the
+  planner defers its request by time, not by steps an idle engine spins through in
+  milliseconds; then, or at once when nothing will free or the request's prefetch is
+  larger than host memory, its next lookup answers MISS and the request recomputes.
 * **Demote, write-back.** Keys host memory evicts go to every write-back tier. Their slot
   is about to be written again (by this very plan's stores or promotes), so the ``DEMOTE``
   job is a *snapshot*: the worker copies the slot's bytes before it submits anything else
@@ -69,7 +69,7 @@ from kvoffload.tiers.host import HostTier
 from kvoffload.tiers.lower import LowerTier
 from kvoffload.tiers.tier_jobs import CascadeStats, TierJobQueue, bump
 
-__all__ = ["HOST", "ROOM_WAIT_S", "CascadeStats", "CascadeTier"]
+__all__ = ["HOST", "ROOM_STALL_S", "ROOM_WAIT_S", "CascadeStats", "CascadeTier"]
 
 ROOM_WAIT_S = 1.0
 """Seconds a wanted key may wait for a host slot (``CascadeTier``'s ``room_wait_s``).
@@ -77,6 +77,12 @@ Room comes when loads in flight finish and unpin their keys, or promotes and sto
 one step's transfers, milliseconds on a GPU host and tens of them on a CPU one. The
 bound only ends waits that something stalls (a worker's copies held up); a prefix that
 takes longer to come back than this is better recomputed anyway."""
+
+ROOM_STALL_S = 0.25
+"""Seconds keys may wait for host slots while no promote gets one (``CascadeTier``'s
+``room_stall_s``): waiting requests that take turns see a promote start every load or
+so; where none starts (host memory far smaller than the hits loading at once, new stores
+taking every slot that frees), waiting longer only delays the recompute."""
 
 
 class CascadeTier(Tier):
@@ -92,10 +98,12 @@ class CascadeTier(Tier):
     name = "cascade"
 
     def __init__(self, host: HostTier, lowers: Sequence[LowerTier], *,
-                 room_wait_s: float = ROOM_WAIT_S,
+                 room_wait_s: float = ROOM_WAIT_S, room_stall_s: float = ROOM_STALL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not room_wait_s >= 0.0:
-            raise ValueError(f"room_wait_s must be 0 or more seconds, got {room_wait_s!r}")
+        for name, value in (("room_wait_s", room_wait_s), ("room_stall_s", room_stall_s)):
+            if not 0.0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number of seconds, 0 or more, "
+                                 f"got {value!r}")
         names = [lt.name for lt in lowers]
         if len(set(names)) != len(names) or HOST in names:
             raise ValueError(f"lower tier names must be unique and not {HOST!r}: {names}")
@@ -110,6 +118,9 @@ class CascadeTier(Tier):
         self._no_room: set[OffloadKey] = set()
         """Wanted keys that found no host slot and may not wait: MISS until the next plan."""
         self._room_wait_s = room_wait_s
+        self._room_stall_s = room_stall_s
+        self._promoted_at = 0.0
+        """When a promote last got a host slot (while keys waited for one)."""
         self._clock = clock
         self._awaiting_room: dict[OffloadKey, float] = {}
         """Wanted keys waiting for a host slot, and since when."""
@@ -132,6 +143,13 @@ class CascadeTier(Tier):
     def room_wait_s(self) -> float:
         """Seconds a wanted key may wait for a host slot to be promoted into."""
         return self._room_wait_s
+
+    @property
+    def room_deferral_s(self) -> float:
+        """The ``answer_wait_s`` of a key waiting for a host slot: twice ``room_wait_s``,
+        so the cascade, not the planner, ends the wait (and counts it), though its clock
+        starts one step plan after the planner's first deferral."""
+        return 2.0 * self._room_wait_s
 
     def lower(self, name: str) -> LowerTier:
         """The lower tier called ``name``."""
@@ -187,7 +205,7 @@ class CascadeTier(Tier):
         prefetch (one request's hit) larger than host memory cannot come up whole: its
         keys do not wait for room (``take_tier_work``)."""
         cooled = self.host.hint(hints)
-        if len(hints.prefetch) > self.host.capacity:
+        if not self._fits_host(hints.prefetch):
             self._too_big.update(hints.prefetch)
         for key in hints.prefetch:
             self._interest.add(key)
@@ -200,6 +218,14 @@ class CascadeTier(Tier):
                 if answer is not LookupResult.MISS:
                     break
         return cooled
+
+    def _fits_host(self, keys: Sequence[OffloadKey]) -> bool:
+        """Whether ``keys`` fit host memory together: its slots, and under byte
+        accounting its byte budget."""
+        space = self.host.space
+        if len(keys) > self.host.capacity:
+            return False
+        return not space.charges_bytes or sum(map(space.key_bytes, keys)) <= space.budget
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Recency in host memory and in every lower tier that keeps an order. A touch
@@ -234,7 +260,8 @@ class CascadeTier(Tier):
         docstring). Call once per step plan, after the plan's stores were reserved."""
         wanted, self._want = self._want, {}
         no_room = self._jobs.promote(wanted, frozenset(self._interest))
-        self._no_room = self._wait_for_room(no_room, self._too_big)
+        self._no_room = self._wait_for_room(no_room, self._too_big,
+                                            promoted=len(no_room) < len(wanted))
         self._too_big = set()
         for key in self._no_room:
             bump(self.stats.promote_no_room_miss, wanted[key].name)
@@ -242,23 +269,28 @@ class CascadeTier(Tier):
         self._interest = set()
         return self._jobs.take_work()
 
-    def _wait_for_room(self, no_room: Sequence[OffloadKey],
-                       too_big: AbstractSet[OffloadKey]) -> set[OffloadKey]:
+    def _wait_for_room(self, no_room: Sequence[OffloadKey], too_big: AbstractSet[OffloadKey],
+                       *, promoted: bool) -> set[OffloadKey]:
         """Of the keys a promote found no slot for, those whose next lookup answers MISS:
         all of them when no key in host memory is being written or pinned (nothing will
-        free), else those of a prefetch larger than host memory (``too_big``) and those
-        that waited ``room_wait_s``; the rest wait on. A key no request asked for again in
-        this plan is forgotten."""
+        free), else those of a prefetch larger than host memory (``too_big``), those that
+        waited ``room_wait_s`` and those that waited ``room_stall_s`` since they began or
+        since a promote last got a slot (``promoted``: one did in this plan), whichever is
+        later; the rest wait on. A key no request asked for again in this plan is
+        forgotten."""
         space = self.host.space
         if not no_room or space.num_writing + space.num_pinned == 0:
             self._awaiting_room = {}
             return set(no_room)
         now = self._clock()
+        if promoted:
+            self._promoted_at = now
         since = self._awaiting_room
         self._awaiting_room = {key: since.get(key, now) for key in no_room
                                if key not in too_big}
         missed = {key for key, t in self._awaiting_room.items()
-                  if now - t >= self._room_wait_s}
+                  if now - t >= self._room_wait_s
+                  or now - max(t, self._promoted_at) >= self._room_stall_s}
         for key in missed:
             del self._awaiting_room[key]
         return set(no_room) - self._awaiting_room.keys()
@@ -274,13 +306,13 @@ class CascadeTier(Tier):
     def answer_wait_s(self, keys: Iterable[OffloadKey]) -> float:
         """The largest ``LowerTier.answer_wait_s`` of these keys over the lower tiers
         (0.0 when no lower tier is still asking about any of them); at least
-        ``room_wait_s`` where one of them waits for a host slot."""
+        ``room_deferral_s`` where one of them waits for a host slot."""
         keys = list(keys)
         waits = [lt.answer_wait_s for lt in self.lowers
                  if type(lt).answer_wait_s is not LowerTier.answer_wait_s]
         answers = max((wait(key) for key in keys for wait in waits), default=0.0)
         if self._awaiting_room and any(key in self._awaiting_room for key in keys):
-            return max(answers, self._room_wait_s)
+            return max(answers, self.room_deferral_s)
         return answers
 
     @property

@@ -62,9 +62,10 @@ TIER_COUNTERS: dict[str, str] = {
                            "there), by tier.",
     "tier_read_failures": "Reads from a lower tier that failed (the block is a miss; "
                           "vLLM computes it), by tier.",
-    "tier_blocks_without_room": "Blocks a lower tier held that vLLM computed because host "
-                                "memory had no slot to bring them up into (too small for the "
-                                "requests loading at once), by tier.",
+    "tier_blocks_without_room": "Blocks a lower tier held whose promote found no host slot "
+                                "in time, so the request that wanted them went on without "
+                                "them (host memory too small for the requests loading at "
+                                "once), by tier.",
 }
 GAUGES: dict[str, str] = {
     "host_capacity_slots": "Host tier capacity in offloaded blocks.",
