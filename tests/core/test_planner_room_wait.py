@@ -55,12 +55,19 @@ class RoomHarness(Harness):
         return other
 
 
-def test_a_lookup_waits_for_host_room_past_the_step_bound_then_hits(tmp_path: Path) -> None:
+def revisit_behind_pinned_host(tmp_path: Path) -> tuple[RoomHarness, list[float], Req, Req]:
+    """The harness, its clock, the request whose load pins all of host memory, and a
+    request of 12 tokens whose three blocks are on disk only."""
     clock = [100.0]
     h = RoomHarness(tmp_path, clock)
     other = h.host_pinned()
     req = h.request("b", [*prompt(12), 9])
     h.on_disk(req, range(3))
+    return h, clock, other, req
+
+
+def test_a_lookup_waits_for_host_room_past_the_step_bound_then_hits(tmp_path: Path) -> None:
+    h, clock, other, req = revisit_behind_pinned_host(tmp_path)
     # The engine asks again every half millisecond: 300 steps (0.15 s), far past
     # max_deferred_steps (3), and no promote can start.
     for _ in range(300):
@@ -80,11 +87,7 @@ def test_a_lookup_waits_for_host_room_past_the_step_bound_then_hits(tmp_path: Pa
 
 
 def test_a_lookup_stops_waiting_when_no_slot_frees_and_recomputes(tmp_path: Path) -> None:
-    clock = [100.0]
-    h = RoomHarness(tmp_path, clock)
-    other = h.host_pinned()
-    req = h.request("b", [*prompt(12), 9])
-    h.on_disk(req, range(3))
+    h, clock, other, req = revisit_behind_pinned_host(tmp_path)
     assert h.lookup(req) == DEFER
     h.step()  # the promote finds no slot: the wait begins
     started = clock[0]
