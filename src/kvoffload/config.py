@@ -207,7 +207,8 @@ class OffloadConfig:
             to promote into, are bounded in seconds instead (that tier's call timeout,
             the cascade's room wait) and do not count here (``Planner``,
             ``Tier.answer_wait_s``).
-        min_deferral_s: and not before this many (wall-clock) seconds since its first
+        min_deferral_s: and not before this many seconds of the planner's clock (wall
+            time under vLLM, modelled time in the simulator) since its first
             "ask again later": an engine with nothing else to do steps every few hundred
             microseconds, faster than a lower tier answers an existence check; 0 (the
             default) bounds deferral by steps alone.

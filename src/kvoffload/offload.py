@@ -47,6 +47,7 @@ class Offload:
             the host slots every load and store names.
         tier: the planner's tier: host memory, or a cascade with lower tiers below it.
         planner: the scheduler side an engine calls each step.
+        clock: the clock the planner and a cascade measure their waits in seconds with.
     """
 
     config: OffloadConfig
@@ -55,7 +56,6 @@ class Offload:
     tier: Tier
     planner: Planner
     clock: Callable[[], float] = time.monotonic
-    """The clock the planner and a cascade measure their waits with."""
 
 
 def build_offload(config: OffloadConfig, tiers: TierConfig | None = None, *,

@@ -241,7 +241,7 @@ def test_a_promote_without_a_host_slot_waits_while_a_load_holds_one(tmp_path: Pa
 
 
 def test_a_promote_that_waited_room_wait_s_answers_miss_once(tmp_path: Path) -> None:
-    tier, clock = full_host_with_a_pinned_key(tmp_path)
+    tier, clock = full_host_with_a_pinned_key(tmp_path, stall_s=1.0)  # room_wait_s ends it
     assert want(tier, key(0)) == ()
     clock.now += 0.5
     assert want(tier, key(0)) == ()

@@ -118,8 +118,9 @@ class Planner:
         is still being written, or while the request still has jobs in flight (e.g. stores
         of a preempted request); after ``max_deferred_steps`` such answers in a row it
         answers with what is readable now -- or, while a lower tier's answers about the
-        blocks are outstanding, after their wall-clock bound (``_defer_or``). Touches the
-        blocks a future hit may need.
+        blocks, or host room to promote them into, are outstanding, after that bound in
+        seconds of the planner's clock (``_defer_or``). Touches the blocks a future hit may
+        need.
 
         A request whose load failed or was abandoned is answered 0 from then on (it
         recomputes; the same blocks could fail the same way forever), after the same

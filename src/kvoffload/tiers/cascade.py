@@ -259,9 +259,8 @@ class CascadeTier(Tier):
         """Promote the wanted keys, then hand out every queued tier job (see the module
         docstring). Call once per step plan, after the plan's stores were reserved."""
         wanted, self._want = self._want, {}
-        no_room = self._jobs.promote(wanted, frozenset(self._interest))
-        self._no_room = self._wait_for_room(no_room, self._too_big,
-                                            promoted=len(no_room) < len(wanted))
+        no_room, promoted = self._jobs.promote(wanted, frozenset(self._interest))
+        self._no_room = self._wait_for_room(no_room, self._too_big, promoted=promoted > 0)
         self._too_big = set()
         for key in self._no_room:
             bump(self.stats.promote_no_room_miss, wanted[key].name)

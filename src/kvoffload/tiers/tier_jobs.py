@@ -142,13 +142,14 @@ class TierJobQueue:
         self._queued.append(js.job)
 
     def promote(self, wanted: Mapping[OffloadKey, LowerTier],
-                protect: AbstractSet[OffloadKey]) -> list[OffloadKey]:
+                protect: AbstractSet[OffloadKey]) -> tuple[list[OffloadKey], int]:
         """Give every wanted key host memory lacks a host slot (``prepare_store``, evicting
         idle keys but none in ``protect``; the victims are written back) and queue a
         ``PROMOTE`` from its lower tier into it. Returns the keys host memory had no room
-        for (counted in ``stats.promote_no_room``). A key its lower tier can no longer
-        read gets its slot back."""
+        for (counted in ``stats.promote_no_room``) and how many promotes were queued. A
+        key its lower tier can no longer read gets its slot back."""
         no_room: list[OffloadKey] = []
+        queued = 0
         for key, lower in wanted.items():
             if key in self.host:
                 continue
@@ -162,7 +163,8 @@ class TierJobQueue:
                 self.host.complete_store([key], success=False)
                 continue
             self.queue(TierOp.PROMOTE, lower, key, result.slots[0])
-        return no_room
+            queued += 1
+        return no_room, queued
 
     def write_back(self, result: PrepareStoreResult) -> None:
         """Host memory evicted ``result.evicted``: demote them to the write-back tiers, but
