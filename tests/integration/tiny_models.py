@@ -97,7 +97,7 @@ def _qwen3_next() -> Any:
     from transformers import Qwen3NextConfig
 
     config = Qwen3NextConfig(
-        **{**COMMON, "max_position_embeddings": 2048, "tie_word_embeddings": False},
+        **{**COMMON, "max_position_embeddings": 4096, "tie_word_embeddings": False},
         num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
         linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=4,
