@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import tempfile
@@ -37,14 +36,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import offline_vllm_env  # noqa: F401  # sets vLLM's environment: before vLLM is imported
 from e2e_engine import (
     CONFIGURATIONS,
     RunSettings,
@@ -194,8 +188,7 @@ def run_config(config_name: str, args: argparse.Namespace, root: Path, prompts: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        prog="revisit_steps.py", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--document-tokens", type=int, default=2048,
                         help="tokens of each document, the prefix a revisit reuses "

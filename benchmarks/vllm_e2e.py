@@ -36,21 +36,15 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import offline_vllm_env  # noqa: F401  # sets vLLM's environment: before vLLM is imported
 from bench_progress import Progress
 from e2e_engine import (
     CONFIGURATIONS,

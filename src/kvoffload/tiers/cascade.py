@@ -140,11 +140,6 @@ class CascadeTier(Tier):
         return iter(self.host)
 
     @property
-    def room_wait_s(self) -> float:
-        """Seconds a wanted key may wait for a host slot to be promoted into."""
-        return self._room_wait_s
-
-    @property
     def room_deferral_s(self) -> float:
         """The ``answer_wait_s`` of a key waiting for a host slot: twice ``room_wait_s``,
         so the cascade, not the planner, ends the wait (and counts it), though its clock
